@@ -1,0 +1,91 @@
+"""The attention-backend interface (DESIGN.md §2, "Attention backends").
+
+A backend does two things for every attention layer of a step: store the step's
+new K/V into their paged slots, then attend each request's queries over that
+request's cached K/V, causally within its new tokens. What it needs beyond the
+tensors is described once per step by ``BatchLayout`` (backend-independent, built
+by the model runner) and turned into backend-specific metadata by
+``build_metadata``; all layers share that metadata.
+
+KV-cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(K then V), so token ``i`` of a request lives at slot
+``block_table[i // block_size] * block_size + i % block_size``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """The flat batch of one step, as attention needs it.
+
+    ``query_start_loc[i]:query_start_loc[i+1]`` are request ``i``'s tokens in the
+    flat batch; ``seq_lens[i]`` is its context length once this step's tokens are
+    added; ``block_table[i]`` lists its blocks (padded with 0).
+    """
+
+    num_reqs: int
+    num_tokens: int
+    query_start_loc: np.ndarray  # int64 [num_reqs + 1], host
+    seq_lens: np.ndarray  # int64 [num_reqs], host
+    block_table: np.ndarray  # int32 [num_reqs, max_blocks_per_req], host
+    slot_mapping: torch.Tensor  # int64 [num_tokens], on the device
+    block_size: int
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Per-layer constants a backend needs."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout) -> Any:
+        """Derive this backend's per-step metadata from the batch layout."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Store key/value into the cache, then return the attention output,
+        ``[num_tokens, num_heads, head_dim]``."""
+
+
+def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+    """The backend for a device: "torch" on CPU (and as a CUDA fallback)."""
+    if name in (None, "auto", "torch"):
+        from heron.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")

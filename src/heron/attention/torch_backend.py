@@ -1,0 +1,183 @@
+"""Paged attention with plain torch ops: the CPU backend (and a CUDA fallback).
+
+Per step, requests with one query token (decodes) are attended together in one
+batched call over their gathered, padded, masked K/V; requests with several query
+tokens (prefill chunks) are attended one by one, each over its own gathered
+context with a causal mask. A prefill with nothing cached attends over its fresh
+K/V directly (no gather). Masks are built once per step per sliding-window size
+and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first token in the flat batch
+    end: int  # one past the last
+    seq_len: int  # context length including this step's tokens
+    num_computed: int  # tokens already cached before this step
+    block_ids: torch.Tensor  # the blocks covering seq_len, int64
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    block_size: int
+    decode_token_index: torch.Tensor | None = None  # [num_decodes]
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # (kind, index, sliding window) -> boolean mask, built on first use
+    _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        key = ("decode", 0, sliding_window)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.decode_block_table is not None and self.decode_seq_lens is not None
+            kv_len = self.decode_block_table.shape[1] * self.block_size
+            positions = torch.arange(kv_len, device=self.decode_seq_lens.device)
+            seq_lens = self.decode_seq_lens[:, None]
+            mask = positions[None, :] < seq_lens
+            if sliding_window is not None:
+                mask &= positions[None, :] >= seq_lens - sliding_window
+            mask = mask[:, None, None, :]  # [num_decodes, 1 (heads), 1 (query), kv_len]
+            self._masks[key] = mask
+        return mask
+
+    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
+        """Causal (and windowed) mask of one prefill span; None means "plain causal
+        over fresh K/V" and lets SDPA use its is_causal fast path."""
+        span = self.prefills[index]
+        if span.num_computed == 0 and sliding_window is None:
+            return None
+        key = ("prefill", index, sliding_window)
+        mask = self._masks.get(key)
+        if mask is None:
+            device = span.block_ids.device
+            query_pos = torch.arange(span.num_computed, span.seq_len, device=device)[:, None]
+            key_pos = torch.arange(span.seq_len, device=device)[None, :]
+            mask = key_pos <= query_pos
+            if sliding_window is not None:
+                mask &= key_pos > query_pos - sliding_window
+            self._masks[key] = mask
+        return mask
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        device = layout.slot_mapping.device
+        query_lens = layout.query_lens
+        metadata = TorchAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            num_tokens=layout.num_tokens,
+            block_size=layout.block_size,
+        )
+        decode_rows = np.flatnonzero(query_lens == 1)
+        if decode_rows.size:
+            seq_lens = layout.seq_lens[decode_rows]
+            max_blocks = int(-(-seq_lens.max() // layout.block_size))
+            metadata.decode_token_index = torch.from_numpy(
+                layout.query_start_loc[decode_rows].astype(np.int64)
+            ).to(device)
+            metadata.decode_block_table = torch.from_numpy(
+                layout.block_table[decode_rows, :max_blocks].astype(np.int64)
+            ).to(device)
+            metadata.decode_seq_lens = torch.from_numpy(seq_lens.astype(np.int64)).to(device)
+        for row in np.flatnonzero(query_lens > 1):
+            seq_len = int(layout.seq_lens[row])
+            num_blocks = -(-seq_len // layout.block_size)
+            metadata.prefills.append(
+                PrefillSpan(
+                    start=int(layout.query_start_loc[row]),
+                    end=int(layout.query_start_loc[row + 1]),
+                    seq_len=seq_len,
+                    num_computed=seq_len - int(query_lens[row]),
+                    block_ids=torch.from_numpy(
+                        layout.block_table[row, :num_blocks].astype(np.int64)
+                    ).to(device),
+                )
+            )
+        return metadata
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, heads, dim]
+        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+        flat_keys.index_copy_(0, metadata.slot_mapping, key)
+        flat_values.index_copy_(0, metadata.slot_mapping, value)
+
+        output = torch.empty_like(query)
+        if metadata.decode_token_index is not None:
+            assert metadata.decode_block_table is not None
+            num_decodes = metadata.decode_token_index.shape[0]
+            q = query.index_select(0, metadata.decode_token_index).unsqueeze(2)  # [B, H, 1, D]
+            k = key_cache[metadata.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
+            v = value_cache[metadata.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
+            attended = _attend(
+                layer, q, k.transpose(1, 2), v.transpose(1, 2), metadata.decode_mask(layer.sliding_window)
+            )
+            output.index_copy_(0, metadata.decode_token_index, attended.squeeze(2))
+        for index, span in enumerate(metadata.prefills):
+            q = query[span.start : span.end].transpose(0, 1)  # [H, Q, D]
+            mask = metadata.prefill_mask(index, layer.sliding_window)
+            if span.num_computed == 0:
+                k = key[span.start : span.end]
+                v = value[span.start : span.end]
+            else:
+                k = key_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len]
+                v = value_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len]
+            attended = _attend(layer, q, k.transpose(0, 1), v.transpose(0, 1), mask)
+            output[span.start : span.end] = attended.transpose(0, 1)
+        return output
+
+
+def _attend(
+    layer: AttentionLayerSpec,
+    query: torch.Tensor,  # [..., H, Q, D]
+    key: torch.Tensor,  # [..., Hkv, K, D]
+    value: torch.Tensor,
+    mask: torch.Tensor | None,  # broadcastable to [..., H, Q, K]; None = causal
+) -> torch.Tensor:
+    if layer.logits_soft_cap is None:
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=layer.scale,
+            enable_gqa=layer.num_kv_heads != layer.num_heads,
+        )
+    # Soft-capped scores (Gemma 2 style) are not supported by SDPA: do it by hand.
+    group = layer.num_heads // layer.num_kv_heads
+    key = key.repeat_interleave(group, dim=-3)
+    value = value.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
+    if mask is None:
+        q_len, k_len = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(value.dtype), value)

@@ -1,0 +1,153 @@
+"""Per-request block tables over the block pool, with prefix-cache lookup.
+
+The scheduler talks to this class only: it asks which prefix of a new request is
+already cached (``get_computed_blocks``), then asks for slots for the tokens it
+grants (``allocate_slots``), and frees a request's blocks when it finishes or is
+preempted (``free``). ``KVCacheBlocks`` hides the block objects from it.
+
+Blocks are registered in the prefix cache as soon as they are allocated for a
+step that fills them: they are computed by that very step, and every layer writes
+the step's K/V into the cache before attending, so even a second request that
+hits them in the same step reads valid K/V.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from heron.core.block_pool import BlockPool, KVCacheBlock
+from heron.core.hashing import update_block_hashes
+from heron.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """An opaque handle on some blocks, given to the scheduler."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def get_block_ids(self) -> list[int]:
+        return [block.block_id for block in self.blocks]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted in tokens, like vLLM: queries = tokens looked up, hits = tokens found."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # how many leading blocks of each request are registered in the prefix cache
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of a request that has no blocks yet, as blocks
+        and a token count. At least one token is always left to compute, since the
+        last position's logits are needed to sample."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return KVCacheBlocks(), 0  # prompt logprobs need every prompt position computed
+        block_hashes = update_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+        return KVCacheBlocks(hits), num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed
+        ones (plus prefix hits given by ``get_computed_blocks``). Returns the newly
+        allocated blocks, or None, changing nothing, when the pool is short."""
+        request_id = request.request_id
+        owned = self.req_to_blocks.setdefault(request_id, [])
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required_blocks = cdiv(
+            num_computed + num_new_tokens + num_lookahead_tokens, self.block_size
+        )
+        num_new_blocks = max(0, num_required_blocks - len(owned) - len(hits))
+        # a hit on a free block takes that block out of the free pool too
+        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_new_blocks + num_free_hits > self.block_pool.num_free_blocks:
+            if not owned:
+                del self.req_to_blocks[request_id]
+            return None
+        if hits:
+            self.block_pool.touch(hits)
+            owned.extend(hits)
+            self.num_cached_blocks[request_id] = len(owned)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        owned.extend(new_blocks)
+        if self.enable_caching:
+            num_tokens_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
+            num_full_blocks = num_tokens_to_cache // self.block_size
+            num_cached = self.num_cached_blocks.get(request_id, 0)
+            if num_full_blocks > num_cached:
+                block_hashes = update_block_hashes(request, self.block_size)
+                self.block_pool.cache_full_blocks(owned, block_hashes, num_cached, num_full_blocks)
+                self.num_cached_blocks[request_id] = num_full_blocks
+        return KVCacheBlocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks. Its tail blocks are evicted first: they are
+        the least likely to be shared by later requests."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.block_pool.check_integrity(self.req_to_blocks.values())

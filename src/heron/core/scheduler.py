@@ -1,0 +1,286 @@
+"""The scheduler: one rule for prefill, chunked prefill, decode, prefix hits,
+speculative verification and recompute after preemption (DESIGN.md §2).
+
+Each step, every request is granted new tokens so that ``num_computed_tokens``
+catches up with its token count (``num_tokens_with_spec``), within a per-step token
+budget (``max_num_batched_tokens``) and a cap on running sequences
+(``max_num_seqs``). Running requests are served first, in order; when the KV pool
+cannot hold a running request's new tokens, the lowest-priority running request
+(FCFS: the most recently admitted) is preempted: its blocks are freed and it goes
+back to the waiting queue to be recomputed later. Waiting requests are then
+admitted in queue order, with a cached prefix skipped and a prompt longer than the
+remaining budget chunked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from heron.config import CacheConfig, SchedulerConfig
+from heron.core.kv_cache_manager import KVCacheManager
+from heron.core.request_queue import create_request_queue
+from heron.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from heron.request import Request, RequestStatus
+from heron.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_kv_blocks,
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # forgotten by the runner at the next step
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; their blocks are freed at
+        once. Unknown or already finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished_requests > 0
+
+    # ---- scheduling --------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs = CachedRequestData()
+        spec_tokens: dict[str, list[int]] = {}
+        preempted_ids: set[str] = set()
+        now = time.monotonic()
+
+        # 1. running requests, in order
+        scheduled_running: list[tuple[Request, list[int]]] = []
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = min(
+                request.num_tokens_with_spec - request.num_computed_tokens,
+                token_budget,
+                self.max_model_len - 1 - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                victim_index = self.running.index(victim)
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    break
+                if victim_index < index:  # already granted tokens this step: take them back
+                    index -= 1
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
+                    scheduled_running = [e for e in scheduled_running if e[0] is not victim]
+            if request.request_id in preempted_ids:
+                continue  # it preempted itself; ``index`` now points at the next one
+            num_scheduled_tokens[request.request_id] = num_new
+            token_budget -= num_new
+            scheduled_running.append((request, new_blocks.get_block_ids()))
+            if request.spec_token_ids:
+                num_spec = num_new + request.num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            index += 1
+        for request, new_block_ids in scheduled_running:
+            cached_reqs.add(request.request_id, new_block_ids, request.num_computed_tokens)
+
+        # 2. waiting requests, unless this step had to preempt (the pool is full)
+        if not preempted_ids:
+            while (
+                len(self.waiting) > 0
+                and token_budget > 0
+                and len(self.running) < self.config.max_num_seqs
+            ):
+                request = self.waiting.peek()
+                computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if num_new > token_budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    num_new = token_budget
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new, computed_blocks, num_hit_tokens
+                )
+                if new_blocks is None:
+                    break
+                self.waiting.pop()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                if request.scheduled_ts is None:
+                    request.scheduled_ts = now
+                num_scheduled_tokens[request.request_id] = num_new
+                token_budget -= num_new
+                new_reqs.append(
+                    NewRequestData.from_request(
+                        request, self.kv_cache_manager.get_block_ids(request.request_id)
+                    )
+                )
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self._finished_req_ids | preempted_ids,
+            preempted_req_ids=preempted_ids,
+        )
+        self._finished_req_ids = set()
+        # The step will compute what was granted: advance progress now, so the next
+        # schedule() sees it even before this step's output is processed.
+        for request_id, num_new in num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        return output
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(request)
+        logger.debug("preempted %s", request.request_id)
+
+    # ---- step results --------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, apply stop rules, and report per-request deltas."""
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for row, request_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished (aborted) while the step ran
+            sampled = runner_output.sampled_token_ids[row]
+            num_draft = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
+            if num_draft:
+                # accepted drafts + 1 bonus token were sampled; the rest were rejected
+                request.num_computed_tokens -= num_draft + 1 - len(sampled)
+                request.spec_token_ids = []
+            logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            if logprobs is not None:
+                logprobs = logprobs[: len(new_token_ids)]
+            if new_token_ids:
+                if request.first_token_ts is None:
+                    request.first_token_ts = now
+                request.last_token_ts = now
+            if new_token_ids or prompt_logprobs or request.is_finished:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=request_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=logprobs,
+                        new_prompt_logprobs=prompt_logprobs,
+                        finish_reason=request.status.finish_reason,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(scheduler_output))
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        last_token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last_token in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token in params.stop_token_ids:  # type: ignore[operator]
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def make_stats(self, scheduler_output: SchedulerOutput | None = None) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=(
+                scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
+            ),
+        )

@@ -1,0 +1,57 @@
+"""The engine core: scheduler + model runner, one ``step()`` at a time.
+
+It never touches text: requests arrive tokenized (``EngineCoreRequest``) and leave
+as token deltas (``EngineCoreOutput``). The same class runs in-process for the
+offline ``LLM`` and inside the engine-core process behind the API server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from heron.config import EngineConfig
+from heron.core.scheduler import Scheduler
+from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs
+from heron.request import EngineCoreRequest, Request, RequestStatus
+from heron.worker.kv_cache_sizing import determine_num_kv_blocks
+from heron.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        num_blocks = determine_num_kv_blocks(
+            config.cache,
+            self.model_runner.kv_cache_bytes_per_block(),
+            config.device,
+            config.model.max_model_len,
+            config.scheduler.max_num_seqs,
+        )
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len)
+
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(core_request))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort wherever they are; returns a final output for each one aborted."""
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [
+            EngineCoreOutput(request.request_id, [], finish_reason="abort") for request in aborted
+        ]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()

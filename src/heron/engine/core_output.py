@@ -1,0 +1,40 @@
+"""What the engine core reports after each step: per-request deltas plus the
+scheduler's statistics (for metrics and the periodic log)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from heron.worker.runner_output import TokenLogprobs
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id, when one ended it
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # cumulative, in tokens
+    prefix_cache_hits: int = 0  # cumulative, in tokens
+    num_preemptions: int = 0  # cumulative
+    num_scheduled_tokens: int = 0  # this step
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None

@@ -1,0 +1,171 @@
+"""From user input to ``EngineCoreRequest``: apply the chat template, tokenize,
+validate against the model, and fan ``n > 1`` out into one engine request per
+sample (they then share the prompt's KV blocks through the prefix cache).
+
+Every check fails with ``InvalidRequestError`` (or ``SamplingParamError``) naming
+the offending parameter, before any engine work is done.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from heron.config import ModelConfig
+from heron.request import EngineCoreRequest
+from heron.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """Bad user input; ``param`` names the offending field (for HTTP 400s)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ProcessedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    return f"{parent_id}#{index}"
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: list[int]) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = model_config.vocab_size
+
+    # ---- prompts -----------------------------------------------------------------
+
+    def process_prompt(self, prompt: Any) -> ProcessedPrompt:
+        """Accepts a string, a list of token ids, or a dict with ``prompt`` or
+        ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self._token_prompt(prompt["prompt_token_ids"], prompt.get("prompt"))
+            if "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return self._token_prompt(prompt, None)
+        raise InvalidRequestError(
+            f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
+        )
+
+    def _token_prompt(self, token_ids: Any, text: str | None) -> ProcessedPrompt:
+        if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise InvalidRequestError("prompt token ids must be a list of integers", "prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids out of the vocabulary (size {self.vocab_size}): {bad[:5]}", "prompt"
+            )
+        return ProcessedPrompt(text, list(token_ids))
+
+    def process_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", "messages")
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message:
+                raise InvalidRequestError("every message needs a 'role'", "messages")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; use the completions API or pass chat_template",
+                "messages",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_flatten_content(m) for m in messages],
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors raised by the template itself
+            raise InvalidRequestError(f"the chat template failed: {exc}", "messages") from exc
+        # The template already holds any BOS the model wants: add no special tokens.
+        return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- requests ----------------------------------------------------------------
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Validate and build one engine request per sample (``params.n``)."""
+        num_prompt_tokens = len(prompt.token_ids)
+        max_model_len = self.model_config.max_model_len
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if num_prompt_tokens >= max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, but the model's maximum context "
+                f"length is {max_model_len} tokens and at least one token must be generated",
+                "prompt",
+            )
+        params.validate_for_vocab(self.vocab_size)
+        room = max_model_len - num_prompt_tokens
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.time() if arrival_time is None else arrival_time
+        requests = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = params.clone(n=1, seed=seed)
+            requests.append(
+                EngineCoreRequest(
+                    request_id=child_request_id(request_id, index) if params.n > 1 else request_id,
+                    prompt_token_ids=prompt.token_ids,
+                    sampling_params=child_params,
+                    eos_token_ids=self.eos_token_ids,
+                    max_tokens=max_tokens,
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
+        return requests
+
+
+def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> a plain string."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRequestError("only text content parts are supported", "messages")
+            texts.append(str(part.get("text", "")))
+        return {**message, "content": "".join(texts)}
+    if content is None:
+        return {**message, "content": ""}
+    return message

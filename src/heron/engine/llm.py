@@ -1,0 +1,188 @@
+"""The offline Python API, in vLLM's shape::
+
+    from heron import LLM, SamplingParams
+    llm = LLM()                      # the embedded SmolLM2-135M-Instruct
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from heron.config import EngineConfig
+from heron.engine.input_processor import ProcessedPrompt
+from heron.engine.llm_engine import LLMEngine
+from heron.outputs import RequestOutput
+from heron.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        kv_cache_memory_fraction: float = 0.25,
+        num_kv_blocks: int | None = None,
+        scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        device: str | None = None,
+        model_impl: str = "auto",
+    ) -> None:
+        config = EngineConfig.create(
+            model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_cache_memory_fraction=kv_cache_memory_fraction,
+            num_kv_blocks=num_kv_blocks,
+            scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
+            enable_chunked_prefill=enable_chunked_prefill,
+            seed=seed,
+            device=device,
+            model_impl=model_impl,
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts (strings, token-id lists, or
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dicts). Outputs come back
+        in prompt order."""
+        processor = self.engine.input_processor
+        prompt_list = _as_prompt_list(prompts)
+        processed = [processor.process_prompt(prompt) for prompt in prompt_list]
+        return self._run(processed, sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations, each a
+        list of ``{"role": ..., "content": ...}`` messages."""
+        conversations: Sequence[Conversation]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        processor = self.engine.input_processor
+        processed = [
+            processor.process_chat(
+                list(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self._run(processed, sampling_params, use_tqdm, None)
+
+    def _run(
+        self,
+        prompts: list[ProcessedPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(
+                f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
+                "pass one, or one per prompt"
+            )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        engine = self.engine
+        request_ids = []
+        # validate every request before adding any, so bad input wastes no work
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            engine.input_processor.make_requests("validation", prompt, params)
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            request_id = engine.next_request_id()
+            engine.add_request(
+                request_id,
+                prompt,
+                params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                priority=priority[index] if priority is not None else 0,
+            )
+            request_ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm or len(request_ids) < 2,
+            dynamic_ncols=True,
+        )
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                if request_id not in finished:
+                    engine.abort_request(request_id)
+            raise
+        finally:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, a token-id list, a dict) or a list of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            return [list(prompts)]  # a single prompt of token ids
+        if not prompts:
+            raise ValueError("no prompts given")
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, token ids, or a list of them, not {type(prompts).__name__}")

@@ -1,0 +1,60 @@
+"""The synchronous, in-process engine: input processor -> engine core -> output
+processor. The offline ``LLM`` and the terminal CLI drive it step by step."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from heron.config import EngineConfig
+from heron.engine.core import EngineCore
+from heron.engine.input_processor import InputProcessor, ProcessedPrompt
+from heron.engine.output_processor import OutputProcessor
+from heron.loader.model_config import eos_token_ids
+from heron.loader.tokenizer import load_tokenizer
+from heron.outputs import RequestOutput
+from heron.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.input_processor = InputProcessor(
+            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        core_requests = self.input_processor.make_requests(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        self.output_processor.add_request(request_id, prompt, params)
+        for core_request in core_requests:
+            self.engine_core.add_request(core_request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        if processed.request_ids_to_abort:
+            self.engine_core.abort_requests(processed.request_ids_to_abort)
+        return processed.request_outputs

@@ -1,0 +1,224 @@
+"""From engine-core token deltas to user-facing ``RequestOutput``s: incremental
+detokenization, stop strings, logprobs with decoded tokens, output kinds
+(cumulative, delta, final only) and the gathering of ``n > 1`` samples.
+
+A stop string found here finishes the request on this side; the caller must then
+abort it in the engine core (``ProcessedOutputs.request_ids_to_abort``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from heron.engine.core_output import EngineCoreOutput
+from heron.engine.detokenizer import IncrementalDetokenizer
+from heron.engine.input_processor import ProcessedPrompt, child_request_id
+from heron.engine.stop_strings import StopStringMatcher
+from heron.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from heron.sampling_params import RequestOutputKind, SamplingParams
+from heron.worker.runner_output import TokenLogprobs
+
+
+@dataclass
+class ParentRequest:
+    """Gathers the ``n`` samples of one user request."""
+
+    request_id: str
+    num_children: int
+    finished_children: set[int] = field(default_factory=set)
+    final_outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_children) == self.num_children
+
+
+class RequestState:
+    """Front-end state of one engine request (one sample)."""
+
+    def __init__(
+        self,
+        engine_request_id: str,
+        parent: ParentRequest,
+        index: int,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        tokenizer: Any,
+    ) -> None:
+        self.engine_request_id = engine_request_id
+        self.parent = parent
+        self.index = index
+        self.prompt = prompt
+        self.params = params
+        self.tokenizer = tokenizer
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt.token_ids, params.skip_special_tokens)
+            if params.detokenize
+            else None
+        )
+        self.stop_matcher = StopStringMatcher(list(params.stop or []), params.include_stop_str_in_output)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.sent_text_offset = 0
+        self.sent_token_offset = 0
+        self.sent_logprobs_offset = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, output: EngineCoreOutput) -> bool:
+        """Fold in one engine delta; True if a stop string finished the request here."""
+        self.num_cached_tokens = output.num_cached_tokens
+        if output.new_prompt_logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._logprob_dicts(output.new_prompt_logprobs))
+        stopped_by_string = False
+        for position, token_id in enumerate(output.new_token_ids):
+            self.token_ids.append(token_id)
+            if output.new_logprobs is not None and self.logprobs is not None:
+                entry = output.new_logprobs[position]
+                self.logprobs.extend(self._logprob_dicts([entry]))
+                assert self.cumulative_logprob is not None
+                self.cumulative_logprob += entry.logprobs[0]
+            if self.detokenizer is not None and self._append_text(self.detokenizer.push(token_id)):
+                stopped_by_string = True
+                break
+        if output.finished and not stopped_by_string:
+            if self.detokenizer is not None:
+                stopped_by_string = self._append_text(self.detokenizer.flush())
+            if not stopped_by_string:
+                self.finish_reason = output.finish_reason
+                self.stop_reason = output.stop_reason
+        return stopped_by_string
+
+    def _append_text(self, new_text: str) -> bool:
+        if not new_text:
+            return False
+        self.text += new_text
+        if len(self.token_ids) <= self.params.min_tokens:
+            return False
+        match = self.stop_matcher.find(self.text, len(new_text))
+        if match is None:
+            return False
+        stop, cut = match
+        self.text = self.text[:cut]
+        self.finish_reason = "stop"
+        self.stop_reason = stop
+        return True
+
+    def _logprob_dicts(self, entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        result = []
+        for entry in entries:
+            item: dict[int, Logprob] = {}
+            for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
+                if token_id in item:
+                    continue  # the chosen token may also be among the top entries
+                rank = entry.rank if position == 0 else position
+                item[token_id] = Logprob(value, rank, self.tokenizer.decode([token_id]))
+            result.append(item)
+        return result
+
+    def completion(self, kind: RequestOutputKind) -> CompletionOutput:
+        if kind == RequestOutputKind.DELTA:
+            text_end = len(self.text) if self.finished else max(
+                self.sent_text_offset, len(self.text) - self.stop_matcher.holdback
+            )
+            text = self.text[self.sent_text_offset : text_end]
+            token_ids = self.token_ids[self.sent_token_offset :]
+            logprobs = self.logprobs[self.sent_logprobs_offset :] if self.logprobs is not None else None
+            self.sent_text_offset = text_end
+            self.sent_token_offset = len(self.token_ids)
+            self.sent_logprobs_offset = len(self.logprobs) if self.logprobs is not None else 0
+        else:
+            text, token_ids = self.text, list(self.token_ids)
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_ids_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}  # by engine request id
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> list[str]:
+        """Register a user request; returns its engine request ids (one per sample)."""
+        parent = ParentRequest(request_id, params.n)
+        engine_ids = []
+        for index in range(params.n):
+            engine_id = child_request_id(request_id, index) if params.n > 1 else request_id
+            child_params = params if params.n == 1 else params.clone(n=1)
+            self.requests[engine_id] = RequestState(engine_id, parent, index, prompt, child_params, self.tokenizer)
+            engine_ids.append(engine_id)
+        return engine_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a user request; returns the engine ids to abort in the core."""
+        engine_ids = [eid for eid, state in self.requests.items() if state.parent.request_id == request_id]
+        for engine_id in engine_ids:
+            del self.requests[engine_id]
+        return engine_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        for output in outputs:
+            state = self.requests.get(output.request_id)
+            if state is None:
+                continue  # aborted by the user, or already stopped by a stop string
+            if state.apply(output):
+                result.request_ids_to_abort.append(output.request_id)
+            request_output = self._make_output(state)
+            if state.finished:
+                del self.requests[output.request_id]
+            if request_output is not None:
+                result.request_outputs.append(request_output)
+        return result
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        parent = state.parent
+        kind = state.params.output_kind
+        if state.finished:
+            parent.finished_children.add(state.index)
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not state.finished:
+                return None
+            parent.final_outputs[state.index] = state.completion(kind)
+            if not parent.finished:
+                return None
+            completions = [parent.final_outputs[i] for i in sorted(parent.final_outputs)]
+        else:
+            completions = [state.completion(kind)]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=state.prompt.text,
+            prompt_token_ids=state.prompt.token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+        )

@@ -1,0 +1,144 @@
+"""Turn a GGUF checkpoint into what an HF checkpoint gives: a transformers config
+and (name, tensor) pairs under Hugging Face parameter names.
+
+llama.cpp's converter permutes the rows of the Q and K projections of "llama"
+architecture models (it applies rotary embeddings to interleaved pairs; HF applies
+them to the two halves), so those two are permuted back here. Rope frequency
+factors that llama.cpp stores as a ``rope_freqs.weight`` tensor (Llama 3.1 style
+scaling) are carried into the config as ``heron_rope_freq_factors``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from heron.loader.gguf_file import GGUFFile
+
+# GGUF architecture -> (HF model_type, HF architecture)
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_LAYER_TENSOR_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSOR_NAMES: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
+    arch = gguf.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; heron reads GGUF files of "
+            f"{sorted(GGUF_ARCHITECTURES)} (use a Hugging Face directory for other models)"
+        )
+    return GGUF_ARCHITECTURES[arch]
+
+
+def gguf_to_hf_config(gguf: GGUFFile) -> Any:
+    """Build the transformers config object that matches the GGUF metadata."""
+    from transformers import AutoConfig
+
+    model_type, architecture = gguf_architecture(gguf)
+    meta = gguf.metadata
+    arch = gguf.architecture
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = int(get("attention.head_count"))
+    hidden_size = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden_size // num_heads))
+    vocab_size = int(get("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))))
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_parameters.update(rope_type="linear", factor=float(get("rope.scaling.factor", 1.0)))
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    kwargs: dict[str, Any] = dict(
+        architectures=[architecture],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=rope_parameters,
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    if model_type == "qwen2":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    if get("attention.sliding_window") is not None:
+        kwargs["sliding_window"] = int(get("attention.sliding_window"))
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if _ROPE_FREQS in gguf.tensors:
+        config.heron_rope_freq_factors = gguf.dequantize(_ROPE_FREQS).tolist()
+    return config
+
+
+def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows (per head: pairs -> halves)."""
+    out_features = weight.shape[0]
+    head_dim = out_features // num_heads
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *rest)
+        .swapaxes(1, 2)
+        .reshape(out_features, *rest)
+    )
+
+
+def iterate_gguf_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, float32 tensor) for every tensor of the file."""
+    permute_qk = gguf.architecture == "llama"
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(hf_config.num_key_value_heads)
+    for name in gguf.tensors:
+        if name == _ROPE_FREQS:
+            continue  # already folded into the config
+        hf_name = _GLOBAL_TENSOR_NAMES.get(name)
+        array = gguf.dequantize(name)
+        if hf_name is None:
+            match = _LAYER_PATTERN.match(name)
+            if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+                raise ValueError(f"unexpected tensor {name!r} in GGUF file {gguf.path}")
+            layer, kind, suffix = match.groups()
+            hf_name = f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[kind]}.{suffix}"
+            if permute_qk and kind == "attn_q":
+                array = _unpermute_rotary_rows(array, num_heads)
+            elif permute_qk and kind == "attn_k":
+                array = _unpermute_rotary_rows(array, num_kv_heads)
+        if not array.flags.writeable:  # a view into the read-only memory map
+            array = array.copy()
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(array))

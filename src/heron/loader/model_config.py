@@ -1,0 +1,60 @@
+"""Read a model's transformers config from an HF directory or a GGUF file, and
+helpers that read config fields which differ between transformers versions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from heron.loader.model_source import ModelSource
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    if source.format == "gguf":
+        from heron.loader.gguf_file import GGUFFile
+        from heron.loader.gguf_model import gguf_to_hf_config
+
+        return gguf_to_hf_config(GGUFFile(source.path))
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.path)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read the model config in {source.path}: {exc}") from exc
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE settings as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers >= 5 keeps them in ``rope_parameters``; older versions in
+    ``rope_theta`` plus an optional ``rope_scaling`` dict.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        result = dict(params)
+    else:
+        result = dict(getattr(hf_config, "rope_scaling", None) or {})
+        result["rope_theta"] = float(getattr(hf_config, "rope_theta", 10000.0))
+    result["rope_type"] = result.get("rope_type") or result.get("type") or "default"
+    return result
+
+
+def head_dim_of(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0:
+        return head_dim
+    return int(hf_config.hidden_size) // int(hf_config.num_attention_heads)
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> list[int]:
+    """Every token id that ends generation: the config's (may be a list) and the
+    tokenizer's EOS."""
+    ids: list[int] = []
+    config_eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(config_eos, int):
+        ids.append(config_eos)
+    elif isinstance(config_eos, (list, tuple)):
+        ids.extend(int(i) for i in config_eos)
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tokenizer_eos, int) and tokenizer_eos not in ids:
+        ids.append(tokenizer_eos)
+    return ids

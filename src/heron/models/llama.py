@@ -1,0 +1,207 @@
+"""The Llama family on flat batches: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 and Qwen3.
+
+The families differ only by flags read from the HF config: Qwen2 adds biases to
+the Q/K/V projections, Qwen3 normalizes each head of Q and K (RMSNorm over
+head_dim) before RoPE, Mistral may limit attention to a sliding window, and any
+of them may tie the LM head to the embedding.
+
+Tokens from all requests of a step are one flat sequence ``[T]`` (no padding);
+attention finds each token's request through the step's metadata. Q/K/V and
+gate/up projections are fused into single matmuls; the checkpoint's separate
+weights are copied into their slices by ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heron.attention.backend import AttentionLayerSpec
+from heron.loader.model_config import head_dim_of, rope_parameters
+from heron.models.layers.attention import Attention
+from heron.models.layers.norm import RMSNorm
+from heron.models.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden = int(config.hidden_size)
+        model_type = getattr(config, "model_type", "llama")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        # Qwen2 always has Q/K/V biases and never an output-projection bias.
+        self.qkv_proj = nn.Linear(
+            hidden, self.q_size + 2 * self.kv_size, bias=attention_bias or model_type == "qwen2"
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=attention_bias and model_type != "qwen2")
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, float(config.rms_norm_eps))
+            self.k_norm = RMSNorm(self.head_dim, float(config.rms_norm_eps))
+        self.rotary = rotary
+        sliding_window = getattr(config, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+            sliding_window = None
+        self.attn = Attention(
+            AttentionLayerSpec(
+                layer_idx=layer_idx,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                scale=self.head_dim**-0.5,
+                sliding_window=int(sliding_window) if sliding_window else None,
+            )
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous(), metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, intermediate = int(config.hidden_size), int(config.intermediate_size)
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported by the native Llama model")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = float(config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(int(config.hidden_size), eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(int(config.hidden_size), eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        hidden = int(config.hidden_size)
+        self.embed_tokens = nn.Embedding(int(config.vocab_size), hidden)
+        rotary = RotaryEmbedding(
+            head_dim=head_dim_of(config),
+            max_position=int(config.max_position_embeddings),
+            rope=rope_parameters(config),
+            freq_factors=getattr(config, "heron_rope_freq_factors", None),
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, layer_idx, rotary)
+            for layer_idx in range(int(config.num_hidden_layers))
+        )
+        self.norm = RMSNorm(hidden, float(config.rms_norm_eps))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, int(config.vocab_size), bias=False)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]``."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters. Every parameter (every
+        slice of a fused one) must be written, or loading fails naming what is missing."""
+        params = dict(self.named_parameters())
+        expected = self._expected_slices()
+        loaded: set[tuple[str, int]] = set()
+        for name, tensor in weights:
+            target = self._map_name(name)
+            if target is None:
+                continue
+            param_name, start, length = target
+            if param_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[param_name]
+            destination = param.data if length is None else param.data.narrow(0, start, length)
+            if tuple(destination.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.add((param_name, start))
+        missing = sorted(f"{name}[{start}:]" if start else name for name, start in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
+
+    def _expected_slices(self) -> set[tuple[str, int]]:
+        attn = self.layers[0].self_attn
+        intermediate = self.layers[0].mlp.intermediate
+        expected: set[tuple[str, int]] = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                expected.update((name, start) for start in (0, attn.q_size, attn.q_size + attn.kv_size))
+            elif ".gate_up_proj." in name:
+                expected.update({(name, 0), (name, intermediate)})
+            else:
+                expected.add((name, 0))
+        return expected
+
+    def _map_name(self, name: str) -> tuple[str, int, int | None] | None:
+        """HF name -> (our parameter name, row offset, row count or None for all)."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied to the embedding
+        attn = self.layers[0].self_attn
+        for proj, start, length in (
+            ("q_proj", 0, attn.q_size),
+            ("k_proj", attn.q_size, attn.kv_size),
+            ("v_proj", attn.q_size + attn.kv_size, attn.kv_size),
+        ):
+            if f".self_attn.{proj}." in name:
+                return name.replace(proj, "qkv_proj"), start, length
+        intermediate = self.layers[0].mlp.intermediate
+        for proj, start in (("gate_proj", 0), ("up_proj", intermediate)):
+            if f".mlp.{proj}." in name:
+                return name.replace(proj, "gate_up_proj"), start, intermediate
+        return name, 0, None

@@ -1,0 +1,94 @@
+"""Which implementation runs a model, and building it with its weights loaded.
+
+Native implementations (flat batches, fused projections) exist for the Llama
+family; any other causal LM that transformers implements runs through
+transformers' own modeling code with heron's paged attention plugged in
+(``hf_fallback``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from heron.config import ModelConfig
+from heron.models.layers.attention import Attention
+
+logger = logging.getLogger(__name__)
+
+NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("heron.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("heron.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("heron.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("heron.models.llama", "LlamaForCausalLM"),
+}
+_NATIVE_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class CausalLM(Protocol):
+    """What the model runner needs from a model, native or not."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def attention_layers(self) -> list[Attention]: ...
+
+
+def native_architecture(model_config: ModelConfig) -> str | None:
+    if model_config.architecture in NATIVE_ARCHITECTURES:
+        return model_config.architecture
+    return _NATIVE_MODEL_TYPES.get(getattr(model_config.hf_config, "model_type", ""))
+
+
+def select_implementation(model_config: ModelConfig) -> str:
+    """"native" or "transformers", or a ValueError naming what is supported."""
+    native = native_architecture(model_config)
+    if model_config.model_impl != "transformers" and native is not None:
+        return "native"
+    supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
+    if model_config.model_impl == "native":
+        raise ValueError(
+            f"architecture {model_config.architecture!r} has no native heron implementation "
+            f"(native: {supported}); use model_impl='transformers' or 'auto'"
+        )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(model_config.hf_config, "model_type", "")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"architecture {model_config.architecture or model_type!r} is not supported: heron runs "
+            f"causal language models, natively for {supported}, and any other causal LM "
+            "that transformers implements through transformers' modeling code"
+        )
+    if model_config.source_format != "hf":
+        raise ValueError(f"{model_type!r} models load from Hugging Face directories only, not GGUF")
+    return "transformers"
+
+
+def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """Instantiate the model on ``device`` in ``model_config.dtype`` with its weights."""
+    if select_implementation(model_config) == "transformers":
+        from heron.models.hf_fallback import TransformersCausalLM
+
+        logger.info("running %s through transformers' modeling code", model_config.architecture)
+        return TransformersCausalLM(model_config, device)
+    from heron.loader.weights import iterate_weights
+
+    module_name, class_name = NATIVE_ARCHITECTURES[native_architecture(model_config)]  # type: ignore[index]
+    model_class = getattr(importlib.import_module(module_name), class_name)
+    # Build without initializing weights (they are overwritten by the checkpoint).
+    with torch.device("meta"):
+        model = model_class(model_config.hf_config)
+    model = model.to_empty(device=device).to(model_config.dtype)
+    for module in model.modules():
+        init_buffers = getattr(module, "init_buffers", None)
+        if callable(init_buffers):
+            init_buffers()
+    model.load_weights(
+        (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config)
+    )
+    return model.eval()

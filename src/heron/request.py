@@ -1,0 +1,113 @@
+"""A request as the engine core sees it: token ids, progress, and status.
+
+Invariants (DESIGN.md §2):
+
+* ``all_token_ids`` = prompt + output so far; draft tokens live apart in
+  ``spec_token_ids`` and count only in ``num_tokens_with_spec``.
+* ``num_computed_tokens`` <= ``num_tokens_with_spec`` is how many of those tokens
+  have their K/V in the cache (or are scheduled to, in the current step).
+* ``block_hashes[i]`` is the chained hash of full block ``i`` of ``all_token_ids``;
+  the KV manager extends it as blocks fill.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from heron.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # everything after this is finished
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the front end hands the engine core: already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int  # resolved: never exceeds max_model_len - len(prompt)
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Request:
+    """Engine-core state of one sequence (one of the ``n`` of a prompt)."""
+
+    def __init__(self, core_request: EngineCoreRequest) -> None:
+        self.request_id = core_request.request_id
+        self.sampling_params = core_request.sampling_params
+        self.eos_token_ids = frozenset(core_request.eos_token_ids)
+        self.max_tokens = core_request.max_tokens
+        self.priority = core_request.priority
+        self.cache_salt = core_request.cache_salt
+        self.arrival_time = core_request.arrival_time
+        self.num_prompt_tokens = len(core_request.prompt_token_ids)
+        self.prompt_token_ids = list(core_request.prompt_token_ids)
+        self.all_token_ids: list[int] = list(core_request.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit, set at first scheduling
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Timestamps (time.monotonic()) for metrics; ``arrival_time`` is wall-clock.
+        self.queued_ts = time.monotonic()
+        self.scheduled_ts: float | None = None
+        self.first_token_ts: float | None = None
+        self.last_token_ts: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,137 @@
+"""Sampling parameters of one request, with vLLM's names and semantics.
+
+``SamplingParams.validate`` checks every value and raises ``ValueError`` naming the
+parameter, so bad input fails before any work is done.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Any
+
+# The most top logprobs a request may ask for (per sampled token or prompt token).
+MAX_LOGPROBS = 20
+_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries all text/tokens so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # only the finished output is produced (offline generate)
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter has an invalid value; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _EPS
+
+    def validate(self) -> None:
+        def fail(param: str, message: str) -> None:
+            raise SamplingParamError(param, f"{param} {message}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0.0:
+            fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}")
+        assert isinstance(self.stop, list)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            fail("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            fail("logit_bias", "values must be in [-100, 100]")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must exist in the vocabulary."""
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingParamError(
+                    "logit_bias", f"logit_bias has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}"
+                )
+        bad_stop = [t for t in self.stop_token_ids or [] if t >= vocab_size]
+        if bad_stop:
+            raise SamplingParamError(
+                "stop_token_ids", f"stop_token_ids outside the vocabulary (size {vocab_size}): {bad_stop[:5]}"
+            )
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["stop"] = list(self.stop or [])
+        values["stop_token_ids"] = list(self.stop_token_ids or [])
+        values["logit_bias"] = dict(self.logit_bias) if self.logit_bias else None
+        values.update(changes)
+        return SamplingParams(**values)

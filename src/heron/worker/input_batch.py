@@ -1,0 +1,153 @@
+"""The model runner's own per-request state, and the sampling metadata built
+from it each step.
+
+The runner learns about a request from the scheduler's ``NewRequestData`` and
+then keeps it up to date from diffs (new blocks, progress) plus the tokens it
+samples itself; it forgets the request when the scheduler lists it as finished
+or preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heron.core.scheduler_output import NewRequestData
+from heron.sample.metadata import SamplingMetadata
+from heron.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the seed space
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]  # prompt + output so far (draft tokens excluded)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @staticmethod
+    def from_new_request(data: NewRequestData, device: torch.device) -> CachedRequestState:
+        seed = data.sampling_params.seed
+        generator = torch.Generator(device=device) if seed is not None else None
+        return CachedRequestState(
+            request_id=data.request_id,
+            token_ids=list(data.token_ids),
+            num_prompt_tokens=data.num_prompt_tokens,
+            sampling_params=data.sampling_params,
+            eos_token_ids=data.eos_token_ids,
+            block_ids=list(data.block_ids),
+            num_computed_tokens=data.num_computed_tokens,
+            generator=generator,
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def seeded_generator(self) -> torch.Generator | None:
+        """The request's generator, seeded for its next output position: the noise
+        for output token k depends only on (seed, k), so a seeded request draws the
+        same tokens whatever it is batched with, preempted or not."""
+        if self.generator is None:
+            return None
+        seed = self.sampling_params.seed
+        assert seed is not None
+        self.generator.manual_seed((seed * _SEED_MIX + self.num_output_tokens) & _SEED_MASK)
+        return self.generator
+
+
+def build_sampling_metadata(
+    states: list[CachedRequestState], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """Sampling inputs for one row per state, in order."""
+    params = [state.sampling_params for state in states]
+    temperature = torch.tensor(
+        [0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32
+    )
+    num_greedy = sum(1 for p in params if p.is_greedy)
+    metadata = SamplingMetadata(
+        temperature=temperature.to(device),
+        all_greedy=num_greedy == len(params),
+        all_random=num_greedy == 0,
+    )
+    sampled = [p for p in params if not p.is_greedy]
+    if any(p.top_k > 0 for p in sampled):
+        metadata.top_k = torch.tensor(
+            [p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64
+        ).to(device)
+    if any(p.top_p < 1.0 for p in sampled):
+        metadata.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+    if any(p.min_p > 0.0 for p in sampled):
+        metadata.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
+    for row, state in enumerate(states):
+        generator = state.seeded_generator()
+        if generator is not None and not state.sampling_params.is_greedy:
+            metadata.generators[row] = generator
+    _add_penalties(metadata, states, device)
+    _add_logit_bias_and_bans(metadata, states, device)
+    requested = [p.logprobs for p in params if p.logprobs is not None]
+    metadata.max_num_logprobs = max(requested) if requested else None
+    return metadata
+
+
+def _add_penalties(
+    metadata: SamplingMetadata, states: list[CachedRequestState], device: torch.device
+) -> None:
+    params = [state.sampling_params for state in states]
+    if not any(
+        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        for p in params
+    ):
+        return
+    metadata.output_token_ids = [state.output_token_ids() for state in states]
+    if any(p.presence_penalty != 0.0 for p in params):
+        metadata.presence_penalties = torch.tensor([p.presence_penalty for p in params]).to(device)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        metadata.frequency_penalties = torch.tensor([p.frequency_penalty for p in params]).to(device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        metadata.repetition_penalties = torch.tensor([p.repetition_penalty for p in params]).to(device)
+        metadata.prompt_token_ids = [state.token_ids[: state.num_prompt_tokens] for state in states]
+
+
+def _add_logit_bias_and_bans(
+    metadata: SamplingMetadata, states: list[CachedRequestState], device: torch.device
+) -> None:
+    bias_rows: list[int] = []
+    bias_tokens: list[int] = []
+    bias_values: list[float] = []
+    ban_rows: list[int] = []
+    ban_tokens: list[int] = []
+    for row, state in enumerate(states):
+        params = state.sampling_params
+        if params.logit_bias:
+            for token_id, value in params.logit_bias.items():
+                bias_rows.append(row)
+                bias_tokens.append(token_id)
+                bias_values.append(value)
+        if state.num_output_tokens < params.min_tokens:
+            banned = set(params.stop_token_ids or [])
+            if not params.ignore_eos:
+                banned |= state.eos_token_ids
+            ban_rows.extend([row] * len(banned))
+            ban_tokens.extend(sorted(banned))
+    if bias_rows:
+        metadata.logit_bias = (
+            torch.tensor(bias_rows, dtype=torch.int64, device=device),
+            torch.tensor(bias_tokens, dtype=torch.int64, device=device),
+            torch.tensor(bias_values, dtype=torch.float32, device=device),
+        )
+    if ban_rows:
+        metadata.banned_tokens = (
+            torch.tensor(ban_rows, dtype=torch.int64, device=device),
+            torch.tensor(ban_tokens, dtype=torch.int64, device=device),
+        )

@@ -1,0 +1,78 @@
+"""How many KV-cache blocks to allocate, from the configured budget."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from heron.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory the KV cache may draw from: free device memory on CUDA, the kernel's
+    MemAvailable estimate on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30  # no /proc (not Linux): assume a modest 4 GiB
+
+
+def determine_num_kv_blocks(
+    cache_config: CacheConfig,
+    bytes_per_block: int,
+    device: torch.device,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> int:
+    """Blocks for the configured budget: ``num_kv_blocks`` if given, else
+    ``kv_cache_memory_bytes``, else a fraction of available memory, capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use. Fails with a
+    clear message when the pool could not hold even one full-length request."""
+    block_size = cache_config.block_size
+    blocks_per_seq = -(-max_model_len // block_size)
+    if cache_config.num_kv_blocks is not None:
+        num_blocks = cache_config.num_kv_blocks
+        budget_source = "num_kv_blocks"
+    else:
+        if cache_config.kv_cache_memory_bytes is not None:
+            budget = cache_config.kv_cache_memory_bytes
+            budget_source = f"kv_cache_memory_bytes={budget}"
+        else:
+            budget = int(available_memory_bytes(device) * cache_config.kv_cache_memory_fraction)
+            budget_source = f"{cache_config.kv_cache_memory_fraction:.0%} of available memory"
+        num_blocks = min(budget // bytes_per_block, blocks_per_seq * max_num_seqs)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"the KV cache ({num_blocks} blocks of {block_size} tokens, from {budget_source}) "
+            f"cannot hold one request of max_model_len={max_model_len} tokens "
+            f"({blocks_per_seq} blocks); give it more memory or lower max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s); "
+        "maximum concurrency at %d tokens per request: %.1fx",
+        num_blocks,
+        block_size,
+        num_blocks * block_size,
+        num_blocks * bytes_per_block / (1 << 30),
+        budget_source,
+        max_model_len,
+        num_blocks / blocks_per_seq,
+    )
+    return num_blocks

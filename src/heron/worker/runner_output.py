@@ -1,0 +1,32 @@
+"""What the model runner returns for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one position: ``token_ids[0]`` is the chosen (sampled or prompt)
+    token, the rest are the top-N alternatives, best first; ``rank`` is the chosen
+    token's 1-based rank in the whole vocabulary."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # per request: the tokens sampled this step ([] while a prompt is still being
+    # prefilled in chunks; several with speculative decoding)
+    sampled_token_ids: list[list[int]]
+    # per request, per sampled token; None where the request did not ask
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    # request id -> logprobs of the prompt positions computed this step
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+    @staticmethod
+    def empty() -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
