@@ -201,6 +201,9 @@ class EngineConfig:
             seed=seed,
             tokenizer=tokenizer,
         )
+        from heron.models.registry import select_implementation
+
+        select_implementation(model_config)  # unsupported architectures fail here, early
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(

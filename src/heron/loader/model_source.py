@@ -70,6 +70,11 @@ def resolve_model_source(model: str | None) -> ModelSource:
 def _source_from_directory(model: str, path: str) -> ModelSource:
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, "config.json")):
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            raise ModelNotFoundError(
+                f"directory {model!r} has config.json but no *.safetensors weights "
+                "(heron loads safetensors and GGUF checkpoints)"
+            )
         return ModelSource("hf", path, _name_of(path))
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:

@@ -1,0 +1,35 @@
+"""The embedded model (SmolLM2-135M-Instruct, GGUF) in heron and, as the
+reference, in transformers (which dequantizes the same GGUF to float32)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    from transformers import AutoModelForCausalLM
+
+    from heron.loader.model_source import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+@torch.inference_mode()
+def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int = 2) -> list[int]:
+    """transformers' greedy generate; stops after EOS like heron does."""
+    output = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+    return output[0, len(prompt_ids):].tolist()

@@ -1,0 +1,194 @@
+"""The offline LLM API on the embedded model: sampling options, n > 1, stops,
+logprobs, seeds, and clear errors before any work for bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from heron import LLM, SamplingParams
+from heron.engine.input_processor import InvalidRequestError
+from heron.loader.model_source import ModelNotFoundError
+from heron.sampling_params import SamplingParamError
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512)
+
+
+def assert_idle(llm: LLM) -> None:
+    scheduler = llm.engine.engine_core.scheduler
+    assert not llm.engine.has_unfinished_requests() and not scheduler.has_unfinished_requests()
+    scheduler.kv_cache_manager.check_integrity()
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+
+def test_max_tokens_and_length_finish(llm):
+    [out] = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
+    assert out.prompt == PROMPT and out.prompt_token_ids == llm.get_tokenizer().encode(PROMPT)
+    assert_idle(llm)
+
+
+def test_outputs_come_back_in_prompt_order_with_per_prompt_params(llm):
+    prompts = ["One", "Two two", "Three three three"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 4)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 5, 4]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
+    [alone] = llm.generate(PROMPT, seeded, use_tqdm=False)
+    others = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    batch = llm.generate(["Hello there", PROMPT, "Tell me a joke"], [others, seeded, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    [other_seed] = llm.generate(PROMPT, seeded.clone(seed=43), use_tqdm=False)
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    llm.engine.engine_core.reset_prefix_cache()
+    before = llm.engine.engine_core.scheduler.make_stats().prefix_cache_hits
+    prompt = PROMPT + " " + PROMPT  # > 2 blocks
+    [out] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # child seeds differ
+    hits = llm.engine.engine_core.scheduler.make_stats().prefix_cache_hits - before
+    num_full_blocks = (len(out.prompt_token_ids) - 1) // 16
+    assert hits == 2 * num_full_blocks * 16  # samples 2 and 3 reuse sample 1's prompt blocks
+    assert_idle(llm)
+
+
+def test_stop_strings_are_cut_and_reported(llm):
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    [free] = llm.generate(PROMPT, base, use_tqdm=False)
+    text = free.outputs[0].text
+    words = text.split()
+    stop = words[len(words) // 2]  # a word from the middle of the greedy output
+    cut = text.index(stop)
+    [stopped] = llm.generate(PROMPT, base.clone(stop=[stop]), use_tqdm=False)
+    completion = stopped.outputs[0]
+    assert completion.text == text[:cut]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    [kept] = llm.generate(PROMPT, base.clone(stop=[stop], include_stop_str_in_output=True), use_tqdm=False)
+    assert kept.outputs[0].text == text[: cut + len(stop)]
+    assert_idle(llm)
+
+
+def test_stop_token_ids_and_eos(llm):
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    [free] = llm.generate(PROMPT, base, use_tqdm=False)
+    target = free.outputs[0].token_ids[5]
+    [stopped] = llm.generate(PROMPT, base.clone(stop_token_ids=[target]), use_tqdm=False)
+    first = free.outputs[0].token_ids.index(target)
+    assert stopped.outputs[0].token_ids == free.outputs[0].token_ids[: first + 1]
+    assert stopped.outputs[0].stop_reason == target
+    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    assert chat[0].outputs[0].token_ids[-1] == 2 and chat[0].outputs[0].finish_reason == "stop"
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 5
+    total = 0.0
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+        assert entry[token_id].rank == 1  # greedy picks the top token
+        assert entry[token_id].logprob == max(lp.logprob for lp in entry.values())
+        assert len(entry) == 3 and all(lp.logprob <= 0 for lp in entry.values())
+        assert entry[token_id].decoded_token == llm.get_tokenizer().decode([token_id])
+        total += entry[token_id].logprob
+    assert completion.cumulative_logprob == pytest.approx(total)
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+    for token_id, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert token_id in entry and 2 <= len(entry) <= 3
+        assert math.isfinite(entry[token_id].logprob)
+
+
+def test_penalties_and_bias_change_the_output(llm):
+    base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    [plain] = llm.generate("List fruits: apple, apple, apple,", base, use_tqdm=False)
+    [penalized] = llm.generate("List fruits: apple, apple, apple,", base.clone(repetition_penalty=1.5, frequency_penalty=1.0), use_tqdm=False)
+    assert penalized.outputs[0].token_ids != plain.outputs[0].token_ids
+    banned = plain.outputs[0].token_ids[0]
+    [biased] = llm.generate("List fruits: apple, apple, apple,", base.clone(logit_bias={banned: -100}), use_tqdm=False)
+    assert banned not in biased.outputs[0].token_ids[:1]
+
+
+def test_min_tokens_suppresses_early_eos(llm):
+    params = SamplingParams(temperature=0, max_tokens=64, min_tokens=20)
+    [out] = llm.chat([{"role": "user", "content": "Say hi."}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) >= 20
+    assert 2 not in out.outputs[0].token_ids[:19]
+
+
+def test_priority_is_accepted_per_prompt(llm):
+    outputs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
+    assert len(outputs) == 2
+
+
+@pytest.mark.parametrize(
+    "prompt, params, error, param",
+    [
+        ("", SamplingParams(), InvalidRequestError, "prompt"),
+        ("hi " * 600, SamplingParams(), InvalidRequestError, "prompt"),
+        ([999999], SamplingParams(), InvalidRequestError, "prompt"),
+        ("hi", SamplingParams(logit_bias={10**6: 1.0}), SamplingParamError, "logit_bias"),
+    ],
+)
+def test_bad_input_fails_before_any_work(llm, prompt, params, error, param):
+    with pytest.raises(error) as info:
+        llm.generate(["fine prompt", prompt], params, use_tqdm=False)
+    assert info.value.param == param
+    assert_idle(llm)
+
+
+def test_bad_sampling_values_fail_at_construction():
+    for kwargs in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}):
+        with pytest.raises(SamplingParamError):
+            SamplingParams(**kwargs)
+
+
+def test_too_long_prompt_names_both_numbers(llm):
+    with pytest.raises(InvalidRequestError, match=r"has \d+ tokens.*maximum context length is 512"):
+        llm.generate("hi " * 600, use_tqdm=False)
+
+
+def test_unknown_path_and_unsupported_architecture(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        LLM(str(tmp_path / "nope" / "model.gguf"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
+        LLM(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    with pytest.raises(ValueError, match="not supported.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_hub_id_without_network_fails_fast_with_advice(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    with pytest.raises(ModelNotFoundError, match="pass a local path"):
+        LLM("some-org/some-model-that-is-not-here")
+    assert time.monotonic() - started < 30
+
+
+def test_engine_abort_frees_blocks(llm):
+    engine = llm.engine
+    prompt = engine.input_processor.process_prompt(PROMPT)
+    engine.add_request("abort-me", prompt, SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.engine_core.scheduler.kv_cache_manager.num_free_blocks < engine.engine_core.scheduler.kv_cache_manager.num_blocks
+    engine.abort_request("abort-me")
+    assert_idle(llm)

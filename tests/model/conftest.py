@@ -1,0 +1,109 @@
+"""Tiny random-weight models built from config dicts, saved as HF directories
+(safetensors + the embedded model's tokenizer), and a reference greedy decoder
+that runs transformers' own implementation."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+VOCAB_SIZE = 49152  # the embedded tokenizer's vocabulary
+
+BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.05,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=True,
+)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama"),
+    "llama3-rope-untied": dict(
+        model_type="llama",
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-linear-rope": dict(model_type="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "mistral-sliding-window": dict(model_type="mistral", sliding_window=16, head_dim=16),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", head_dim=32),
+}
+
+FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma": dict(model_type="gemma", head_dim=16, num_key_value_heads=1, hidden_activation="gelu_pytorch_tanh"),
+    "phi3": dict(model_type="phi3", pad_token_id=0),
+}
+
+
+def build_tiny_model(directory: str, family: dict[str, Any], tokenizer: Any, seed: int = 0) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {**BASE, **family}
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
+    """Factory: family name -> directory of that tiny model (built once)."""
+    built: dict[str, str] = {}
+
+    def make(name: str) -> str:
+        if name not in built:
+            family = FAMILIES.get(name) or FALLBACK_FAMILIES[name]
+            directory = str(tmp_path_factory.mktemp(name.replace("/", "_")))
+            built[name] = build_tiny_model(directory, family, embedded_tokenizer)
+        return built[name]
+
+    return make
+
+
+def load_reference(directory: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding with transformers, recomputing the whole sequence each step
+    (no cache, no batching: the plainest possible reference)."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@torch.inference_mode()
+def reference_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: log-softmax at positions 0..n-2 (scoring tokens 1..n-1)."""
+    logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, VOCAB_SIZE - 10, (n,), generator=generator).tolist() for n in lengths]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

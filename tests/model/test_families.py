@@ -1,0 +1,76 @@
+"""Each supported family against transformers' own implementation, same random
+weights, float32: logprobs close at every prompt position, greedy tokens
+identical, for ragged prompts batched together with chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heron import LLM, SamplingParams
+from heron.models.registry import select_implementation
+from tests.model.conftest import FALLBACK_FAMILIES, FAMILIES, load_reference, random_prompts, reference_greedy, reference_logprobs
+
+PROMPT_LENGTHS = [5, 17, 33, 40, 1]
+NEW_TOKENS = 12
+
+
+def make_llm(directory: str) -> LLM:
+    # a 24-token budget chunks every prompt longer than that and mixes chunks with decodes
+    return LLM(directory, dtype="float32", max_model_len=128, max_num_batched_tokens=24, num_kv_blocks=64)
+
+
+def check_against_reference(directory: str, expected_impl: str) -> None:
+    llm = make_llm(directory)
+    assert select_implementation(llm.config.model) == expected_impl
+    reference = load_reference(directory)
+    prompts = random_prompts(PROMPT_LENGTHS)
+
+    # logits: prompt logprobs of every position, chosen token and top-5, vs transformers
+    scored = llm.generate(prompts[:4], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)
+    for prompt, output in zip(prompts, scored):
+        expected = reference_logprobs(reference, prompt)
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+        for position, entry in enumerate(output.prompt_logprobs[1:]):
+            target = prompt[position + 1]
+            assert entry[target].logprob == pytest.approx(expected[position, target].item(), abs=2e-4)
+            top_values, top_ids = expected[position].topk(5)
+            got = sorted((lp.logprob for tid, lp in entry.items() if lp.rank <= 5), reverse=True)
+            assert got == pytest.approx(top_values.tolist(), abs=2e-4)
+
+    # greedy: all prompts at once, chunked and mixed with decodes
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == reference_greedy(reference, prompt, NEW_TOKENS)
+    llm.engine.engine_core.scheduler.kv_cache_manager.check_integrity()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_native_family_matches_transformers(tiny_model_dir, family):
+    check_against_reference(tiny_model_dir(family), "native")
+
+
+@pytest.mark.parametrize("family", list(FALLBACK_FAMILIES))
+def test_transformers_fallback_matches_transformers(tiny_model_dir, family):
+    check_against_reference(tiny_model_dir(family), "transformers")
+
+
+def test_native_model_can_be_forced_through_transformers(tiny_model_dir):
+    directory = tiny_model_dir("qwen2")
+    llm = LLM(directory, dtype="float32", max_model_len=128, num_kv_blocks=32, model_impl="transformers")
+    assert select_implementation(llm.config.model) == "transformers"
+    prompts = random_prompts([9, 20], seed=3)
+    reference = load_reference(directory)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 8)
+
+
+def test_bfloat16_runs_and_agrees_on_first_tokens(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    llm = LLM(directory, dtype="bfloat16", max_model_len=128, num_kv_blocks=32)
+    assert llm.config.model.dtype == torch.bfloat16
+    reference = load_reference(directory)
+    prompt = random_prompts([12], seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids[0] == reference_greedy(reference, prompt, 1)[0]

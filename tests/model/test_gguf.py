@@ -1,0 +1,155 @@
+"""GGUF: the header reader against gguf-py, K-quant dequantization against
+decoders written from the ggml spec, and a tiny mixed-quantization Llama GGUF
+loaded by heron and by transformers with identical results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
+
+from heron import LLM, SamplingParams
+from heron.loader.gguf_file import GGUFFile
+from tests.model.conftest import build_tiny_model, random_prompts, reference_greedy
+from tests.model.gguf_builder import encode, random_k_quant_rows, write_tiny_llama_gguf
+
+ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+
+
+def f16(raw: np.ndarray) -> float:
+    return float(raw.view(np.float16)[0])
+
+
+def q4_k_reference(block: np.ndarray) -> np.ndarray:
+    """One 256-value Q4_K block, decoded by hand from ggml's definition."""
+    d, dmin = f16(block[0:2]), f16(block[2:4])
+    scales, qs = block[4:16].astype(np.int32), block[16:144].astype(np.int32)
+
+    def scale_min(j: int) -> tuple[int, int]:
+        if j < 4:
+            return scales[j] & 63, scales[j + 4] & 63
+        return (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4), (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+
+    out = []
+    for chunk in range(4):
+        q = qs[chunk * 32 : chunk * 32 + 32]
+        sc1, m1 = scale_min(2 * chunk)
+        sc2, m2 = scale_min(2 * chunk + 1)
+        out.extend(d * sc1 * (q & 0xF) - dmin * m1)
+        out.extend(d * sc2 * (q >> 4) - dmin * m2)
+    return np.array(out, dtype=np.float32)
+
+
+def q6_k_reference(block: np.ndarray) -> np.ndarray:
+    """One 256-value Q6_K block, decoded by hand from ggml's definition."""
+    ql, qh = block[0:128].astype(np.int32), block[128:192].astype(np.int32)
+    scales = block[192:208].view(np.int8).astype(np.float32)
+    d = f16(block[208:210])
+    y = np.zeros(256, dtype=np.float32)
+    for half in range(2):
+        l_, h_, s_, y_ = ql[64 * half :], qh[32 * half :], scales[8 * half :], 128 * half
+        for lane in range(32):
+            group = lane // 16
+            q1 = ((l_[lane] & 0xF) | (((h_[lane] >> 0) & 3) << 4)) - 32
+            q2 = ((l_[lane + 32] & 0xF) | (((h_[lane] >> 2) & 3) << 4)) - 32
+            q3 = ((l_[lane] >> 4) | (((h_[lane] >> 4) & 3) << 4)) - 32
+            q4 = ((l_[lane + 32] >> 4) | (((h_[lane] >> 6) & 3) << 4)) - 32
+            y[y_ + lane] = d * s_[group] * q1
+            y[y_ + lane + 32] = d * s_[group + 2] * q2
+            y[y_ + lane + 64] = d * s_[group + 4] * q3
+            y[y_ + lane + 96] = d * s_[group + 6] * q4
+    return y
+
+
+@pytest.fixture(scope="module")
+def all_types_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gguf") / "types.gguf")
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(path, "llama")
+    writer.add_string("test.note", "every supported tensor type")
+    writer.add_array("test.numbers", [1, 2, 3])
+    sources = {}
+    for index, qtype in enumerate(ALL_TYPES):
+        source = rng.standard_normal((4, 512)).astype(np.float32)
+        sources[qtype.name] = source
+        writer.add_tensor(f"t.{qtype.name}", encode(source, qtype, seed=index), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, sources
+
+
+def test_reader_matches_gguf_py_for_every_type(all_types_file):
+    from gguf.quants import dequantize
+
+    path, sources = all_types_file
+    ours = GGUFFile(path)
+    theirs = GGUFReader(path)
+    assert ours.metadata["test.note"] == "every supported tensor type"
+    assert ours.metadata["test.numbers"] == [1, 2, 3]
+    for tensor in theirs.tensors:
+        expected = dequantize(tensor.data, tensor.tensor_type).reshape(4, 512)
+        got = ours.dequantize(tensor.name)
+        assert got.dtype == np.float32 and got.shape == (4, 512)
+        np.testing.assert_array_equal(got, expected)
+    # lossless and near-lossless types reproduce their source
+    np.testing.assert_array_equal(ours.dequantize("t.F32"), sources["F32"])
+    np.testing.assert_allclose(ours.dequantize("t.Q8_0"), sources["Q8_0"], atol=0.05)
+    np.testing.assert_allclose(ours.dequantize("t.Q4_0"), sources["Q4_0"], atol=0.6)
+
+
+@pytest.mark.parametrize("qtype, reference", [(Q.Q4_K, q4_k_reference), (Q.Q6_K, q6_k_reference)])
+def test_k_quants_dequantize_per_the_ggml_spec(all_types_file, qtype, reference):
+    path, _ = all_types_file
+    got = GGUFFile(path).dequantize(f"t.{qtype.name}")
+    raw = random_k_quant_rows(qtype, 4, 512, seed=ALL_TYPES.index(qtype))
+    blocks = raw.reshape(-1, raw.shape[1] // 2)
+    expected = np.concatenate([reference(block) for block in blocks]).reshape(4, 512)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_not_a_gguf_file_is_rejected(tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"NOPE" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, embedded_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    directory = str(tmp_path_factory.mktemp("tiny-llama-src"))
+    build_tiny_model(directory, dict(model_type="llama", intermediate_size=256, hidden_size=256,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+                     embedded_tokenizer)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    path = str(tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny.gguf")
+    write_tiny_llama_gguf(path, hf_model, {
+        "token_embd": Q.Q8_0, "output": Q.Q6_K, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.F16,
+        "attn_output": Q.BF16, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q8_0, "ffn_down": Q.F32,
+    })
+    return path
+
+
+def test_tiny_mixed_quant_gguf_matches_transformers(tiny_gguf):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_batched_tokens=16)
+    config = llm.config.model.hf_config
+    assert (config.hidden_size, config.num_key_value_heads, config.tie_word_embeddings) == (256, 2, False)
+    reference = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(tiny_gguf), gguf_file=os.path.basename(tiny_gguf), dtype=torch.float32
+    ).eval()
+    prompts = random_prompts([7, 30], seed=11)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 10)
+    # the tokenizer and chat template came from the GGUF metadata
+    assert llm.get_tokenizer().encode("Hello world") == [19556, 905]
+    assert "<|im_start|>" in llm.get_tokenizer().chat_template

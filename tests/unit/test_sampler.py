@@ -1,0 +1,127 @@
+import math
+
+import pytest
+import torch
+
+from heron.core.scheduler_output import NewRequestData
+from heron.sample.ops import apply_penalties, apply_top_k_top_p
+from heron.sample.sampler import Sampler
+from heron.sampling_params import SamplingParams
+from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
+
+VOCAB = 8
+
+
+def state(params: SamplingParams, prompt=(1, 2, 3), output=(), request_id="r") -> CachedRequestState:
+    data = NewRequestData(
+        request_id=request_id,
+        token_ids=list(prompt) + list(output),
+        num_prompt_tokens=len(prompt),
+        sampling_params=params,
+        eos_token_ids=frozenset({7}),
+        block_ids=[0],
+        num_computed_tokens=0,
+    )
+    return CachedRequestState.from_new_request(data, torch.device("cpu"))
+
+
+def sample(logits, states, generator_seed=0):
+    metadata = build_sampling_metadata(states, VOCAB, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(generator_seed)
+    return Sampler(generator)(torch.tensor(logits, dtype=torch.float32), metadata)
+
+
+def test_greedy_takes_the_argmax_and_logit_bias_can_flip_it():
+    logits = [[0.0, 3.0, 1.0, 0, 0, 0, 0, 0]]
+    assert sample(logits, [state(SamplingParams(temperature=0))]).sampled_token_ids.tolist() == [1]
+    biased = state(SamplingParams(temperature=0, logit_bias={2: 5.0}))
+    assert sample(logits, [biased]).sampled_token_ids.tolist() == [2]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = [[0.0, 0, 0, 0, 0, 4.0, 0, 5.0]]  # 7 is EOS, 5 a stop id
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5])
+    assert sample(logits, [state(params, output=(3,))]).sampled_token_ids.tolist() == [0]
+    assert sample(logits, [state(params, output=(3, 3))]).sampled_token_ids.tolist() == [7]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy_even_when_hot():
+    logits = [[0.0, 1.0, 2.5, 2.4, 0, 0, 0, 0]] * 2
+    states = [
+        state(SamplingParams(temperature=5.0, top_k=1), request_id="a"),
+        state(SamplingParams(temperature=5.0, top_p=0.01), request_id="b"),
+    ]
+    for seed in range(20):
+        assert sample(logits, states, seed).sampled_token_ids.tolist() == [2, 2]
+
+
+def test_top_k_top_p_masks():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [1.0, 4.0, 3.0, 2.0]])
+    kept = apply_top_k_top_p(logits.clone(), torch.tensor([2, 4]), None)
+    assert torch.isinf(kept[0]).tolist() == [True, False, False, True]
+    assert not torch.isinf(kept[1]).any()
+    probs = torch.softmax(logits[0], -1)  # ~[0.03, 0.64, 0.24, 0.09]
+    kept = apply_top_k_top_p(logits.clone(), None, torch.tensor([0.7, 0.95]))
+    assert torch.isinf(kept[0]).tolist() == [True, False, False, True]
+    assert probs[1] + probs[2] >= 0.7
+    assert torch.isinf(kept[1]).tolist() == [True, False, False, False]
+    both = apply_top_k_top_p(logits.clone(), torch.tensor([1, 4]), torch.tensor([0.99, 0.5]))
+    assert torch.isinf(both[0]).tolist() == [True, False, True, True]
+    assert torch.isinf(both[1]).tolist() == [True, False, True, True]
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = [[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05), -1e9, -1e9, -1e9, -1e9]]
+    params = SamplingParams(temperature=1.0, min_p=0.5)  # threshold 0.25
+    seen = {sample(logits, [state(params)], seed).sampled_token_ids.item() for seed in range(200)}
+    assert seen == {0, 1}
+
+
+def test_penalties_follow_vllm_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    out = apply_penalties(
+        logits.clone(), [[0, 0, 3]], [[1]],
+        presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]), repetition=torch.tensor([2.0]),
+    )
+    # token 0: seen -> 2/2 = 1, then -2*0.25 -0.5 = 0.0; token 1 (prompt): -2*2 = -4
+    # token 2: unseen -> 1; token 3: 1/2 = 0.5 - 0.25 - 0.5 = -0.25
+    assert out.tolist() == [[0.0, -4.0, 1.0, -0.25]]
+
+
+def test_seeded_request_samples_the_same_whatever_the_batch():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1)).tolist()
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = sample([logits[0]], [state(seeded, request_id="s")], generator_seed=0)
+    batched = sample(
+        [logits[2], logits[0], logits[1]],
+        [state(SamplingParams(temperature=1.0), request_id="x"), state(seeded, request_id="s"),
+         state(SamplingParams(temperature=0.7), request_id="y")],
+        generator_seed=99,
+    )
+    assert batched.sampled_token_ids[1] == alone.sampled_token_ids[0]
+    # different output positions draw different noise
+    draws = {sample([logits[0]], [state(seeded, output=(1,) * k)]).sampled_token_ids.item() for k in range(30)}
+    assert len(draws) > 1
+
+
+def test_sampling_matches_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0, 0, 0, 0])
+    logits = [torch.log(probs).tolist()] * 4000
+    params = SamplingParams(temperature=1.0)
+    states = [state(params, request_id=str(i)) for i in range(4000)]
+    counts = torch.bincount(sample(logits, states).sampled_token_ids, minlength=VOCAB).float()
+    expected = probs * 4000
+    chi2 = (((counts[:4] - expected[:4]) ** 2) / expected[:4]).sum().item()
+    assert chi2 < 16.3  # p = 0.001 for 3 degrees of freedom
+    assert counts[4:].sum() == 0
+
+
+def test_logprobs_are_raw_with_ranks_and_top_entries():
+    logits = [[0.0, 3.0, 1.0, 2.0, 0, 0, 0, 0]]
+    params = SamplingParams(temperature=0, logprobs=2, logit_bias={2: 10.0})
+    out = sample(logits, [state(params)])
+    raw = torch.log_softmax(torch.tensor(logits[0]), -1)
+    assert out.sampled_token_ids.tolist() == [2]
+    assert out.logprob_token_ids.tolist() == [[2, 1, 3]]
+    assert out.logprobs[0].tolist() == pytest.approx([raw[2].item(), raw[1].item(), raw[3].item()])
+    assert out.sampled_ranks.tolist() == [3]

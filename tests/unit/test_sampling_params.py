@@ -1,0 +1,51 @@
+import pytest
+
+from heron.sampling_params import SamplingParamError, SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {1: 200}}, "logit_bias"),
+    ],
+)
+def test_bad_values_name_the_parameter(kwargs, param):
+    with pytest.raises(SamplingParamError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_defaults_and_normalization():
+    params = SamplingParams(stop="END", top_k=-1, logit_bias={"5": "1.5"})
+    assert params.stop == ["END"] and params.top_k == 0 and params.logit_bias == {5: 1.5}
+    assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
+
+
+def test_vocab_checks():
+    with pytest.raises(SamplingParamError, match="vocabulary"):
+        SamplingParams(logit_bias={100: 1.0}).validate_for_vocab(50)
+    with pytest.raises(SamplingParamError, match="vocabulary"):
+        SamplingParams(stop_token_ids=[60]).validate_for_vocab(50)
+
+
+def test_clone_is_independent():
+    params = SamplingParams(stop=["a"], seed=1)
+    child = params.clone(seed=2)
+    child.stop.append("b")
+    assert params.stop == ["a"] and params.seed == 1 and child.seed == 2
