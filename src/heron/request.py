@@ -80,11 +80,17 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # Timestamps (time.monotonic()) for metrics; ``arrival_time`` is wall-clock.
-        self.queued_ts = time.monotonic()
-        self.scheduled_ts: float | None = None
-        self.first_token_ts: float | None = None
-        self.last_token_ts: float | None = None
+        # lifecycle events not yet reported: (EngineEventType, time.monotonic())
+        self.events: list[tuple[int, float]] = []
+
+    def record_event(self, event_type: int, timestamp: float | None = None) -> None:
+        self.events.append((event_type, time.monotonic() if timestamp is None else timestamp))
+
+    def take_events(self) -> list[tuple[int, float]] | None:
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_tokens(self) -> int:

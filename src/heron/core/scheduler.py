@@ -21,7 +21,7 @@ from heron.config import CacheConfig, SchedulerConfig
 from heron.core.kv_cache_manager import KVCacheManager
 from heron.core.request_queue import create_request_queue
 from heron.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs, EngineEventType, SchedulerStats
 from heron.request import Request, RequestStatus
 from heron.worker.runner_output import ModelRunnerOutput
 
@@ -57,6 +57,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        request.record_event(EngineEventType.QUEUED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; their blocks are freed at
@@ -164,8 +165,7 @@ class Scheduler:
                 request.num_computed_tokens = num_hit_tokens
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
-                if request.scheduled_ts is None:
-                    request.scheduled_ts = now
+                request.record_event(EngineEventType.SCHEDULED, now)
                 num_scheduled_tokens[request.request_id] = num_new
                 token_budget -= num_new
                 new_reqs.append(
@@ -202,6 +202,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
+        request.record_event(EngineEventType.PREEMPTED)
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
         logger.debug("preempted %s", request.request_id)
@@ -213,7 +214,6 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop rules, and report per-request deltas."""
         outputs: list[EngineCoreOutput] = []
-        now = time.monotonic()
         for row, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             if request is None:
@@ -234,11 +234,7 @@ class Scheduler:
                     break
             if logprobs is not None:
                 logprobs = logprobs[: len(new_token_ids)]
-            if new_token_ids:
-                if request.first_token_ts is None:
-                    request.first_token_ts = now
-                request.last_token_ts = now
-            if new_token_ids or prompt_logprobs or request.is_finished:
+            if new_token_ids or prompt_logprobs or request.is_finished or request.events:
                 outputs.append(
                     EngineCoreOutput(
                         request_id=request_id,
@@ -248,12 +244,15 @@ class Scheduler:
                         finish_reason=request.status.finish_reason,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        events=request.take_events(),
                     )
                 )
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(scheduler_output))
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(scheduler_output), timestamp=time.monotonic()
+        )
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -3,9 +3,19 @@ scheduler's statistics (for metrics and the periodic log)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from heron.worker.runner_output import TokenLogprobs
+
+
+class EngineEventType(enum.IntEnum):
+    """Request lifecycle events, stamped with ``time.monotonic()`` in the engine core
+    (CLOCK_MONOTONIC is system-wide, so the API process can compare them)."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
 
 
 @dataclass
@@ -17,6 +27,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id, when one ended it
     num_cached_tokens: int = 0
+    # lifecycle events since the last output: (EngineEventType, monotonic time)
+    events: list[tuple[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -38,3 +50,4 @@ class SchedulerStats:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0  # time.monotonic() when the step's tokens were ready

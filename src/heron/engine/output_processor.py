@@ -8,6 +8,7 @@ abort it in the engine core (``ProcessedOutputs.request_ids_to_abort``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from heron.engine.core_output import EngineCoreOutput
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.input_processor import ProcessedPrompt, child_request_id
 from heron.engine.stop_strings import StopStringMatcher
+from heron.metrics.stats import IterationStats, RequestTimes
 from heron.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from heron.sampling_params import RequestOutputKind, SamplingParams
 from heron.worker.runner_output import TokenLogprobs
@@ -45,8 +47,10 @@ class RequestState:
         prompt: ProcessedPrompt,
         params: SamplingParams,
         tokenizer: Any,
+        arrival_time: float,
     ) -> None:
         self.engine_request_id = engine_request_id
+        self.times = RequestTimes(arrival=arrival_time)
         self.parent = parent
         self.index = index
         self.prompt = prompt
@@ -156,6 +160,7 @@ class RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput] = field(default_factory=list)
     request_ids_to_abort: list[str] = field(default_factory=list)
+    iteration_stats: IterationStats = field(default_factory=IterationStats)
 
 
 class OutputProcessor:
@@ -163,38 +168,57 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}  # by engine request id
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> list[str]:
-        """Register a user request; returns its engine request ids (one per sample)."""
+    def add_request(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> list[str]:
+        """Register a user request; returns its engine request ids (one per sample).
+        ``arrival_time`` is ``time.monotonic()`` when the request arrived."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(request_id, params.n)
         engine_ids = []
         for index in range(params.n):
             engine_id = child_request_id(request_id, index) if params.n > 1 else request_id
             child_params = params if params.n == 1 else params.clone(n=1)
-            self.requests[engine_id] = RequestState(engine_id, parent, index, prompt, child_params, self.tokenizer)
+            self.requests[engine_id] = RequestState(
+                engine_id, parent, index, prompt, child_params, self.tokenizer, arrival
+            )
             engine_ids.append(engine_id)
         return engine_ids
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def abort_request(self, request_id: str) -> list[str]:
-        """Forget a user request; returns the engine ids to abort in the core."""
+    def abort_request(self, request_id: str, stats: IterationStats | None = None) -> list[str]:
+        """Forget a user request; returns the engine ids to abort in the core. The
+        aborted samples are counted as finished ("abort") in ``stats``."""
         engine_ids = [eid for eid, state in self.requests.items() if state.parent.request_id == request_id]
+        now = time.monotonic()
         for engine_id in engine_ids:
-            del self.requests[engine_id]
+            state = self.requests.pop(engine_id)
+            if stats is not None:
+                stats.observe_finished(state.times, "abort", len(state.prompt.token_ids), len(state.token_ids), now)
         return engine_ids
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float | None = None) -> ProcessedOutputs:
+        """Fold in one step's outputs; ``timestamp`` (monotonic) is when the engine
+        produced them."""
+        now = time.monotonic() if timestamp is None else timestamp
         result = ProcessedOutputs()
+        stats = result.iteration_stats
         for output in outputs:
             state = self.requests.get(output.request_id)
             if state is None:
                 continue  # aborted by the user, or already stopped by a stop string
+            state.times.apply_events(output.events)
+            num_prompt_tokens = len(state.prompt.token_ids)
+            stats.observe_tokens(state.times, num_prompt_tokens, len(output.new_token_ids), now)
             if state.apply(output):
                 result.request_ids_to_abort.append(output.request_id)
             request_output = self._make_output(state)
             if state.finished:
                 del self.requests[output.request_id]
+                assert state.finish_reason is not None
+                stats.observe_finished(state.times, state.finish_reason, num_prompt_tokens, len(state.token_ids), now)
             if request_output is not None:
                 result.request_outputs.append(request_output)
         return result

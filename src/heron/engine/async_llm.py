@@ -1,0 +1,285 @@
+"""``AsyncLLM``: the async streaming API, with the engine core in its own process.
+
+Tokenization, detokenization and everything asyncio happen here, in the caller's
+process, while the engine-core process runs forward passes, so the two overlap.
+Each request gets a ``RequestOutputCollector``: when the consumer reads slower
+than tokens arrive, streamed deltas are merged into one pending output instead
+of queueing, so a slow reader holds at most its own (max_tokens-bounded) output.
+
+    llm = AsyncLLM(EngineConfig.create())
+    await llm.wait_until_ready()
+    async for output in llm.generate(prompt, params, "request-1"):
+        print(output.outputs[0].text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from heron.config import EngineConfig
+from heron.engine.core_client import EngineCoreClient
+from heron.engine.core_output import SchedulerStats
+from heron.engine.input_processor import InputProcessor, ProcessedPrompt
+from heron.engine.output_processor import OutputProcessor
+from heron.engine.serialization import MessageKind, decode_outputs
+from heron.loader.model_config import eos_token_ids
+from heron.loader.tokenizer import load_tokenizer
+from heron.metrics.logging_stats import LoggingStatLogger
+from heron.metrics.prometheus import PrometheusStatLogger
+from heron.metrics.stats import IterationStats
+from heron.outputs import RequestOutput
+from heron.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no request can be served."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine core is still loading the model."""
+
+
+class RequestOutputCollector:
+    """Hands outputs from the output loop to one request's consumer. DELTA outputs
+    that pile up are merged, so memory per request stays bounded."""
+
+    def __init__(self, kind: RequestOutputKind) -> None:
+        self.kind = kind
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        pending = self._pending
+        if pending is None or isinstance(item, BaseException) or isinstance(pending, BaseException):
+            self._pending = item
+        elif self.kind == RequestOutputKind.DELTA:
+            _merge_delta(pending, item)
+        else:
+            self._pending = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        item = self._pending
+        self._pending = None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in into.outputs}
+    for completion in new.outputs:
+        existing = by_index.get(completion.index)
+        if existing is None:
+            into.outputs.append(completion)
+            by_index[completion.index] = completion
+            continue
+        existing.text += completion.text
+        existing.token_ids.extend(completion.token_ids)
+        if completion.logprobs is not None:
+            existing.logprobs = (existing.logprobs or []) + completion.logprobs
+        existing.cumulative_logprob = completion.cumulative_logprob
+        existing.finish_reason = completion.finish_reason
+        existing.stop_reason = completion.stop_reason
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+    if new.prompt_logprobs is not None:
+        into.prompt_logprobs = new.prompt_logprobs
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, *, log_level: str = "INFO", log_stats_interval_s: float = 10.0) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.input_processor = InputProcessor(
+            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = PrometheusStatLogger(config.model.served_model_name)
+        self.stat_logger = LoggingStatLogger(log_stats_interval_s)
+        self.client = EngineCoreClient(config, log_level)
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        # requests sent to the engine that have produced no token yet
+        self._not_started: set[str] = set()
+        self.last_scheduler_stats = SchedulerStats()
+        self.engine_info: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+        self._ready: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def _ensure_started(self) -> asyncio.Event:
+        if self._ready is None:
+            self._ready = asyncio.Event()
+            self._tasks = [
+                asyncio.create_task(self._output_loop(), name="heron-output-loop"),
+                asyncio.create_task(self._watch_engine(), name="heron-engine-watch"),
+            ]
+        return self._ready
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready is not None and self._ready.is_set() and self.dead_reason is None
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    async def wait_until_ready(self, timeout: float | None = None) -> None:
+        ready = self._ensure_started()
+        waiter = asyncio.create_task(ready.wait())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not ready.is_set():
+                if self.dead_reason is not None:
+                    raise EngineDeadError(self.dead_reason)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError("the engine core did not become ready in time")
+                await asyncio.wait({waiter}, timeout=min(0.2, remaining) if remaining is not None else 0.2)
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+        finally:
+            waiter.cancel()
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.client.shutdown()
+
+    # ---- requests ------------------------------------------------------------------
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests accepted that have not produced a token yet (queued or prefilling)."""
+        return len(self._not_started)
+
+    async def generate(
+        self,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (per ``params.output_kind``) until finished.
+        Cancelling the consumer (e.g. a client disconnect) aborts the request."""
+        self._ensure_started()
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not self.is_ready:
+            raise EngineNotReadyError("the model is still loading")
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        core_requests = self.input_processor.make_requests(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        collector = RequestOutputCollector(params.output_kind)
+        self._collectors[request_id] = collector
+        engine_ids = self.output_processor.add_request(request_id, prompt, params, arrival_time)
+        self._not_started.update(engine_ids)
+        finished = False
+        try:
+            for core_request in core_requests:
+                await self.client.add_request(core_request)
+            while True:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            self._collectors.pop(request_id, None)
+            self._not_started.difference_update(engine_ids)
+            if not finished:
+                self.abort_nowait(request_id)  # no await: we may be inside a cancellation
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Forget a request here at once and tell the engine core to free it."""
+        engine_ids = self._forget(request_id)
+        if engine_ids and self.dead_reason is None:
+            asyncio.get_running_loop().create_task(self.client.abort_requests(engine_ids))
+
+    async def abort(self, request_id: str) -> None:
+        engine_ids = self._forget(request_id)
+        if engine_ids and self.dead_reason is None:
+            await self.client.abort_requests(engine_ids)
+
+    def _forget(self, request_id: str) -> list[str]:
+        stats = IterationStats()
+        engine_ids = self.output_processor.abort_request(request_id, stats)
+        self._record_stats(None, stats)
+        return engine_ids
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        return await self.client.call_utility(method, *args)
+
+    # ---- background tasks ----------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        assert self._ready is not None
+        while True:
+            kind, payload = await self.client.receive()
+            if kind == MessageKind.OUTPUTS:
+                self._handle_outputs(payload)
+            elif kind == MessageKind.READY:
+                self.engine_info = payload
+                self._ready.set()
+                logger.info("engine core ready (pid %s, %s KV blocks)", payload.get("pid"), payload.get("num_kv_blocks"))
+            elif kind == MessageKind.FAILED:
+                self._mark_dead(f"the engine core failed: {payload}")
+                return
+
+    def _handle_outputs(self, payload: Any) -> None:
+        core_outputs = decode_outputs(payload)
+        processed = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp or None)
+        for output in core_outputs.outputs:
+            if output.new_token_ids or output.finished:
+                self._not_started.discard(output.request_id)
+        for request_output in processed.request_outputs:
+            collector = self._collectors.get(request_output.request_id)
+            if collector is not None:
+                collector.put(request_output)
+        if processed.request_ids_to_abort:
+            asyncio.get_running_loop().create_task(self.client.abort_requests(processed.request_ids_to_abort))
+        self._record_stats(core_outputs.scheduler_stats, processed.iteration_stats)
+
+    def _record_stats(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        if scheduler_stats is not None:
+            self.last_scheduler_stats = scheduler_stats
+        self.metrics.record(scheduler_stats, iteration)
+        self.stat_logger.record(scheduler_stats, iteration)
+
+    async def _watch_engine(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if not self.client.is_alive():
+                self._mark_dead(f"the engine core process exited (code {self.client.exit_code})")
+                return
+            self.stat_logger.maybe_log()
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("%s", reason)
+        error = EngineDeadError(reason)
+        for collector in self._collectors.values():
+            collector.put(error)
+        self.client.fail_pending_calls(error)
+        if self._ready is not None:
+            self._ready.set()  # wake anyone waiting for readiness: they will see it dead

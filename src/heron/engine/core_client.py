@@ -1,0 +1,114 @@
+"""The API server's handle on the engine-core process: spawns it, and sends and
+receives msgpack messages over two ZMQ IPC sockets (asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from heron.config import EngineConfig
+from heron.engine.serialization import MessageKind, encode_request, pack, unpack
+from heron.request import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        self._socket_dir = tempfile.mkdtemp(prefix="heron-ipc-")
+        input_address = f"ipc://{os.path.join(self._socket_dir, 'input')}"
+        output_address = f"ipc://{os.path.join(self._socket_dir, 'output')}"
+        self.context = zmq.asyncio.Context()
+        self.input_socket = self.context.socket(zmq.PUSH)
+        self.input_socket.setsockopt(zmq.LINGER, 0)
+        self.input_socket.bind(input_address)
+        self.output_socket = self.context.socket(zmq.PULL)
+        self.output_socket.setsockopt(zmq.LINGER, 0)
+        self.output_socket.bind(output_address)
+        # A fresh interpreter (not multiprocessing's spawn, which re-imports the
+        # caller's __main__): the config travels as a pickle file.
+        config_path = os.path.join(self._socket_dir, "config.pickle")
+        with open(config_path, "wb") as config_file:
+            pickle.dump(config, config_file)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "heron.engine.core_proc", config_path, input_address, output_address, log_level]
+        )
+        self._call_ids = itertools.count()
+        self._pending_calls: dict[int, asyncio.Future[Any]] = {}
+        self._closed = False
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        await self.input_socket.send(pack(MessageKind.ADD, encode_request(request)))
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self._closed:
+            await self.input_socket.send(pack(MessageKind.ABORT, request_ids))
+
+    async def receive(self) -> tuple[MessageKind, Any]:
+        kind, payload = unpack(await self.output_socket.recv())
+        if kind == MessageKind.UTILITY_RESULT:
+            call_id, ok, result = payload
+            future = self._pending_calls.pop(call_id, None)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(result)
+                else:
+                    future.set_exception(RuntimeError(result))
+        return kind, payload
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        """Run a named utility in the engine core (e.g. "reset_prefix_cache")."""
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = future
+        await self.input_socket.send(pack(MessageKind.UTILITY, [call_id, method, list(args)]))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending_calls.pop(call_id, None)
+
+    def fail_pending_calls(self, error: BaseException) -> None:
+        for future in self._pending_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending_calls.clear()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_alive():
+            try:
+                self.input_socket.send(pack(MessageKind.SHUTDOWN, None), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            for stop in (None, self.process.terminate, self.process.kill):
+                if stop is not None:
+                    stop()
+                try:
+                    self.process.wait(timeout)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self.input_socket.close()
+        self.output_socket.close()
+        self.context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)

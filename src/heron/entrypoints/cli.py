@@ -1,0 +1,67 @@
+"""The ``heron`` command: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from heron.entrypoints.engine_args import add_engine_args, add_sampling_args
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="heron", description="heron: LLM inference engine and OpenAI-compatible server")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subcommands = parser.add_subparsers(dest="command", required=True)
+
+    generate = subcommands.add_parser("generate", help="complete one prompt, streaming the text")
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_args(generate)
+    add_sampling_args(generate)
+
+    chat = subcommands.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+
+    from heron.entrypoints.openai.cli_args import add_serve_args
+
+    serve = subcommands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        if args.command in ("generate", "chat"):
+            from heron.entrypoints.terminal import run_chat, run_generate
+
+            return run_generate(args) if args.command == "generate" else run_chat(args)
+        if args.command == "serve":
+            from heron.entrypoints.openai.server import run_server
+
+            return run_server(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"heron: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Flags of ``heron serve``."""
+
+from __future__ import annotations
+
+import argparse
+
+from heron.entrypoints.engine_args import parse_size
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
+    group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats log lines")
+    gateway = parser.add_argument_group("gateway")
+    gateway.add_argument("--api-key", action="append", default=None,
+                         help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")
+    gateway.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
+    gateway.add_argument("--rate-limit", type=float, default=None, help="requests per second allowed per API key")
+    gateway.add_argument("--rate-limit-burst", type=float, default=None, help="burst size (default: 2x the rate, at least 1)")
+    gateway.add_argument("--max-waiting-requests", type=int, default=None,
+                         help="requests without a first token beyond which new ones get 429")
+    gateway.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    gateway.add_argument("--max-request-body-bytes", type=parse_size, default=10 << 20, help="largest accepted request body")

@@ -1,0 +1,136 @@
+"""Gateway duties in front of the engine: API keys, per-key token-bucket rate
+limits, and a request-body size limit. Admission against the engine's queue
+(``--max-waiting-requests``) is checked by the handlers, which know the engine."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+API_KEY_ENV = "HERON_API_KEY"
+
+
+def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[str]:
+    """Keys from --api-key (repeatable), the HERON_API_KEY variable (comma
+    separated) and --api-key-file (one per line, # comments)."""
+    keys = list(cli_keys or [])
+    keys += [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    if key_file:
+        with open(key_file, encoding="utf-8") as handle:
+            keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+    return list(dict.fromkeys(keys))
+
+
+class APIKeyChecker:
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = [key.encode() for key in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, authorization: str | None) -> str:
+        """Return the caller's key, or raise a 401 APIError."""
+        if not self.keys:
+            return ""
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise unauthorized()
+        presented = authorization[7:].strip().encode()
+        # compare against every key in constant time
+        matched = [hmac.compare_digest(presented, key) for key in self.keys]
+        if not any(matched):
+            raise unauthorized()
+        return presented.decode()
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class TokenBucketLimiter:
+    """``rate`` requests per second per key, with bursts up to ``burst``."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate limit needs rate > 0 and burst >= 1")
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def acquire(self, key: str) -> None:
+        """Take one token for ``key`` or raise a 429 APIError with Retry-After."""
+        now = self.clock()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(self.burst, now)
+        bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
+        bucket.updated = now
+        if bucket.tokens < 1.0:
+            wait = (1.0 - bucket.tokens) / self.rate
+            raise too_many_requests(
+                f"Rate limit exceeded: {self.rate:g} requests/s per key (burst {self.burst:g}).",
+                wait,
+                "rate_limit_exceeded",
+            )
+        bucket.tokens -= 1.0
+        if len(self._buckets) > 100_000:  # forget idle keys rather than grow forever
+            self._buckets = {k: b for k, b in self._buckets.items() if now - b.updated < 3600}
+
+
+class BodySizeLimitMiddleware:
+    """Reject request bodies over ``max_bytes`` with 413, by Content-Length or by
+    counting a chunked body as it streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._reject(send)
+                return
+        received = 0
+
+        async def counting_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        error = APIError(413, f"Request body larger than {self.max_bytes} bytes.", "invalid_request_error", None, "body_too_large")
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass

@@ -1,0 +1,201 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
+from heron.entrypoints.openai.errors import bad_request, timed_out
+from heron.entrypoints.openai.protocol import ChatCompletionRequest
+from heron.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    check_request,
+    collect_final,
+    engine_error,
+    invalid_input,
+    merge_streams,
+    new_request_id,
+    resolve_max_tokens,
+    sampling_params,
+    sse,
+    start_generation,
+    until_disconnected,
+    usage,
+)
+from heron.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from heron.sampling_params import MAX_LOGPROBS
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def chat_prompt(ctx: ServingContext, request: Any) -> ProcessedPrompt:
+    """Apply the chat template to ``request.messages`` (chat and /tokenize)."""
+    messages = []
+    for index, message in enumerate(request.messages):
+        if message.role not in CHAT_ROLES:
+            raise bad_request(f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}", "messages")
+        messages.append(message.model_dump(exclude_none=True))
+    try:
+        return ctx.engine.input_processor.process_chat(
+            messages,
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=getattr(request, "chat_template_kwargs", None),
+        )
+    except InvalidRequestError as exc:
+        raise invalid_input(exc) from exc
+
+
+async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest, raw_request: Request) -> Any:
+    check_request(ctx, request, request.model)
+    if request.tools:
+        raise bad_request("tool calling is not supported by this server", "tools")
+    if request.response_format and request.response_format.get("type") not in (None, "text"):
+        raise bad_request("response_format other than 'text' is not supported yet", "response_format")
+    top_logprobs = request.top_logprobs or 0
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", "top_logprobs")
+    prompt = chat_prompt(ctx, request)
+    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), requested, param, "messages")
+    params = sampling_params(
+        request, max_tokens, top_logprobs if request.logprobs else None, request.prompt_logprobs, request.stream
+    )
+    request_id = request.request_id or new_request_id("chatcmpl")
+    try:
+        streams = start_generation(ctx, [prompt], [params], request_id, request.priority, request.cache_salt)
+    except InvalidRequestError as exc:
+        raise invalid_input(exc) from exc
+    builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs)
+    if request.stream:
+        return StreamingResponse(builder.stream(streams), media_type="text/event-stream")
+    try:
+        [final] = await until_disconnected(raw_request, lambda: collect_final(ctx, streams))
+    except TimeoutError as exc:
+        raise timed_out(ctx.request_timeout_s or 0) from exc
+    except (RuntimeError, ValueError) as exc:
+        error = engine_error(exc)
+        if error is None:
+            raise
+        raise error from exc
+    return JSONResponse(builder.response(final))
+
+
+class _ChatBuilder:
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, prompt: ProcessedPrompt,
+                 request_id: str, created: int, top_logprobs: int) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.prompt = prompt
+        self.request_id = request_id
+        self.created = created
+        self.top_logprobs = top_logprobs
+        self.tokenizer = ctx.engine.tokenizer
+        last = request.messages[-1]
+        self.echo_text = (
+            str(last.content or "") if request.echo and last.role == "assistant" and isinstance(last.content, str) else ""
+        )
+
+    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
+        if not self.request.logprobs:
+            return None
+        content = []
+        for token_id, entry in zip(token_ids, logprobs or []):
+            token = self.tokenizer.decode([token_id])
+            ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+            top = [
+                {"token": (text := lp.decoded_token or ""), "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode())}
+                for _, lp in ranked[: self.top_logprobs]
+            ]
+            content.append({
+                "token": token,
+                "logprob": max(entry[token_id].logprob, -9999.0),
+                "bytes": list(token.encode()),
+                "top_logprobs": top,
+            })
+        return {"content": content}
+
+    def _message_choice(self, completion: CompletionOutput) -> dict[str, Any]:
+        return {
+            "index": completion.index,
+            "message": {"role": "assistant", "content": self.echo_text + completion.text},
+            "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+
+    def response(self, final: RequestOutput) -> dict[str, Any]:
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+            "choices": [self._message_choice(c) for c in final.outputs],
+            "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+            "choices": choices,
+        }
+
+    async def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        n = self.request.n
+        prompt_tokens = len(self.prompt.token_ids)
+        completion_tokens = 0
+        cached = 0
+        # the first chunk of every choice announces the role (and any echoed text)
+        for index in range(n):
+            yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": self.echo_text},
+                                    "logprobs": None, "finish_reason": None}]))
+        try:
+            async with asyncio.timeout(self.ctx.request_timeout_s):
+                async for _, output in merge_streams(streams):
+                    cached = output.num_cached_tokens
+                    for completion in output.outputs:
+                        if not completion.text and not completion.token_ids and completion.finish_reason is None:
+                            continue
+                        completion_tokens += len(completion.token_ids)
+                        delta = {"content": completion.text} if completion.text else {}
+                        chunk = self._chunk([{
+                            "index": completion.index,
+                            "delta": delta,
+                            "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
+                            "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason,
+                        }])
+                        if continuous:
+                            chunk["usage"] = usage(prompt_tokens, completion_tokens, cached)
+                        yield sse(chunk)
+        except TimeoutError:
+            yield sse(timed_out(self.ctx.request_timeout_s or 0).body())
+        except (RuntimeError, ValueError) as exc:
+            error = engine_error(exc)
+            if error is None:
+                raise
+            yield sse(error.body())
+        else:
+            if include_usage:
+                chunk = self._chunk([])
+                chunk["usage"] = usage(prompt_tokens, completion_tokens, cached)
+                yield sse(chunk)
+        yield SSE_DONE

@@ -1,0 +1,243 @@
+"""What the completion and chat handlers share: admission, turning request
+fields into ``SamplingParams``, context-length checks, streaming plumbing
+(SSE, merging several prompts' streams, timeouts, client disconnects)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from heron.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError
+from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
+from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found, too_many_requests, unavailable
+from heron.entrypoints.openai.protocol import OpenAIModel, SamplingFields
+from heron.outputs import RequestOutput
+from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLM
+    served_model_name: str
+    max_model_len: int
+    max_waiting_requests: int | None = None
+    request_timeout_s: float | None = None
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) -> None:
+    """Model name, unknown fields, engine health and queue admission."""
+    if model is not None and model != ctx.served_model_name:
+        raise model_not_found(model)
+    unknown = request.unknown_fields()
+    if unknown:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+    engine = ctx.engine
+    if engine.is_dead:
+        raise unavailable(f"The engine is not running: {engine.dead_reason}", "engine_dead")
+    if not engine.is_ready:
+        raise unavailable("The model is still loading; retry shortly.", "model_loading")
+    if ctx.max_waiting_requests is not None and engine.num_waiting_requests >= ctx.max_waiting_requests:
+        raise too_many_requests(
+            f"The server is overloaded: {engine.num_waiting_requests} requests are already waiting "
+            f"(limit {ctx.max_waiting_requests}); retry later.",
+            1.0,
+            "server_overloaded",
+        )
+
+
+def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None, param: str, where: str) -> int:
+    """The completion budget; 400 naming both numbers when it does not fit."""
+    limit = ctx.max_model_len
+    if num_prompt_tokens >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your {where} has "
+            f"{num_prompt_tokens} tokens, leaving no room for the completion. Please shorten it.",
+            "messages" if where == "messages" else "prompt",
+            "context_length_exceeded",
+        )
+    if requested is None:
+        return limit - num_prompt_tokens
+    if num_prompt_tokens + requested > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {where}, {requested} for "
+            f"the completion). Please reduce the length of the {where} or {param}.",
+            param,
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(
+    request: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    stream: bool,
+) -> SamplingParams:
+    """OpenAI/vLLM fields -> SamplingParams; bad values become 400s naming the field."""
+    logit_bias = None
+    if request.logit_bias:
+        try:
+            logit_bias = {int(token): float(bias) for token, bias in request.logit_bias.items()}
+        except ValueError as exc:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from exc
+    try:
+        return SamplingParams(
+            n=request.n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            logit_bias=logit_bias,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+
+
+def invalid_input(exc: InvalidRequestError) -> APIError:
+    return bad_request(str(exc), exc.param)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def start_generation(
+    ctx: ServingContext,
+    prompts: list[ProcessedPrompt],
+    params: list[SamplingParams],
+    request_id: str,
+    priority: int,
+    cache_salt: str | None,
+) -> list[AsyncIterator[RequestOutput]]:
+    arrival = time.monotonic()
+    return [
+        ctx.engine.generate(
+            prompt, prompt_params, f"{request_id}-{index}", priority=priority, cache_salt=cache_salt, arrival_time=arrival
+        )
+        for index, (prompt, prompt_params) in enumerate(zip(prompts, params))
+    ]
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several prompts' output streams as (prompt index, output)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except BaseException as exc:  # forwarded to the consumer
+            await queue.put((index, exc))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            index, value = item
+            if isinstance(value, BaseException):
+                raise value
+            yield index, value
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+def engine_error(exc: BaseException) -> APIError | None:
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"The engine is not running: {exc}", "engine_dead")
+    if isinstance(exc, EngineNotReadyError):
+        return unavailable(str(exc), "model_loading")
+    if isinstance(exc, InvalidRequestError):
+        return invalid_input(exc)
+    return None
+
+
+async def collect_final(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run non-streaming requests to the end (within the request timeout)."""
+    finals: dict[int, RequestOutput] = {}
+    async with asyncio.timeout(ctx.request_timeout_s):
+        async for index, output in merge_streams(streams):
+            if output.finished:
+                finals[index] = output
+    return [finals[i] for i in range(len(streams))]
+
+
+async def until_disconnected(raw_request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work`` but cancel it (aborting its requests) if the client goes away."""
+    task = asyncio.create_task(work())
+
+    async def watch() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise APIError(499, "Client disconnected.", "client_closed_request")
+    finally:
+        watcher.cancel()

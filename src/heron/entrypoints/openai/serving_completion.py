@@ -1,0 +1,234 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
+from heron.entrypoints.openai.errors import bad_request, timed_out
+from heron.entrypoints.openai.protocol import CompletionRequest
+from heron.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    check_request,
+    collect_final,
+    engine_error,
+    invalid_input,
+    merge_streams,
+    new_request_id,
+    resolve_max_tokens,
+    sampling_params,
+    sse,
+    start_generation,
+    until_disconnected,
+    usage,
+)
+from heron.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+
+
+def _prompts(request: CompletionRequest) -> list[Any]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _process(ctx: ServingContext, request: CompletionRequest, prompt: Any) -> ProcessedPrompt:
+    processor = ctx.engine.input_processor
+    try:
+        if isinstance(prompt, str) and not request.add_special_tokens and prompt:
+            return ProcessedPrompt(prompt, processor.tokenizer.encode(prompt, add_special_tokens=False))
+        processed = processor.process_prompt(prompt)
+    except InvalidRequestError as exc:
+        raise invalid_input(exc) from exc
+    if processed.text is None:
+        processed = ProcessedPrompt(processor.tokenizer.decode(processed.token_ids), processed.token_ids)
+    return processed
+
+
+async def create_completion(ctx: ServingContext, request: CompletionRequest, raw_request: Request) -> Any:
+    check_request(ctx, request, request.model)
+    if request.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of must equal n (heron returns every sample)", "best_of")
+    prompts = [_process(ctx, request, p) for p in _prompts(request)]
+    prompt_logprobs = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:
+        prompt_logprobs = request.logprobs
+    params = [
+        sampling_params(
+            request,
+            resolve_max_tokens(ctx, len(p.token_ids), request.max_tokens, "max_tokens", "prompt"),
+            request.logprobs,
+            prompt_logprobs,
+            request.stream,
+        )
+        for p in prompts
+    ]
+    request_id = request.request_id or new_request_id("cmpl")
+    created = int(time.time())
+    try:
+        streams = start_generation(ctx, prompts, params, request_id, request.priority, request.cache_salt)
+    except InvalidRequestError as exc:
+        raise invalid_input(exc) from exc
+    builder = _CompletionBuilder(ctx, request, prompts, request_id, created)
+    if request.stream:
+        return StreamingResponse(builder.stream(streams), media_type="text/event-stream")
+    try:
+        finals = await until_disconnected(raw_request, lambda: collect_final(ctx, streams))
+    except TimeoutError as exc:
+        raise timed_out(ctx.request_timeout_s or 0) from exc
+    except (RuntimeError, ValueError) as exc:
+        error = engine_error(exc)
+        if error is None:
+            raise
+        raise error from exc
+    return JSONResponse(builder.response(finals))
+
+
+class _CompletionBuilder:
+    def __init__(
+        self, ctx: ServingContext, request: CompletionRequest, prompts: list[ProcessedPrompt], request_id: str, created: int
+    ) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.prompts = prompts
+        self.request_id = request_id
+        self.created = created
+        self.tokenizer = ctx.engine.tokenizer
+
+    def _choice(self, prompt_index: int, completion: CompletionOutput, prompt_logprobs: PromptLogprobs | None,
+                echo_prompt: bool, text_offset: int) -> dict[str, Any]:
+        text = completion.text
+        logprobs = None
+        prompt = self.prompts[prompt_index]
+        if echo_prompt:
+            text = (prompt.text or "") + text
+        if self.request.logprobs is not None:
+            logprobs = self._logprobs(
+                completion.token_ids,
+                completion.logprobs or [],
+                prompt.token_ids if echo_prompt else None,
+                prompt_logprobs if echo_prompt else None,
+                text_offset,
+            )
+        return {
+            "index": prompt_index * self.request.n + completion.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: SampleLogprobs,
+        prompt_ids: list[int] | None,
+        prompt_logprobs: PromptLogprobs | None,
+        text_offset: int,
+    ) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        pairs: list[tuple[int, dict[int, Any] | None]] = []
+        if prompt_ids is not None:
+            entries = prompt_logprobs or [None] * len(prompt_ids)
+            pairs += list(zip(prompt_ids, entries))
+        pairs += list(zip(token_ids, logprobs))
+        offset = text_offset
+        num_top = self.request.logprobs or 0
+        for token_id, entry in pairs:
+            token = self.tokenizer.decode([token_id])
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            if entry is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(entry[token_id].logprob)
+            ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+            top.append({lp.decoded_token or self.tokenizer.decode([tid]): lp.logprob for tid, lp in ranked[: max(num_top, 1)]})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        prompt_tokens = completion_tokens = cached = 0
+        for prompt_index, output in enumerate(finals):
+            prompt_tokens += len(output.prompt_token_ids)
+            cached += output.num_cached_tokens
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                choices.append(self._choice(prompt_index, completion, output.prompt_logprobs, self.request.echo, 0))
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached),
+        }
+
+    async def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        n = self.request.n
+        completion_tokens = [0] * (len(self.prompts) * n)
+        text_offsets = [0] * (len(self.prompts) * n)
+        echoed: set[int] = set()
+        cached = [0] * len(self.prompts)
+        prompt_total = sum(len(p.token_ids) for p in self.prompts)
+        try:
+            async with asyncio.timeout(self.ctx.request_timeout_s):
+                async for prompt_index, output in merge_streams(streams):
+                    cached[prompt_index] = output.num_cached_tokens
+                    for completion in output.outputs:
+                        index = prompt_index * n + completion.index
+                        echo = self.request.echo and index not in echoed
+                        echoed.add(index)
+                        if not completion.text and not completion.token_ids and completion.finish_reason is None and not echo:
+                            continue
+                        completion_tokens[index] += len(completion.token_ids)
+                        choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo, text_offsets[index])
+                        text_offsets[index] += len(choice["text"])
+                        chunk = self._chunk([choice])
+                        if continuous:
+                            chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
+                        yield sse(chunk)
+        except TimeoutError:
+            yield sse(timed_out(self.ctx.request_timeout_s or 0).body())
+        except (RuntimeError, ValueError) as exc:
+            error = engine_error(exc)
+            if error is None:
+                raise
+            yield sse(error.body())
+        else:
+            if include_usage:
+                chunk = self._chunk([])
+                chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
+                yield sse(chunk)
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+            "choices": choices,
+        }
+

@@ -1,0 +1,95 @@
+"""``heron generate`` and ``heron chat``: stream tokens to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
+from heron.engine.llm_engine import LLMEngine
+from heron.entrypoints.engine_args import engine_config_from_args
+from heron.sampling_params import RequestOutputKind, SamplingParams
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def stream_completion(engine: LLMEngine, prompt: ProcessedPrompt, params: SamplingParams, out: TextIO) -> tuple[str, str | None]:
+    """Run one request to the end, writing text as it arrives; returns (text, finish reason)."""
+    request_id = engine.next_request_id()
+    engine.add_request(request_id, prompt, params)
+    pieces: list[str] = []
+    finish_reason = None
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                completion = output.outputs[0]
+                if completion.text:
+                    out.write(completion.text)
+                    out.flush()
+                    pieces.append(completion.text)
+                finish_reason = completion.finish_reason or finish_reason
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        finish_reason = "abort"
+    return "".join(pieces), finish_reason
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    engine = LLMEngine(engine_config_from_args(args))
+    params = sampling_params_from_args(args)
+    processor = engine.input_processor
+    if args.chat:
+        prompt = processor.process_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = processor.process_prompt(args.prompt)
+    _, finish_reason = stream_completion(engine, prompt, params, sys.stdout)
+    sys.stdout.write("\n")
+    print(f"[finish_reason={finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+    engine = LLMEngine(engine_config_from_args(args))
+    params = sampling_params_from_args(args)
+    history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
+    out.write(f"heron chat with {engine.config.model.served_model_name}: /reset clears the history, /exit or Ctrl-D quits\n")
+    while True:
+        out.write("\n> ")
+        out.flush()
+        line = input_stream.readline()
+        if not line:
+            out.write("\n")
+            return 0
+        message = line.strip()
+        if not message:
+            continue
+        if message in ("/exit", "/quit"):
+            return 0
+        if message == "/reset":
+            history = history[:1] if args.system else []
+            out.write("(history cleared)\n")
+            continue
+        history.append({"role": "user", "content": message})
+        try:
+            prompt = engine.input_processor.process_chat(history)
+            engine.input_processor.make_requests("check", prompt, params)
+        except InvalidRequestError as exc:
+            history.pop()
+            out.write(f"(error: {exc}; try /reset)\n")
+            continue
+        text, _ = stream_completion(engine, prompt, params, out)
+        out.write("\n")
+        history.append({"role": "assistant", "content": text})

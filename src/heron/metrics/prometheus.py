@@ -1,0 +1,104 @@
+"""Prometheus metrics named like vLLM's, with the ``heron:`` prefix, so existing
+dashboards and alerts carry over. Each server owns its registry (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from heron.engine.core_output import SchedulerStats
+from heron.metrics.stats import IterationStats
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+
+# every metric name this module exports (the dashboard test checks against it)
+EXPORTED_METRICS = (
+    "heron:num_requests_running", "heron:num_requests_waiting", "heron:kv_cache_usage_perc",
+    "heron:prompt_tokens_total", "heron:generation_tokens_total", "heron:request_success_total",
+    "heron:num_preemptions_total", "heron:prefix_cache_queries_total", "heron:prefix_cache_hits_total",
+    "heron:time_to_first_token_seconds", "heron:inter_token_latency_seconds",
+    "heron:request_time_per_output_token_seconds", "heron:e2e_request_latency_seconds",
+    "heron:request_queue_time_seconds", "heron:request_prefill_time_seconds",
+    "heron:request_decode_time_seconds", "heron:request_inference_time_seconds",
+    "heron:request_prompt_tokens", "heron:request_generation_tokens", "heron:iteration_tokens_total",
+)
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"heron:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(f"heron:{name}", doc, labels + (extra or []), registry=r)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(f"heron:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.request_success = counter("request_success", "Finished requests", ["finished_reason"])
+        self.preemptions = counter("num_preemptions", "Preemptions")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Mean decode time per output token", _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Queued to first scheduled", _REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token", _REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token", _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step", _TOKEN_BUCKETS)
+        self.model_name = model_name
+        self._last_cumulative = SchedulerStats()
+        for metric in (self.running, self.waiting, self.kv_usage):
+            metric.labels(model_name).set(0)
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
+        name = self.model_name
+        if scheduler_stats is not None:
+            self.running.labels(name).set(scheduler_stats.num_running_reqs)
+            self.waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
+            self.kv_usage.labels(name).set(scheduler_stats.kv_cache_usage)
+            last = self._last_cumulative
+            self.preemptions.labels(name).inc(max(0, scheduler_stats.num_preemptions - last.num_preemptions))
+            self.prefix_queries.labels(name).inc(max(0, scheduler_stats.prefix_cache_queries - last.prefix_cache_queries))
+            self.prefix_hits.labels(name).inc(max(0, scheduler_stats.prefix_cache_hits - last.prefix_cache_hits))
+            if scheduler_stats.num_scheduled_tokens:
+                self.iteration_tokens.labels(name).observe(scheduler_stats.num_scheduled_tokens)
+            self._last_cumulative = scheduler_stats
+        if iteration is None:
+            return
+        self.prompt_tokens.labels(name).inc(iteration.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(iteration.num_generation_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.labels(name).observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.labels(name).observe(value)
+        for finished in iteration.finished_requests:
+            self.request_success.labels(name, finished.finish_reason).inc()
+            self.e2e.labels(name).observe(finished.e2e_latency)
+            self.queue_time.labels(name).observe(finished.queue_time)
+            self.prefill_time.labels(name).observe(finished.prefill_time)
+            self.decode_time.labels(name).observe(finished.decode_time)
+            self.inference_time.labels(name).observe(finished.inference_time)
+            self.request_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.labels(name).observe(finished.num_generation_tokens)
+            if finished.mean_time_per_output_token is not None:
+                self.tpot.labels(name).observe(finished.mean_time_per_output_token)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,88 @@
+"""Per-request timing and per-iteration statistics, computed in the front end
+from timestamps the engine core records (queued, scheduled, preempted) and the
+time each step's tokens became available. All times are ``time.monotonic()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from heron.engine.core_output import EngineEventType
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    queued: float | None = None
+    scheduled: float | None = None  # first scheduling (queue time ends)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_preemptions: int = 0
+
+    def apply_events(self, events: list[tuple[int, float]] | None) -> None:
+        for event_type, timestamp in events or ():
+            if event_type == EngineEventType.QUEUED:
+                self.queued = timestamp
+            elif event_type == EngineEventType.SCHEDULED and self.scheduled is None:
+                self.scheduled = timestamp
+            elif event_type == EngineEventType.PREEMPTED:
+                self.num_preemptions += 1
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+    mean_time_per_output_token: float | None
+
+
+@dataclass
+class IterationStats:
+    """What one engine step's outputs contributed."""
+
+    num_prompt_tokens: int = 0  # prompts whose first token arrived this step
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+    def observe_tokens(self, times: RequestTimes, num_prompt_tokens: int, num_new_tokens: int, now: float) -> None:
+        if num_new_tokens == 0:
+            return
+        self.num_generation_tokens += num_new_tokens
+        if times.first_token is None:
+            times.first_token = now
+            self.num_prompt_tokens += num_prompt_tokens
+            self.time_to_first_tokens.append(now - times.arrival)
+        elif times.last_token is not None:
+            self.inter_token_latencies.append(now - times.last_token)
+        times.last_token = now
+
+    def observe_finished(
+        self, times: RequestTimes, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int, now: float
+    ) -> None:
+        scheduled = times.scheduled if times.scheduled is not None else now
+        queued = times.queued if times.queued is not None else times.arrival
+        first = times.first_token if times.first_token is not None else now
+        last = times.last_token if times.last_token is not None else now
+        decode_time = max(0.0, last - first)
+        self.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=finish_reason,
+                e2e_latency=now - times.arrival,
+                num_prompt_tokens=num_prompt_tokens,
+                num_generation_tokens=num_generation_tokens,
+                queue_time=max(0.0, scheduled - queued),
+                prefill_time=max(0.0, first - scheduled),
+                decode_time=decode_time,
+                inference_time=max(0.0, last - scheduled),
+                mean_time_per_output_token=(
+                    decode_time / (num_generation_tokens - 1) if num_generation_tokens > 1 else None
+                ),
+            )
+        )

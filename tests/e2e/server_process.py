@@ -1,0 +1,91 @@
+"""Run `heron serve` as a real subprocess on a free loopback port for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0, tls_cert: str | None = None
+    ) -> None:
+        """``tls_cert``: the server's certificate, when it serves HTTPS."""
+        self.port = free_port()
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls_cert) if tls_cert else True
+        self.base_url = f"{'https' if tls_cert else 'http'}://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="heron-serve-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", str(self.port),
+                   "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "1024", *args]
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"heron serve exited early:\n{self.read_log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0, verify=self.verify).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"heron serve did not become ready:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        with open(self.log.name, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+
+    def engine_core_pid(self) -> int:
+        """The engine-core child process of this server."""
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.process.pid:
+                return int(entry)
+        raise RuntimeError("engine core process not found")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples from /metrics, over label sets that include ``labels``."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if all(item in line for item in wanted):
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.log.close()
+        os.unlink(self.log.name)

@@ -1,0 +1,144 @@
+"""Gateway duties of a live server: API keys (flag, env var, file), per-key rate
+limits, request-size limits, timeouts, admission bounds, a dead engine, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_process import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text("# team keys\nkey-from-file\n")
+    process = ServerProcess(
+        "--api-key", "key-from-flag", "--api-key-file", str(key_file),
+        "--rate-limit", "1", "--rate-limit-burst", "3",
+        "--max-request-body-bytes", "4096", "--request-timeout", "1.5",
+        env={"HERON_API_KEY": "key-from-env-a,key-from-env-b"},
+    )
+    yield process
+    process.stop()
+
+
+def post(server: ServerProcess, key: str | None, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_api_keys_from_flag_env_and_file(guarded):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for key in ("key-from-flag", "key-from-env-b", "key-from-file"):
+        assert post(guarded, key, body).status_code == 200, key
+    for key in (None, "wrong-key"):
+        response = post(guarded, key, body)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    # the official client passes the key the same way
+    client = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    # health and metrics stay open for probes and scrapers
+    assert httpx.get(f"{guarded.base_url}/health").status_code == 200
+    assert httpx.get(f"{guarded.base_url}/metrics").status_code == 200
+
+
+def test_rate_limit_is_per_key_with_retry_after(guarded):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    time.sleep(3.0)  # refill the bucket used by the previous test
+    codes = [post(guarded, "key-from-env-a", body).status_code for _ in range(6)]
+    assert codes[:3] == [200, 200, 200] and 429 in codes[3:]
+    limited = post(guarded, "key-from-env-a", body)
+    assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert post(guarded, "key-from-file", body).status_code == 200  # another key has its own bucket
+
+
+def test_request_body_size_limit(guarded):
+    response = post(guarded, "key-from-flag", {"model": MODEL, "prompt": "x" * 10000, "max_tokens": 1})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_request_timeout_aborts_and_reports(guarded):
+    time.sleep(1.0)
+    body = {"model": MODEL, "prompt": "Go on and on.", "max_tokens": 400, "ignore_eos": True}
+    started = time.monotonic()
+    response = post(guarded, "key-from-flag", body)
+    assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 5
+    while guarded.metric("heron:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert guarded.metric("heron:num_requests_running") == 0
+    time.sleep(1.0)
+    chunks = []
+    headers = {"Authorization": "Bearer key-from-file"}
+    with httpx.stream("POST", f"{guarded.base_url}/v1/completions", json={**body, "stream": True},
+                      headers=headers, timeout=30) as stream:
+        chunks = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert '"request_timeout"' in chunks[-2] and chunks[-1] == "data: [DONE]"
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    process = ServerProcess("--max-waiting-requests", "2", "--max-num-seqs", "2")
+    yield process
+    process.stop()
+
+
+def test_max_waiting_requests_rejects_the_overflow(bounded):
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i: int) -> int:
+                body = {"model": MODEL, "prompt": f"Story {i}: " + "once upon a time " * 40, "max_tokens": 30, "ignore_eos": True}
+                response = await client.post(f"{bounded.base_url}/v1/completions", json=body)
+                if response.status_code == 429:
+                    assert response.json()["error"]["code"] == "server_overloaded"
+                    assert "Retry-After" in response.headers
+                return response.status_code
+            return await asyncio.gather(*[one(i) for i in range(12)])
+
+    codes = asyncio.run(run())
+    assert set(codes) <= {200, 429}
+    assert codes.count(200) >= 2 and codes.count(429) >= 1
+
+
+def test_dead_engine_gives_503_and_health_says_so(bounded):
+    os.kill(bounded.engine_core_pid(), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{bounded.base_url}/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    health = httpx.get(f"{bounded.base_url}/health")
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    response = httpx.post(f"{bounded.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    process = ServerProcess("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), tls_cert=str(cert))
+    try:
+        assert process.base_url.startswith("https://")
+        client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused", max_retries=0,
+                               http_client=httpx.Client(verify=process.verify))
+        assert client.models.list().data[0].id == MODEL
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+            httpx.get(f"http://127.0.0.1:{process.port}/health", timeout=5)
+    finally:
+        process.stop()

@@ -1,0 +1,246 @@
+"""A live `heron serve` on the embedded model, driven by the official openai client
+and by plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_process import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess("--max-model-len", "512")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_idle(server: ServerProcess, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric("heron:num_requests_running") == 0 and server.metric("heron:kv_cache_usage_perc") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the server did not return to idle (requests or KV blocks still held)")
+
+
+def test_health_version_models(server, client):
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    [model] = client.models.list().data
+    assert model.id == MODEL
+
+
+def test_chat_completion_answers_paris(client):
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    choice = response.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert response.id.startswith("chatcmpl-") and response.model == MODEL
+
+
+def test_usage_counts_equal_the_tokenizer(server, client, embedded_tokenizer):
+    prompt = "The quick brown fox jumps over the lazy dog."
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    expected = len(embedded_tokenizer.encode(prompt))
+    assert response.usage.prompt_tokens == expected
+    assert response.usage.completion_tokens == 9 and response.usage.total_tokens == expected + 9
+    tokenized = httpx.post(f"{server.base_url}/tokenize", json={"prompt": prompt}).json()
+    assert tokenized["count"] == expected and tokenized["max_model_len"] == 512
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    chat_tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": QUESTION}).json()
+    assert chat.usage.prompt_tokens == chat_tokens["count"]
+    detok = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokenized["tokens"]}).json()
+    assert detok["prompt"] == prompt
+
+
+def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
+    kwargs = dict(model=MODEL, messages=QUESTION + [{"role": "assistant", "content": "It is"}, {"role": "user", "content": "Tell me more."}],
+                  temperature=0.9, seed=1234, max_tokens=48)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    again = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert full == again  # seeds are reproducible
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == full
+    assert usage is not None and usage.completion_tokens > 0 and finish in ("stop", "length")
+
+
+def test_completions_n2_logprobs_and_echo(client):
+    response = client.completions.create(model=MODEL, prompt=["Once upon a time", "The sky is"], n=2, max_tokens=6,
+                                         temperature=1.0, seed=5, logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+    for choice in response.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+        assert "".join(lp.tokens) == choice.text
+        assert all(len(top) >= 2 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    assert response.usage.completion_tokens == 4 * 6
+    echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, echo=True, logprobs=1)
+    assert echo.choices[0].text.startswith("Hello there")
+    assert echo.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_chat_logprobs_shape(client):
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy picks the best
+        assert bytes(item.bytes).decode() == item.token
+
+
+def test_stop_strings_never_leak_into_chunks(client):
+    base = dict(model=MODEL, prompt="Count: 1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=30, temperature=0)
+    full = client.completions.create(**base).choices[0].text
+    stop = full.strip().split(",")[2].strip() + ","  # e.g. "11,"
+    cut = client.completions.create(stop=[stop], **base).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+    chunks = [c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **base) if c.choices]
+    assert "".join(chunks) == cut.text
+    assert all(stop not in chunk for chunk in chunks)
+
+
+def test_tokens_are_flushed_as_produced(server):
+    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 64, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    arrivals = []
+    started = time.monotonic()
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic() - started)
+    assert len(arrivals) >= 32
+    assert arrivals[0] < arrivals[-1] * 0.5  # the first token arrived long before the last
+
+
+def test_concurrent_requests_are_all_answered(server, embedded_tokenizer):
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as aclient:
+            async def one(i: int):
+                if i % 2:
+                    return await aclient.completions.create(model=MODEL, prompt=f"Fact number {i}:", max_tokens=8 + i % 5,
+                                                            temperature=0, extra_body={"ignore_eos": True})
+                return await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Say {i}"}],
+                                                             max_tokens=8 + i % 5, temperature=0, extra_body={"ignore_eos": True})
+            return await asyncio.gather(*[one(i) for i in range(40)])
+
+    responses = asyncio.run(run())
+    assert len(responses) == 40
+    for i, response in enumerate(responses):
+        assert response.usage.completion_tokens == 8 + i % 5
+    wait_idle(server)
+
+
+def aborted_count(server: ServerProcess) -> float:
+    return server.metric("heron:request_success_total", finished_reason="abort")
+
+
+def test_streaming_client_disconnect_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    aborted_before = aborted_count(server)
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: {")
+            if seen >= 3:
+                break
+        assert server.metric("heron:num_requests_running") == 1  # still generating while we hold it
+    wait_idle(server, timeout=5.0)
+    assert aborted_count(server) == aborted_before + 1
+
+
+def test_non_streaming_client_disconnect_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    aborted_before = aborted_count(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=1.0)
+    wait_idle(server, timeout=5.0)
+    assert aborted_count(server) == aborted_before + 1
+
+
+@pytest.mark.parametrize(
+    "body, param, fragment",
+    [
+        ({"temperature": -1}, "temperature", "temperature"),
+        ({"top_p": 2}, "top_p", "top_p"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"n": 0}, "n", "n"),
+        ({"top_k": -5}, "top_k", "top_k"),
+        ({"logprobs": 50}, "logprobs", "logprobs"),
+        ({"temperature": "hot"}, "temperature", "temperature"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": [10**7]}, "prompt", "vocabulary"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias"),
+        ({"max_tokens": 400, "prompt": "word " * 300}, "max_tokens", "512"),
+    ],
+)
+def test_bad_values_get_400_naming_the_parameter(server, body, param, fragment):
+    payload = {"model": MODEL, "prompt": "hi", **body}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=payload, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+
+def test_context_overflow_message_says_both_numbers(server):
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "word " * 300}], "max_completion_tokens": 400})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "512" in message and "400" in message and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404_and_unknown_fields_are_ignored(server, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "frobnicate": True})
+    assert response.status_code == 200
+    assert "frobnicate" in server.read_log()
+
+
+def test_malformed_json_and_unknown_route(server):
+    response = httpx.post(f"{server.base_url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+    response = httpx.get(f"{server.base_url}/v1/nothing-here")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_metrics_move_with_requests(server, client):
+    before_success = server.metric("heron:request_success_total")
+    before_tokens = server.metric("heron:generation_tokens_total")
+    before_ttft = server.metric("heron:time_to_first_token_seconds_count")
+    client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert server.metric("heron:request_success_total") == before_success + 1
+    assert server.metric("heron:generation_tokens_total") == before_tokens + 10
+    assert server.metric("heron:time_to_first_token_seconds_count") == before_ttft + 1
+    assert server.metric("heron:inter_token_latency_seconds_count") > 0
+    assert server.metric("heron:e2e_request_latency_seconds_sum") > 0
+    wait_idle(server)
+    assert server.metric("heron:num_requests_waiting") == 0

@@ -1,0 +1,72 @@
+import asyncio
+
+import pytest
+
+from heron.engine.async_llm import RequestOutputCollector
+from heron.entrypoints.openai.errors import APIError
+from heron.entrypoints.openai.gateway import APIKeyChecker, TokenBucketLimiter, collect_api_keys
+from heron.outputs import CompletionOutput, RequestOutput
+from heron.sampling_params import RequestOutputKind
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_bucket_allows_bursts_then_refills_per_key():
+    clock = FakeClock()
+    limiter = TokenBucketLimiter(rate=2.0, burst=3, clock=clock)
+    for _ in range(3):
+        limiter.acquire("a")
+    with pytest.raises(APIError) as info:
+        limiter.acquire("a")
+    assert info.value.status_code == 429 and info.value.headers == {"Retry-After": "1"}
+    limiter.acquire("b")  # other keys are unaffected
+    clock.now = 0.5  # one token refilled at 2/s
+    limiter.acquire("a")
+    with pytest.raises(APIError):
+        limiter.acquire("a")
+
+
+def test_api_key_checker_and_sources(tmp_path, monkeypatch):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# comment\nfile-key\n\n")
+    monkeypatch.setenv("HERON_API_KEY", "env-1, env-2")
+    keys = collect_api_keys(["flag-key", "env-1"], str(key_file))
+    assert keys == ["flag-key", "env-1", "env-2", "file-key"]
+    checker = APIKeyChecker(keys)
+    assert checker.check("Bearer file-key") == "file-key"
+    for header in (None, "Bearer nope", "Basic env-1", "env-1"):
+        with pytest.raises(APIError) as info:
+            checker.check(header)
+        assert info.value.status_code == 401
+    assert APIKeyChecker([]).check(None) == ""
+
+
+def output(text: str, finished: bool = False, index: int = 0) -> RequestOutput:
+    completion = CompletionOutput(index, text, [len(text)], finish_reason="stop" if finished else None)
+    return RequestOutput("r", None, [1], [completion], finished)
+
+
+def test_collector_merges_deltas_for_a_slow_reader():
+    async def run() -> None:
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        for piece in ("a", "b", "c"):
+            collector.put(output(piece))
+        collector.put(output("d", finished=True))
+        merged = await collector.get()
+        assert merged.outputs[0].text == "abcd" and merged.outputs[0].token_ids == [1, 1, 1, 1]
+        assert merged.finished and merged.outputs[0].finish_reason == "stop"
+        collector.put(output("x", index=1))
+        collector.put(output("y", index=0))
+        both = await collector.get()
+        assert sorted((c.index, c.text) for c in both.outputs) == [(0, "y"), (1, "x")]
+        collector.put(RuntimeError("engine died"))
+        with pytest.raises(RuntimeError, match="engine died"):
+            await collector.get()
+
+    asyncio.run(run())
