@@ -8,7 +8,6 @@ max_model_len, KV-cache size) against the model and the machine.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -138,11 +137,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ProfilerConfig:
+    """Record engine steps ``[start_step, start_step + num_steps)`` with the torch
+    profiler and write a Chrome trace into ``directory``."""
+
+    directory: str | None = None
+    num_steps: int = 32
+    start_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1 or self.start_step < 0:
+            raise ValueError("profile steps must be >= 1 and the start step >= 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: torch.device
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     @staticmethod
     def create(
@@ -164,6 +178,8 @@ class EngineConfig:
         device: str | None = None,
         model_impl: str = "auto",
         served_model_name: str | None = None,
+        profile_dir: str | None = None,
+        profile_steps: int = 32,
     ) -> EngineConfig:
         """Resolve a user's arguments against the model and machine, validating all."""
         from heron.loader.model_config import load_hf_config
@@ -220,6 +236,7 @@ class EngineConfig:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             device=resolved_device,
+            profiler=ProfilerConfig(directory=profile_dir, num_steps=profile_steps),
         )
 
 
@@ -230,7 +247,3 @@ def _model_max_len(hf_config: Any) -> int:
             return value
     return 2048
 
-
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default

@@ -12,6 +12,7 @@ import logging
 from heron.config import EngineConfig
 from heron.core.scheduler import Scheduler
 from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs
+from heron.profiling import StepProfiler, phase
 from heron.request import EngineCoreRequest, Request, RequestStatus
 from heron.worker.kv_cache_sizing import determine_num_kv_blocks
 from heron.worker.model_runner import ModelRunner
@@ -32,6 +33,10 @@ class EngineCore:
         )
         self.model_runner.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len)
+        profile = config.profiler
+        self.profiler = (
+            StepProfiler(profile.directory, profile.num_steps, profile.start_step) if profile.directory else None
+        )
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(core_request))
@@ -49,9 +54,21 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-        scheduler_output = self.scheduler.schedule()
+        if self.profiler is not None:
+            self.profiler.before_step()
+        with phase("schedule"):
+            scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        with phase("update_from_output"):
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.profiler is not None:
+            self.profiler.after_step()
+        return outputs
+
+    def finish_profile(self) -> None:
+        """Write the trace now, even if the window was not complete."""
+        if self.profiler is not None:
+            self.profiler.finish()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

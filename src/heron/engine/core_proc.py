@@ -119,6 +119,7 @@ class EngineCoreProc:
             except Exception as exc:  # reported to the caller, the engine keeps running
                 self.output_queue.put(pack(MessageKind.UTILITY_RESULT, [call_id, False, f"{type(exc).__name__}: {exc}"]))
         elif kind == MessageKind.SHUTDOWN:
+            self.engine.finish_profile()
             self._running = False
 
     def _utility(self, method: str, args: list[Any]) -> Any:

@@ -63,6 +63,13 @@ class LLM:
         )
         self.engine = LLMEngine(config)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an already resolved configuration."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     @property
     def config(self) -> EngineConfig:
         return self.engine.config

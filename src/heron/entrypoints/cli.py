@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = subcommands.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_serve_args(serve)
+
+    from heron.entrypoints.bench_cli import add_bench_parsers
+
+    add_bench_parsers(subcommands)
     return parser
 
 
@@ -55,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             from heron.entrypoints.openai.server import run_server
 
             return run_server(args)
+        if args.command == "bench":
+            from heron.entrypoints.bench_cli import run_bench
+
+            return run_bench(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"heron: error: {exc}", file=sys.stderr)
         return 2

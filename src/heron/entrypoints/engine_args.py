@@ -58,6 +58,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         model_impl=args.model_impl,
         served_model_name=args.served_model_name,
+        profile_dir=getattr(args, "profile", None),
+        profile_steps=getattr(args, "profile_steps", 32),
     )
 
 

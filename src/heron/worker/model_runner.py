@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,12 +20,28 @@ from heron.attention.backend import BatchLayout, get_attention_backend
 from heron.config import EngineConfig
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
+from heron.profiling import phase
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
 from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch, in batch order (the scheduler's order)."""
+
+    request_ids: list[str]
+    states: list[CachedRequestState]
+    num_scheduled: np.ndarray  # [B] tokens per request this step
+    num_computed: np.ndarray  # [B] tokens cached before this step
+    query_start_loc: np.ndarray  # [B + 1]
+    sample_rows: list[int]  # requests whose last scheduled token is their last token
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: Any
 
 
 class ModelRunner:
@@ -93,6 +111,14 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
+        with phase("prepare_inputs"):
+            step = self._prepare_inputs(scheduler_output)
+        with phase("forward"):
+            hidden = self.model(step.input_ids, step.positions, step.attn_metadata)
+        with phase("sample"):
+            return self._sample(step, hidden)
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         request_ids = list(scheduler_output.num_scheduled_tokens)
         states = [self.requests[request_id] for request_id in request_ids]
         num_scheduled = np.fromiter(
@@ -106,7 +132,7 @@ class ModelRunner:
         input_ids = np.empty(num_tokens, dtype=np.int64)
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
-        sample_rows: list[int] = []  # rows whose last scheduled token is their last token
+        sample_rows: list[int] = []
         for row, state in enumerate(states):
             start, count = int(num_computed[row]), int(num_scheduled[row])
             offset = int(query_start_loc[row])
@@ -129,59 +155,59 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
             block_size=self.block_size,
         )
-        metadata = self.backend.build_metadata(layout)
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
-            metadata,
+        return StepInputs(
+            request_ids=request_ids,
+            states=states,
+            num_scheduled=num_scheduled,
+            num_computed=num_computed,
+            query_start_loc=query_start_loc,
+            sample_rows=sample_rows,
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            attn_metadata=self.backend.build_metadata(layout),
         )
 
-        prompt_logprobs = self._prompt_logprobs(states, hidden, query_start_loc, num_computed, num_scheduled)
+    def _sample(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        states = step.states
+        prompt_logprobs = self._prompt_logprobs(step, hidden)
         sampled_token_ids: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
-        if sample_rows:
-            logits_index = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(self.device)
+        if step.sample_rows:
+            logits_index = torch.from_numpy(step.query_start_loc[1:][step.sample_rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden.index_select(0, logits_index))
-            sample_states = [states[row] for row in sample_rows]
+            sample_states = [states[row] for row in step.sample_rows]
             sampling_metadata = build_sampling_metadata(sample_states, self.vocab_size, self.device)
             output = self.sampler(logits, sampling_metadata)
             sampled = output.sampled_token_ids.tolist()
             row_logprobs = _split_logprobs(output, sample_states)
-            for index, row in enumerate(sample_rows):
+            for index, row in enumerate(step.sample_rows):
                 token_id = sampled[index]
                 sampled_token_ids[row] = [token_id]
                 states[row].token_ids.append(token_id)
                 if row_logprobs[index] is not None:
                     logprobs[row] = [row_logprobs[index]]  # type: ignore[list-item]
         for row, state in enumerate(states):
-            state.num_computed_tokens += int(num_scheduled[row])
+            state.num_computed_tokens += int(step.num_scheduled[row])
         return ModelRunnerOutput(
-            req_ids=request_ids,
+            req_ids=step.request_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _prompt_logprobs(
-        self,
-        states: list[CachedRequestState],
-        hidden: torch.Tensor,
-        query_start_loc: np.ndarray,
-        num_computed: np.ndarray,
-        num_scheduled: np.ndarray,
-    ) -> dict[str, list[TokenLogprobs]]:
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the prompt tokens whose predecessors were computed this step:
         the hidden state at position p scores prompt token p + 1."""
         result: dict[str, list[TokenLogprobs]] = {}
-        for row, state in enumerate(states):
+        for row, state in enumerate(step.states):
             num_top = state.sampling_params.prompt_logprobs
             if num_top is None:
                 continue
-            start = int(num_computed[row])
-            end = min(start + int(num_scheduled[row]), state.num_prompt_tokens - 1)
+            start = int(step.num_computed[row])
+            end = min(start + int(step.num_scheduled[row]), state.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            offset = int(query_start_loc[row])
+            offset = int(step.query_start_loc[row])
             logits = self.model.compute_logits(hidden[offset : offset + end - start])
             targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
             gathered = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, num_top)

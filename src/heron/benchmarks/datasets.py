@@ -1,0 +1,129 @@
+"""Benchmark prompts: random (token-exact lengths), ShareGPT files, and
+prefix-repetition (many prompts sharing long prefixes).
+
+Random prompts are built from whole-word vocabulary tokens ("Ġword" in byte-level
+BPE, "▁word" in SentencePiece), which re-tokenize to themselves, and every prompt
+is checked (and trimmed or padded) until it encodes to exactly the length asked.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SampleRequest:
+    prompt: str
+    prompt_len: int
+    expected_output_len: int
+
+
+class WordTokens:
+    """Whole-word tokens of a tokenizer, for building prompts of exact lengths."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        vocab: dict[str, int] = tokenizer.get_vocab()
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        words = []
+        for token, token_id in vocab.items():
+            if token_id in special or len(token) < 3 or token[0] not in ("Ġ", "▁"):
+                continue
+            body = token[1:]
+            if body.isascii() and body.isalpha() and body.islower():
+                words.append(token_id)
+        if len(words) < 100:
+            raise ValueError("the tokenizer has too few whole-word tokens to build random prompts")
+        self.word_ids = sorted(words)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def text_of_length(self, length: int, rng: random.Random, prefix: str = "") -> str:
+        """A text of random words that (after ``prefix``) encodes to exactly
+        ``length`` tokens."""
+        target = len(self.encode(prefix)) + length if prefix else length
+        ids = [rng.choice(self.word_ids) for _ in range(length)]
+        text = prefix + self.tokenizer.decode(ids)
+        for _ in range(50):
+            actual = len(self.encode(text))
+            if actual == target:
+                return text
+            if actual > target:
+                ids = ids[: len(ids) - (actual - target)]
+            else:
+                ids = ids + [rng.choice(self.word_ids) for _ in range(target - actual)]
+            text = prefix + self.tokenizer.decode(ids)
+        raise ValueError(f"could not build a prompt of exactly {length} tokens")
+
+
+def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
+    low = max(1, int(mean * (1 - range_ratio)))
+    high = max(low, int(mean * (1 + range_ratio)))
+    return rng.randint(low, high)
+
+
+def random_dataset(
+    tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+    prefix_len: int = 0, seed: int = 0,
+) -> list[SampleRequest]:
+    """Input and output lengths drawn uniformly from [len*(1-r), len*(1+r)]; an
+    optional shared prefix of ``prefix_len`` tokens."""
+    rng = random.Random(seed)
+    words = WordTokens(tokenizer)
+    prefix = words.text_of_length(prefix_len, rng) if prefix_len else ""
+    samples = []
+    for _ in range(num_prompts):
+        length = _length(rng, input_len, range_ratio)
+        prompt = words.text_of_length(length, rng, prefix=prefix + " " if prefix else "")
+        samples.append(SampleRequest(prompt, prefix_len + length, _length(rng, output_len, range_ratio)))
+    return samples
+
+
+def prefix_repetition_dataset(
+    tokenizer: Any, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int = 0,
+) -> list[SampleRequest]:
+    """``num_prefixes`` random prefixes, each shared by ``num_prompts / num_prefixes``
+    prompts that differ in a random suffix."""
+    rng = random.Random(seed)
+    words = WordTokens(tokenizer)
+    prefixes = [words.text_of_length(prefix_len, rng) for _ in range(num_prefixes)]
+    samples = []
+    for index in range(num_prompts):
+        prefix = prefixes[index % num_prefixes] + " "
+        prompt = words.text_of_length(suffix_len, rng, prefix=prefix)
+        samples.append(SampleRequest(prompt, len(words.encode(prompt)), output_len))
+    rng.shuffle(samples)
+    return samples
+
+
+def sharegpt_dataset(
+    tokenizer: Any, path: str, num_prompts: int, output_len: int | None = None, seed: int = 0,
+    max_prompt_len: int = 1024, max_total_len: int = 2048,
+) -> list[SampleRequest]:
+    """First human turn as the prompt, the first model reply's length as the
+    output length (unless ``output_len`` is given); too long or too short
+    conversations are skipped, as vLLM does."""
+    with open(path, encoding="utf-8") as handle:
+        conversations = json.load(handle)
+    rng = random.Random(seed)
+    rng.shuffle(conversations)
+    samples = []
+    for entry in conversations:
+        turns = entry.get("conversations") or entry.get("conversation") or []
+        if len(turns) < 2:
+            continue
+        prompt, reply = str(turns[0].get("value", "")), str(turns[1].get("value", ""))
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        reply_len = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        if prompt_len < 4 or reply_len < 4 or prompt_len > max_prompt_len or prompt_len + reply_len > max_total_len:
+            continue
+        samples.append(SampleRequest(prompt, prompt_len, reply_len))
+        if len(samples) == num_prompts:
+            break
+    if len(samples) < num_prompts:
+        raise ValueError(f"{path} has only {len(samples)} usable conversations, {num_prompts} asked")
+    return samples

@@ -1,0 +1,107 @@
+"""One streamed request to an OpenAI-compatible endpoint, timed chunk by chunk.
+
+TTFT is the time to the first chunk carrying text; inter-token latencies are
+the gaps between later text chunks. Output tokens come from the server's usage
+report when it sends one (``stream_options.include_usage``), otherwise from
+tokenizing the generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from heron.benchmarks.datasets import SampleRequest
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    generated_text: str = ""
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0  # seconds since the benchmark started
+    chunk_times: list[float] = field(default_factory=list)  # since the benchmark started
+    error: str = ""
+
+
+def request_body(model: str, sample: SampleRequest, chat: bool, ignore_eos: bool, temperature: float) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": sample.expected_output_len,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if chat:
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+        body["max_completion_tokens"] = sample.expected_output_len
+    else:
+        body["prompt"] = sample.prompt
+    return body
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    sample: SampleRequest,
+    bench_start: float,
+    headers: dict[str, str],
+    count_tokens: Any,
+) -> RequestResult:
+    result = RequestResult(prompt_len=sample.prompt_len)
+    chat = "messages" in body
+    started = time.perf_counter()
+    result.start_time = started - bench_start
+    last = started
+    texts: list[str] = []
+    usage_tokens: int | None = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if "error" in payload:
+                    result.error = str(payload["error"])[:300]
+                    return result
+                if payload.get("usage"):
+                    usage_tokens = payload["usage"].get("completion_tokens", usage_tokens)
+                text = ""
+                for choice in payload.get("choices") or []:
+                    text += (choice.get("delta", {}).get("content") or "") if chat else (choice.get("text") or "")
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if not texts:
+                    result.ttft = now - started
+                else:
+                    result.itl.append(now - last)
+                last = now
+                result.chunk_times.append(now - bench_start)
+                texts.append(text)
+        result.latency = time.perf_counter() - started
+        result.generated_text = "".join(texts)
+        result.output_tokens = usage_tokens if usage_tokens is not None else count_tokens(result.generated_text)
+        result.success = bool(texts)
+        if not texts:
+            result.error = "the server returned no text"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result

@@ -1,0 +1,159 @@
+"""``heron bench serve``: load-test any OpenAI-compatible server.
+
+Requests leave at Poisson times (``--burstiness 1``) or gamma-distributed times
+(lower burstiness = burstier) at ``--request-rate`` per second (``inf``: all at
+once), at most ``--max-concurrency`` in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+import httpx
+from tqdm.asyncio import tqdm
+
+from heron.benchmarks.datasets import SampleRequest
+from heron.benchmarks.endpoint_client import RequestResult, request_body, send_request
+from heron.benchmarks.metrics import compute_metrics
+
+PRINTED = [
+    ("Successful requests:", "completed", "{:d}"),
+    ("Failed requests:", "failed", "{:d}"),
+    ("Maximum request concurrency:", "max_concurrency", "{}"),
+    ("Request rate configured (RPS):", "request_rate", "{}"),
+    ("Benchmark duration (s):", "duration", "{:.2f}"),
+    ("Total input tokens:", "total_input_tokens", "{:d}"),
+    ("Total generated tokens:", "total_output_tokens", "{:d}"),
+    ("Request throughput (req/s):", "request_throughput", "{:.2f}"),
+    ("Request goodput (req/s):", "request_goodput", "{:.2f}"),
+    ("Output token throughput (tok/s):", "output_throughput", "{:.2f}"),
+    ("Total token throughput (tok/s):", "total_token_throughput", "{:.2f}"),
+]
+
+
+async def arrivals(samples: list[SampleRequest], rate: float, burstiness: float, seed: int) -> AsyncIterator[SampleRequest]:
+    rng = random.Random(seed)
+    for sample in samples:
+        yield sample
+        if rate != float("inf"):
+            # gamma with mean 1/rate; shape = burstiness (1 = Poisson process)
+            await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+
+
+async def run_load(
+    base_url: str,
+    endpoint: str,
+    model: str,
+    samples: list[SampleRequest],
+    *,
+    request_rate: float,
+    burstiness: float,
+    max_concurrency: int | None,
+    ignore_eos: bool,
+    temperature: float,
+    api_key: str | None,
+    count_tokens: Any,
+    seed: int,
+    show_progress: bool,
+) -> tuple[list[RequestResult], float]:
+    url = base_url.rstrip("/") + endpoint
+    chat = "chat" in endpoint
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or 10_000, max_keepalive_connections=max_concurrency or 10_000)
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    progress = tqdm(total=len(samples), disable=not show_progress, desc="requests")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(sample: SampleRequest) -> RequestResult:
+            body = request_body(model, sample, chat, ignore_eos, temperature)
+            if semaphore is None:
+                result = await send_request(client, url, body, sample, start, headers, count_tokens)
+            else:
+                async with semaphore:
+                    result = await send_request(client, url, body, sample, start, headers, count_tokens)
+            progress.update(1)
+            return result
+
+        tasks = []
+        async for sample in arrivals(samples, request_rate, burstiness, seed):
+            tasks.append(asyncio.create_task(one(sample)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    progress.close()
+    return list(results), duration
+
+
+async def fetch_model_name(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+
+def build_result(
+    metrics: dict[str, Any], results: list[RequestResult], settings: dict[str, Any]
+) -> dict[str, Any]:
+    done = [r for r in results if r.success]
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai",
+        **settings,
+        **metrics,
+        "input_lens": [r.prompt_len for r in done],
+        "output_lens": [r.output_tokens for r in done],
+        "ttfts": [r.ttft for r in done],
+        "itls": [r.itl for r in done],
+        "start_times": [r.start_time for r in done],
+        "errors": [r.error for r in results if not r.success],
+    }
+
+
+def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
+    lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
+    if result.get("label"):
+        lines.append(f"{'Label:':<44}{result['label']}")
+    for title, key, fmt in PRINTED:
+        value = result.get(key)
+        if value is None:
+            continue
+        text = fmt.format(value) if not isinstance(value, str) else value
+        lines.append(f"{title:<44}{text}")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
+        lines.append(f"{'Mean ' + name.upper() + ' (ms):':<44}{result[f'mean_{name}_ms']:.2f}")
+        lines.append(f"{'Median ' + name.upper() + ' (ms):':<44}{result[f'median_{name}_ms']:.2f}")
+        for p in percentiles:
+            label = f"{p:g}".replace(".", "_")
+            lines.append(f"{f'P{p:g} ' + name.upper() + ' (ms):':<44}{result[f'p{label}_{name}_ms']:.2f}")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def save_result(result: dict[str, Any], directory: str | None, filename: str | None) -> str:
+    if filename is None:
+        concurrency = result.get("max_concurrency") or "inf"
+        model = str(result.get("model_id", "model")).replace("/", "_")
+        filename = f"heron-bench-{model}-rate{result['request_rate']}-conc{concurrency}-{result['date']}.json"
+    path = os.path.join(directory, filename) if directory else filename
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=2)
+    return path
+
+
+def summarize(
+    results: list[RequestResult], duration: float, goodput: dict[str, float], percentiles: list[float],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    return build_result(compute_metrics(results, duration, goodput, percentiles), results, settings)

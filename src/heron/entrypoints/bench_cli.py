@@ -1,0 +1,217 @@
+"""``heron bench serve | throughput | latency | compare``, with vLLM's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+from heron.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+
+def add_bench_parsers(subcommands: Any) -> None:
+    bench = subcommands.add_parser("bench", help="benchmarks: serve, throughput, latency, compare")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = kinds.add_parser("serve", help="load-test OpenAI-compatible servers")
+    serve.add_argument("--base-url", action="append", default=None,
+                       help="server URL (repeat to compare several servers on the same prompts)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    serve.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
+    serve.add_argument("--tokenizer", default=None, help="tokenizer for dataset lengths (default: the embedded model's)")
+    serve.add_argument("--label", action="append", default=None, help="a name per --base-url for the report")
+    serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    _add_dataset_args(serve)
+    serve.add_argument("--request-rate", type=float, default=float("inf"))
+    serve.add_argument("--burstiness", type=float, default=1.0)
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--ignore-eos", action="store_true")
+    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="e.g. ttft:500 tpot:50 e2el:3000 (ms)")
+    serve.add_argument("--metric-percentiles", default="50,90,99")
+    serve.add_argument("--save-result", action="store_true")
+    serve.add_argument("--result-dir", default=None)
+    serve.add_argument("--result-filename", default=None)
+    serve.add_argument("--plot", action="store_true", help="write PNG charts next to the result")
+    serve.add_argument("--disable-tqdm", action="store_true")
+
+    throughput = kinds.add_parser("throughput", help="offline throughput through LLM (all requests at once)")
+    add_engine_args(throughput)
+    _add_dataset_args(throughput)
+    throughput.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
+    throughput.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
+    throughput.add_argument("--temperature", type=float, default=1.0)
+    throughput.add_argument("--output-json", default=None)
+    throughput.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace here")
+    throughput.add_argument("--profile-steps", type=int, default=32)
+    throughput.add_argument("--disable-tqdm", action="store_true")
+
+    latency = kinds.add_parser("latency", help="latency of one fixed batch, repeated")
+    add_engine_args(latency)
+    latency.add_argument("--batch-size", type=int, default=8)
+    latency.add_argument("--input-len", type=int, default=32)
+    latency.add_argument("--output-len", type=int, default=128)
+    latency.add_argument("--num-iters-warmup", type=int, default=2)
+    latency.add_argument("--num-iters", type=int, default=10)
+    latency.add_argument("--output-json", default=None)
+    latency.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace here")
+    latency.add_argument("--profile-steps", type=int, default=32)
+    latency.add_argument("--disable-tqdm", action="store_true")
+
+    compare = kinds.add_parser("compare", help="side-by-side table of saved bench serve results")
+    compare.add_argument("results", nargs="+", help="JSON files written by --save-result")
+    compare.add_argument("--plot", default=None, metavar="PNG", help="also write a comparison chart")
+
+
+def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """Dataset flags; ``--seed`` (also the engine's, offline) seeds the prompts."""
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix-repetition"])
+    group.add_argument("--dataset-path", default=None)
+    group.add_argument("--num-prompts", type=int, default=100)
+    group.add_argument("--random-input-len", type=int, default=256)
+    group.add_argument("--random-output-len", type=int, default=64)
+    group.add_argument("--random-range-ratio", type=float, default=0.0)
+    group.add_argument("--random-prefix-len", type=int, default=0)
+    group.add_argument("--sharegpt-output-len", type=int, default=None)
+    group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    group.add_argument("--prefix-repetition-suffix-len", type=int, default=64)
+    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=4)
+    group.add_argument("--prefix-repetition-output-len", type=int, default=64)
+    if not any("--seed" in action.option_strings for action in parser._actions):
+        group.add_argument("--seed", type=int, default=0)
+
+
+def _load_tokenizer(name: str | None) -> Any:
+    from heron.loader.model_source import resolve_model_source
+
+    if name and not os.path.exists(name):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    source = resolve_model_source(name)
+    if source.format == "gguf":
+        from heron.loader.tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source.path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def _samples(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    from heron.benchmarks.datasets import prefix_repetition_dataset, random_dataset, sharegpt_dataset
+
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path")
+        return sharegpt_dataset(tokenizer, args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed)
+    if args.dataset_name == "prefix-repetition":
+        return prefix_repetition_dataset(
+            tokenizer, args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.seed,
+        )
+    input_len = getattr(args, "input_len", None) or args.random_input_len
+    output_len = getattr(args, "output_len", None) or args.random_output_len
+    return random_dataset(tokenizer, args.num_prompts, input_len, output_len, args.random_range_ratio,
+                          args.random_prefix_len, args.seed)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "serve":
+        return _bench_serve(args)
+    if args.bench_command == "compare":
+        from heron.benchmarks.compare import comparison_table, load_results
+
+        results = load_results(args.results)
+        print(comparison_table(results))
+        if args.plot:
+            from heron.benchmarks.plots import plot_comparison
+
+            print(f"wrote {plot_comparison(results, args.plot)}")
+        return 0
+    return _bench_offline(args)
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from heron.benchmarks import offline
+    from heron.engine.llm import LLM
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    if args.bench_command == "throughput":
+        samples = _samples(args, llm.get_tokenizer())
+        result = offline.run_throughput(llm, samples, args.temperature, use_tqdm=not args.disable_tqdm)
+        print(offline.format_throughput(result))
+    else:
+        result = offline.run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters_warmup,
+                                     args.num_iters, use_tqdm=not args.disable_tqdm)
+        print(offline.format_latency(result))
+    llm.engine.engine_core.finish_profile()
+    offline.write_json(result, args.output_json)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from heron.benchmarks.compare import comparison_table
+    from heron.benchmarks.metrics import parse_goodput
+    from heron.benchmarks.serve import fetch_model_name, format_report, run_load, save_result, summarize
+
+    base_urls = args.base_url or [f"http://{args.host}:{args.port}"]
+    labels = args.label or []
+    if labels and len(labels) != len(base_urls):
+        raise ValueError("give one --label per --base-url")
+    goodput = parse_goodput(args.goodput)
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    tokenizer = _load_tokenizer(args.tokenizer)
+    samples = _samples(args, tokenizer)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    results = []
+    for index, base_url in enumerate(base_urls):
+        model = args.model or asyncio.run(fetch_model_name(base_url, args.api_key))
+        raw, duration = asyncio.run(run_load(
+            base_url, args.endpoint, model, samples,
+            request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+            ignore_eos=args.ignore_eos, temperature=args.temperature, api_key=args.api_key,
+            count_tokens=count_tokens, seed=args.seed, show_progress=not args.disable_tqdm,
+        ))
+        settings = {
+            "label": labels[index] if labels else None,
+            "base_url": base_url,
+            "endpoint": args.endpoint,
+            "model_id": model,
+            "tokenizer_id": args.tokenizer or "embedded SmolLM2-135M-Instruct",
+            "dataset_name": args.dataset_name,
+            "num_prompts": len(samples),
+            "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            "goodput_slos_ms": goodput or None,
+        }
+        result = summarize(raw, duration, goodput, percentiles, settings)
+        print(format_report(result, percentiles))
+        if args.save_result or args.result_filename:
+            filename = args.result_filename
+            if filename and len(base_urls) > 1:
+                stem, ext = os.path.splitext(filename)
+                filename = f"{stem}-{labels[index] if labels else index}{ext}"
+            path = save_result(result, args.result_dir, filename)
+            print(f"saved {path}")
+            if args.plot:
+                from heron.benchmarks.plots import plot_run
+
+                for chart in plot_run(raw, os.path.splitext(path)[0], result.get("label") or model):
+                    print(f"wrote {chart}")
+        results.append(result)
+        failed = result["failed"]
+        if failed:
+            print(f"{failed} requests failed; first error: {next(iter(result['errors']), '')}", file=sys.stderr)
+    if len(results) > 1:
+        print(comparison_table(results))
+    return 0

@@ -1,0 +1,73 @@
+"""Profiling hooks: named engine phases and a torch-profiler window.
+
+``phase("forward")`` marks a region for the torch profiler (record_function) and,
+on CUDA, as an NVTX range so Nsight Systems shows the engine's phases.
+``StepProfiler`` records a window of engine steps and writes a Chrome trace
+(open it in Perfetto or chrome://tracing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    nvtx = torch.cuda.is_available()
+    if nvtx:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:
+        if nvtx:
+            torch.cuda.nvtx.range_pop()
+
+
+class StepProfiler:
+    """Profiles engine steps ``[start_step, start_step + num_steps)``."""
+
+    def __init__(self, directory: str, num_steps: int = 32, start_step: int = 0) -> None:
+        self.directory = directory
+        self.num_steps = num_steps
+        self.start_step = start_step
+        self.step_index = 0
+        self.trace_path: str | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.trace_path is not None
+
+    def before_step(self) -> None:
+        if self.done or self._profiler is not None or self.step_index < self.start_step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+        self._profiler.__enter__()
+
+    def after_step(self) -> None:
+        self.step_index += 1
+        if self._profiler is not None and self.step_index >= self.start_step + self.num_steps:
+            self.finish()
+
+    def finish(self) -> None:
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"heron-trace-{os.getpid()}-{int(time.time())}.json")
+        profiler.export_chrome_trace(path)
+        self.trace_path = path
+        logger.info("wrote a profile of %d engine steps to %s", self.num_steps, path)
