@@ -97,8 +97,9 @@ class CacheConfig:
     """Paged KV-cache knobs.
 
     The pool size comes from, in order of precedence: ``num_kv_blocks``, then
-    ``kv_cache_memory_bytes``, then ``kv_cache_memory_fraction`` of the memory that is
-    available after the weights are loaded.
+    ``kv_cache_memory_bytes``, then (CPU) ``kv_cache_memory_fraction`` of the memory
+    available after the weights are loaded, or (CUDA) what ``gpu_memory_utilization``
+    of the device leaves after the weights and a profiled worst-case step.
     """
 
     block_size: int = 16
@@ -106,6 +107,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.25
     num_kv_blocks: int | None = None
+    # CUDA: share of the device memory heron may use in all (weights, activations, KV)
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -116,6 +119,8 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: torch.device
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enforce_eager: bool = False  # no CUDA graphs
+    compile_model: bool = False  # torch.compile the forward pass (exclusive with graphs)
 
     @staticmethod
     def create(
@@ -180,11 +188,17 @@ class EngineConfig:
         served_model_name: str | None = None,
         profile_dir: str | None = None,
         profile_steps: int = 32,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        compile_model: bool = False,
+        gpu_memory_utilization: float = 0.9,
     ) -> EngineConfig:
         """Resolve a user's arguments against the model and machine, validating all."""
         from heron.loader.model_config import load_hf_config
         from heron.loader.model_source import resolve_model_source
 
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
         if model_impl not in ("auto", "native", "transformers"):
             raise ValueError(
                 f"model_impl must be 'auto', 'native' or 'transformers', got {model_impl!r}"
@@ -228,6 +242,7 @@ class EngineConfig:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
                 num_kv_blocks=num_kv_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -237,6 +252,9 @@ class EngineConfig:
             ),
             device=resolved_device,
             profiler=ProfilerConfig(directory=profile_dir, num_steps=profile_steps),
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager or compile_model,
+            compile_model=compile_model,
         )
 
 

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from tests.e2e.server_process import ServerProcess
+
 
 @pytest.fixture(scope="session")
 def reference_model():
@@ -33,3 +35,11 @@ def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_to
         pad_token_id=eos_token_id,
     )
     return output[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """A live `heron serve` on the embedded model, shared by the e2e modules."""
+    process = ServerProcess("--max-model-len", "512")
+    yield process
+    process.stop()

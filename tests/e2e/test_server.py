@@ -18,13 +18,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    process = ServerProcess("--max-model-len", "512")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 

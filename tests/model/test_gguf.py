@@ -4,6 +4,8 @@ loaded by heron and by transformers with identical results."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -136,8 +138,6 @@ def tiny_gguf(tmp_path_factory, embedded_tokenizer):
 
 
 def test_tiny_mixed_quant_gguf_matches_transformers(tiny_gguf):
-    import os
-
     from transformers import AutoModelForCausalLM
 
     llm = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_batched_tokens=16)
@@ -153,3 +153,16 @@ def test_tiny_mixed_quant_gguf_matches_transformers(tiny_gguf):
     # the tokenizer and chat template came from the GGUF metadata
     assert llm.get_tokenizer().encode("Hello world") == [19556, 905]
     assert "<|im_start|>" in llm.get_tokenizer().chat_template
+
+
+def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
+    from heron.config import EngineConfig
+    from heron.loader.export import export_hf_directory
+
+    output = export_hf_directory(EngineConfig.create(tiny_gguf, dtype="float32", max_model_len=128), str(tmp_path / "hf"))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(output))
+    prompts = random_prompts([9], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    original = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params, use_tqdm=False)
+    converted = LLM(output, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params, use_tqdm=False)
+    assert converted[0].outputs[0].token_ids == original[0].outputs[0].token_ids

@@ -82,10 +82,19 @@ class AttentionBackend(ABC):
         ``[num_tokens, num_heads, head_dim]``."""
 
 
-def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """The backend for a device: "torch" on CPU (and as a CUDA fallback)."""
-    if name in (None, "auto", "torch"):
+def get_attention_backend(
+    device: torch.device, num_heads: int, num_kv_heads: int, name: str | None = None
+) -> AttentionBackend:
+    """The backend for a device: "triton" on CUDA when Triton is installed,
+    otherwise "torch" (plain torch ops, any device)."""
+    from heron.attention.triton_backend import TritonAttentionBackend, triton_available
+
+    if name in (None, "auto"):
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
         from heron.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+    if name == "triton":
+        return TritonAttentionBackend(num_heads // num_kv_heads)
+    raise ValueError(f"unknown attention backend {name!r}; available: 'auto', 'torch', 'triton'")

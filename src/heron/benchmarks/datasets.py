@@ -68,18 +68,20 @@ def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
 
 def random_dataset(
     tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-    prefix_len: int = 0, seed: int = 0,
+    prefix_len: int = 0, seed: int = 0, output_range_ratio: float | None = None,
 ) -> list[SampleRequest]:
-    """Input and output lengths drawn uniformly from [len*(1-r), len*(1+r)]; an
-    optional shared prefix of ``prefix_len`` tokens."""
+    """Input and output lengths drawn uniformly from [len*(1-r), len*(1+r)]
+    (``output_range_ratio`` defaults to ``range_ratio``); an optional shared prefix
+    of ``prefix_len`` tokens."""
+    output_ratio = range_ratio if output_range_ratio is None else output_range_ratio
     rng = random.Random(seed)
     words = WordTokens(tokenizer)
     prefix = words.text_of_length(prefix_len, rng) if prefix_len else ""
     samples = []
     for _ in range(num_prompts):
         length = _length(rng, input_len, range_ratio)
-        prompt = words.text_of_length(length, rng, prefix=prefix + " " if prefix else "")
-        samples.append(SampleRequest(prompt, prefix_len + length, _length(rng, output_len, range_ratio)))
+        prompt = words.text_of_length(length, rng, prefix=prefix)
+        samples.append(SampleRequest(prompt, prefix_len + length, _length(rng, output_len, output_ratio)))
     return samples
 
 
@@ -93,8 +95,7 @@ def prefix_repetition_dataset(
     prefixes = [words.text_of_length(prefix_len, rng) for _ in range(num_prefixes)]
     samples = []
     for index in range(num_prompts):
-        prefix = prefixes[index % num_prefixes] + " "
-        prompt = words.text_of_length(suffix_len, rng, prefix=prefix)
+        prompt = words.text_of_length(suffix_len, rng, prefix=prefixes[index % num_prefixes])
         samples.append(SampleRequest(prompt, len(words.encode(prompt)), output_len))
     rng.shuffle(samples)
     return samples

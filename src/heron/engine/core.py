@@ -14,7 +14,7 @@ from heron.core.scheduler import Scheduler
 from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from heron.profiling import StepProfiler, phase
 from heron.request import EngineCoreRequest, Request, RequestStatus
-from heron.worker.kv_cache_sizing import determine_num_kv_blocks
+from heron.worker.kv_cache_sizing import determine_num_kv_blocks, gpu_kv_cache_budget
 from heron.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -24,12 +24,22 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_runner = ModelRunner(config)
+        cache = config.cache
+        gpu_budget = None
+        if config.device.type == "cuda" and cache.num_kv_blocks is None and cache.kv_cache_memory_bytes is None:
+            scheduler = config.scheduler
+            gpu_budget = gpu_kv_cache_budget(
+                cache.gpu_memory_utilization,
+                lambda: self.model_runner.profile_peak_memory(scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
+                config.device,
+            )
         num_blocks = determine_num_kv_blocks(
-            config.cache,
+            cache,
             self.model_runner.kv_cache_bytes_per_block(),
             config.device,
             config.model.max_model_len,
             config.scheduler.max_num_seqs,
+            gpu_budget,
         )
         self.model_runner.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len)

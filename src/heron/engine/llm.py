@@ -42,6 +42,10 @@ class LLM:
         seed: int = 0,
         device: str | None = None,
         model_impl: str = "auto",
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        compile_model: bool = False,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -60,6 +64,10 @@ class LLM:
             seed=seed,
             device=device,
             model_impl=model_impl,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            compile_model=compile_model,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         self.engine = LLMEngine(config)
 

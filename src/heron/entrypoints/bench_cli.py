@@ -76,6 +76,8 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--random-input-len", type=int, default=256)
     group.add_argument("--random-output-len", type=int, default=64)
     group.add_argument("--random-range-ratio", type=float, default=0.0)
+    group.add_argument("--random-output-range-ratio", type=float, default=None,
+                       help="range ratio of output lengths (default: --random-range-ratio)")
     group.add_argument("--random-prefix-len", type=int, default=0)
     group.add_argument("--sharegpt-output-len", type=int, default=None)
     group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
@@ -118,7 +120,7 @@ def _samples(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     input_len = getattr(args, "input_len", None) or args.random_input_len
     output_len = getattr(args, "output_len", None) or args.random_output_len
     return random_dataset(tokenizer, args.num_prompts, input_len, output_len, args.random_range_ratio,
-                          args.random_prefix_len, args.seed)
+                          args.random_prefix_len, args.seed, args.random_output_range_ratio)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_serve_args(serve)
 
+    convert = subcommands.add_parser("convert", help="write a model (e.g. a GGUF file) as a Hugging Face directory")
+    convert.add_argument("--output", required=True, help="directory to write")
+    add_engine_args(convert)
+
     from heron.entrypoints.bench_cli import add_bench_parsers
 
     add_bench_parsers(subcommands)
@@ -59,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             from heron.entrypoints.openai.server import run_server
 
             return run_server(args)
+        if args.command == "convert":
+            from heron.entrypoints.engine_args import engine_config_from_args
+            from heron.loader.export import export_hf_directory
+
+            print(export_hf_directory(engine_config_from_args(args), args.output))
+            return 0
         if args.command == "bench":
             from heron.entrypoints.bench_cli import run_bench
 

@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     group.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"])
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument("--compile", action="store_true", help="torch.compile the forward pass (instead of CUDA graphs)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -60,6 +64,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         profile_dir=getattr(args, "profile", None),
         profile_steps=getattr(args, "profile_steps", 32),
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        compile_model=args.compile,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 

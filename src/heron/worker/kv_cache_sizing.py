@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -34,17 +35,47 @@ def available_memory_bytes(device: torch.device) -> int:
     return 4 << 30  # no /proc (not Linux): assume a modest 4 GiB
 
 
+_GIB = float(1 << 30)
+# left free on the GPU for CUDA-graph pools, cuBLAS workspaces and fragmentation
+_GPU_HEADROOM_BYTES = 512 << 20
+
+
+def gpu_kv_cache_budget(total_memory_fraction: float, profile_peak: Callable[[], int], device: torch.device) -> int:
+    """Bytes the KV cache may take on a GPU: ``total * fraction`` minus the weights
+    (allocated now), the activation peak of a profiled worst-case step, memory used
+    outside torch (CUDA context, other processes) and a fixed headroom."""
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    peak = profile_peak()
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    budget = int(total * total_memory_fraction) - weights - peak - outside_torch - _GPU_HEADROOM_BYTES
+    logger.info(
+        "GPU memory: %.1f GiB total x %.2f; weights %.2f GiB, activation peak %.2f GiB, "
+        "outside torch %.2f GiB -> KV cache %.2f GiB",
+        total / _GIB, total_memory_fraction, weights / _GIB, peak / _GIB, outside_torch / _GIB, max(budget, 0) / _GIB,
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={total_memory_fraction}; "
+            "raise it, or lower max_num_batched_tokens / max_num_seqs"
+        )
+    return budget
+
+
 def determine_num_kv_blocks(
     cache_config: CacheConfig,
     bytes_per_block: int,
     device: torch.device,
     max_model_len: int,
     max_num_seqs: int,
+    gpu_budget_bytes: int | None = None,
 ) -> int:
     """Blocks for the configured budget: ``num_kv_blocks`` if given, else
-    ``kv_cache_memory_bytes``, else a fraction of available memory, capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use. Fails with a
-    clear message when the pool could not hold even one full-length request."""
+    ``kv_cache_memory_bytes``, else (GPU) the profiled budget or (CPU) a fraction of
+    available memory, capped at what ``max_num_seqs`` requests of ``max_model_len``
+    tokens could ever use. Fails with a clear message when the pool could not hold
+    even one full-length request."""
     block_size = cache_config.block_size
     blocks_per_seq = -(-max_model_len // block_size)
     if cache_config.num_kv_blocks is not None:
@@ -54,6 +85,9 @@ def determine_num_kv_blocks(
         if cache_config.kv_cache_memory_bytes is not None:
             budget = cache_config.kv_cache_memory_bytes
             budget_source = f"kv_cache_memory_bytes={budget}"
+        elif gpu_budget_bytes is not None:
+            budget = gpu_budget_bytes
+            budget_source = f"gpu_memory_utilization={cache_config.gpu_memory_utilization}"
         else:
             budget = int(available_memory_bytes(device) * cache_config.kv_cache_memory_fraction)
             budget_source = f"{cache_config.kv_cache_memory_fraction:.0%} of available memory"

@@ -17,11 +17,13 @@ import numpy as np
 import torch
 
 from heron.attention.backend import BatchLayout, get_attention_backend
+from heron.attention.triton_backend import TritonAttentionBackend
 from heron.config import EngineConfig
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
 from heron.profiling import phase
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
+from heron.worker.cuda_graphs import DecodeGraphRunner
 from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
 from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, TokenLogprobs
@@ -39,9 +41,13 @@ class StepInputs:
     num_computed: np.ndarray  # [B] tokens cached before this step
     query_start_loc: np.ndarray  # [B + 1]
     sample_rows: list[int]  # requests whose last scheduled token is their last token
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: Any
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    layout: BatchLayout
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool((self.num_scheduled == 1).all())
 
 
 class ModelRunner:
@@ -59,13 +65,21 @@ class ModelRunner:
             time.perf_counter() - started,
         )
         self.attention_layers = self.model.attention_layers()
-        self.backend = get_attention_backend(self.device)
+        spec = self.attention_layers[0].spec
+        self.backend = get_attention_backend(self.device, spec.num_heads, spec.num_kv_heads, config.attention_backend)
         self.vocab_size = config.model.vocab_size
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if config.compile_model:
+            self.model.forward = torch.compile(self.model.forward, dynamic=True)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.backend.name == "triton" and not self.config.enforce_eager
 
     # ---- KV cache --------------------------------------------------------------
 
@@ -81,7 +95,24 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache, zeroed (stale NaNs in padded slots would
-        leak through a masked softmax as 0 * NaN), and bind it to its layer."""
+        leak through a masked softmax as 0 * NaN), and bind it to its layer. With
+        CUDA graphs, one extra block past the pool is the padded rows' scratch."""
+        num_allocated = num_blocks + (1 if self.use_cuda_graphs else 0)
+        self._bind_kv_caches(num_allocated)
+        if self.use_cuda_graphs:
+            assert isinstance(self.backend, TritonAttentionBackend)
+            self.decode_graphs = DecodeGraphRunner(
+                self.model,
+                self.backend,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                max_blocks_per_seq=-(-self.config.model.max_model_len // self.block_size),
+                block_size=self.block_size,
+                scratch_slot=num_blocks * self.block_size,
+                device=self.device,
+            )
+            self.decode_graphs.capture()
+
+    def _bind_kv_caches(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.attention_layers:
             spec = layer.spec
@@ -90,6 +121,52 @@ class ModelRunner:
             layer.kv_cache = cache
             layer.backend = self.backend
             self.kv_caches.append(cache)
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, num_seqs: int) -> int:
+        """Run a worst-case step (``num_tokens`` prompt tokens over ``num_seqs``
+        requests, logits and top-p sampling for all of them) and return the peak
+        activation memory it needed, in bytes (CUDA)."""
+        max_len = self.config.model.max_model_len - 1
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+        lengths = [min(length, max_len) for length in lengths if length > 0]
+        blocks_needed = sum(-(-length // self.block_size) for length in lengths)
+        self._bind_kv_caches(blocks_needed)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        query_start_loc = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        block_table = np.zeros((len(lengths), max(-(-n // self.block_size) for n in lengths)), dtype=np.int32)
+        cursor = 0
+        for row, length in enumerate(lengths):
+            count = -(-length // self.block_size)
+            block_table[row, :count] = np.arange(cursor, cursor + count)
+            cursor += count
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        slots = block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        layout = BatchLayout(len(lengths), total, query_start_loc, np.array(lengths, dtype=np.int64), block_table,
+                             torch.from_numpy(slots).to(self.device), self.block_size)
+        hidden = self.model(
+            torch.zeros(total, dtype=torch.int64, device=self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.backend.build_metadata(layout),
+        )
+        rows_to_sample = self.config.scheduler.max_num_seqs
+        logits = self.model.compute_logits(hidden[:1].expand(rows_to_sample, -1).contiguous())
+        probs = torch.softmax(logits, dim=-1)
+        probs.sort(dim=-1, descending=True)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        del hidden, logits, probs
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
 
     # ---- one step ----------------------------------------------------------------
 
@@ -113,10 +190,25 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         with phase("prepare_inputs"):
             step = self._prepare_inputs(scheduler_output)
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and step.is_decode_only
+            and len(step.sample_rows) == step.layout.num_reqs  # no mid-prompt chunk (prompt logprobs)
+            and graphs.bucket_for(step.layout.num_reqs) is not None
+        ):
+            with phase("forward"):
+                logits = graphs.run(step.layout, step.input_ids, step.positions)
+            with phase("sample"):
+                return self._sample(step, None, logits)
         with phase("forward"):
-            hidden = self.model(step.input_ids, step.positions, step.attn_metadata)
+            hidden = self.model(
+                torch.from_numpy(step.input_ids).to(self.device),
+                torch.from_numpy(step.positions).to(self.device),
+                self.backend.build_metadata(step.layout),
+            )
         with phase("sample"):
-            return self._sample(step, hidden)
+            return self._sample(step, hidden, None)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         request_ids = list(scheduler_output.num_scheduled_tokens)
@@ -162,19 +254,27 @@ class ModelRunner:
             num_computed=num_computed,
             query_start_loc=query_start_loc,
             sample_rows=sample_rows,
-            input_ids=torch.from_numpy(input_ids).to(self.device),
-            positions=torch.from_numpy(positions).to(self.device),
-            attn_metadata=self.backend.build_metadata(layout),
+            input_ids=input_ids,
+            positions=positions,
+            layout=layout,
         )
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self, step: StepInputs, hidden: torch.Tensor | None, decode_logits: torch.Tensor | None
+    ) -> ModelRunnerOutput:
+        """Sample the rows that reached their last token. Either ``hidden`` (all
+        tokens) or ``decode_logits`` (one row per request, from a CUDA graph) is given."""
         states = step.states
-        prompt_logprobs = self._prompt_logprobs(step, hidden)
+        prompt_logprobs = self._prompt_logprobs(step, hidden) if hidden is not None else {}
         sampled_token_ids: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
         if step.sample_rows:
-            logits_index = torch.from_numpy(step.query_start_loc[1:][step.sample_rows] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, logits_index))
+            if decode_logits is not None:
+                logits = decode_logits[torch.tensor(step.sample_rows, device=self.device)]
+            else:
+                assert hidden is not None
+                logits_index = torch.from_numpy(step.query_start_loc[1:][step.sample_rows] - 1).to(self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, logits_index))
             sample_states = [states[row] for row in step.sample_rows]
             sampling_metadata = build_sampling_metadata(sample_states, self.vocab_size, self.device)
             output = self.sampler(logits, sampling_metadata)

@@ -1,0 +1,230 @@
+"""Paged attention in Triton: the CUDA backend.
+
+One kernel serves mixed batches: prefill chunks (many query tokens per request,
+causal within the chunk, attending to the request's cached pages) and decodes
+(one query token) in the same launch. A program handles a tile of one request's
+query tokens for one KV head: the rows of its tile are (query token, query head
+of the KV head's group) pairs, so grouped-query attention shares each K/V load
+across the group. It walks the request's pages through the block table in tiles
+of ``TILE_N`` keys, with an online softmax (flash-attention style) in float32.
+
+The work list (which request and which query tile each program takes) is built
+on the host once per step; every layer reuses it. K/V of the step are written into
+their slots with ``index_copy_`` before the kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the backend is simply unavailable
+    triton = None
+    tl = None
+
+
+def triton_available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, work_seq_ptr, work_q_ptr,
+        scale, softcap, sliding_window,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # BLOCK_M >= BLOCK_Q * GROUP rows (a power of two); the extra rows are masked
+        work = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = tl.load(work_seq_ptr + work)
+        if seq < 0:
+            return  # padding of a fixed-size work list
+        q_tile = tl.load(work_q_ptr + work)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len
+
+        rows = tl.arange(0, BLOCK_M)
+        q_index = q_tile + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_valid = (rows < BLOCK_Q * GROUP) & (q_index < q_len)
+        dims = tl.arange(0, HEAD_DIM_PADDED)
+        dim_valid = dims < HEAD_DIM
+        q = tl.load(
+            q_ptr + (q_start + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        q_pos = context_len + q_index  # absolute position of each row's query
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+        kv_end = tl.minimum(seq_len, context_len + q_tile + BLOCK_Q)
+        kv_start = 0
+        if USE_WINDOW:
+            kv_start = tl.maximum(0, context_len + q_tile - sliding_window + 1)
+            kv_start = (kv_start // TILE_N) * TILE_N
+        for start_n in range(kv_start, kv_end, TILE_N):
+            offs_n = start_n + tl.arange(0, TILE_N)
+            n_valid = offs_n < kv_end
+            block_ids = tl.load(block_table_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+            slots = offs_n % BLOCK_SIZE
+            k = tl.load(
+                k_cache_ptr + block_ids[None, :].to(tl.int64) * stride_kb + slots[None, :] * stride_ks
+                + kv_head * stride_kh + dims[:, None],
+                mask=dim_valid[:, None] & n_valid[None, :],
+                other=0.0,
+            )
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, k) * scale
+            if USE_SOFTCAP:
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+            keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            if USE_WINDOW:
+                keep = keep & (q_pos[:, None] - offs_n[None, :] < sliding_window)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_cache_ptr + block_ids[:, None].to(tl.int64) * stride_vb + slots[:, None] * stride_vs
+                + kv_head * stride_vh + dims[None, :],
+                mask=n_valid[:, None] & dim_valid[None, :],
+                other=0.0,
+            )
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + (q_start + q_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    work_seq: torch.Tensor  # [W] int32, -1 for padding
+    work_q: torch.Tensor  # [W] int32: first query index of the tile
+    block_q: int  # query tokens per tile (per program)
+    block_size: int
+
+
+def plan_work(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """One entry per (request, query tile)."""
+    tiles = -(-query_lens // block_q)
+    work_seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), tiles)
+    offsets = np.arange(int(tiles.sum()), dtype=np.int32) - np.repeat(np.cumsum(tiles) - tiles, tiles).astype(np.int32)
+    return work_seq, offsets * block_q
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_queries_per_kv: int) -> None:
+        if not triton_available():
+            raise RuntimeError("the triton attention backend needs triton and a CUDA device")
+        self.group = num_queries_per_kv
+
+    def block_q(self, max_query_len: int) -> int:
+        """Query tokens per program: 16 rows for decodes (tl.dot's minimum), 64 for prefill."""
+        rows = 16 if max_query_len == 1 else 64
+        return max(1, rows // self.group)
+
+    def build_metadata(self, layout: BatchLayout) -> TritonAttentionMetadata:
+        device = layout.slot_mapping.device
+        query_lens = layout.query_lens
+        block_q = self.block_q(int(query_lens.max()))
+        work_seq, work_q = plan_work(query_lens, block_q)
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(device, non_blocking=True)
+
+        return TritonAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            block_table=to_device(layout.block_table),
+            seq_lens=to_device(layout.seq_lens),
+            query_start_loc=to_device(layout.query_start_loc),
+            work_seq=to_device(work_seq),
+            work_q=to_device(work_q),
+            block_q=block_q,
+            block_size=layout.block_size,
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        output = torch.empty_like(query)
+        paged_attention(output, query, key_cache, value_cache, metadata, layer)
+        return output
+
+
+def paged_attention(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: TritonAttentionMetadata,
+    layer: AttentionLayerSpec,
+) -> None:
+    """output[T, H, D] = attention of query[T, H, D] over the paged cache."""
+    group = layer.num_heads // layer.num_kv_heads
+    head_dim = layer.head_dim
+    grid = (metadata.work_seq.shape[0], layer.num_kv_heads)
+    _paged_attention_kernel[grid](
+        output, query, key_cache, value_cache,
+        metadata.block_table, metadata.seq_lens, metadata.query_start_loc, metadata.work_seq, metadata.work_q,
+        layer.scale, layer.logits_soft_cap or 0.0, layer.sliding_window or 0,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        metadata.block_table.stride(0),
+        GROUP=group,
+        BLOCK_SIZE=metadata.block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_Q=metadata.block_q,
+        BLOCK_M=max(16, triton.next_power_of_2(metadata.block_q * group)),
+        TILE_N=64,
+        USE_SOFTCAP=layer.logits_soft_cap is not None,
+        USE_WINDOW=layer.sliding_window is not None,
+        IEEE=query.dtype == torch.float32,
+        num_warps=4,
+    )

@@ -1,0 +1,119 @@
+"""CUDA-graph replay of decode steps.
+
+At start, the model's forward pass plus the LM head is captured once per batch
+bucket (1, 2, 4, ..., max_num_seqs) over persistent device buffers. A decode-only
+step (every request schedules one token) with ``B`` requests fills the buffers,
+pads to the smallest bucket ``>= B`` (padded rows write their K/V into a scratch
+slot past the end of the pool and attend to nothing), replays the graph, and keeps
+the first ``B`` rows of the logits. Graphs remove the per-kernel launch cost that
+dominates small decode batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from heron.attention.backend import BatchLayout
+from heron.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    buckets = []
+    size = 1
+    while size < max_num_seqs:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_num_seqs)
+    return buckets
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model: Any,
+        backend: TritonAttentionBackend,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        scratch_slot: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.buckets = graph_buckets(max_num_seqs)
+        size = self.buckets[-1]
+        int32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), scratch_slot, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros((size, max_blocks_per_seq), **int32)
+        self.seq_lens = torch.zeros(size, **int32)
+        self.query_start_loc = torch.arange(size + 1, **int32)
+        self.work_seq = torch.full((size,), -1, **int32)
+        self.work_q = torch.zeros(size, **int32)
+        self.scratch_slot = scratch_slot
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _metadata(self, bucket: int) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            block_table=self.block_table[:bucket],
+            seq_lens=self.seq_lens[:bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            work_seq=self.work_seq[:bucket],
+            work_q=self.work_q[:bucket],
+            block_q=self.backend.block_q(1),
+            block_size=self.block_size,
+        )
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):  # largest first: later ones reuse its pool
+                for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels)
+                    self._forward(bucket)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(bucket)
+                self.graphs[bucket] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batches %s in %.1f s", self.buckets, time.perf_counter() - started)
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_reqs), None)
+
+    def run(self, layout: BatchLayout, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of a decode-only batch of ``B`` requests."""
+        num_reqs = layout.num_reqs
+        bucket = self.bucket_for(num_reqs)
+        assert bucket is not None
+        self.input_ids[:num_reqs].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.positions[:num_reqs].copy_(torch.from_numpy(positions), non_blocking=True)
+        self.slot_mapping[:num_reqs].copy_(layout.slot_mapping, non_blocking=True)
+        self.slot_mapping[num_reqs:bucket].fill_(self.scratch_slot)
+        width = layout.block_table.shape[1]
+        self.block_table[:num_reqs, :width].copy_(torch.from_numpy(layout.block_table), non_blocking=True)
+        self.seq_lens[:num_reqs].copy_(torch.from_numpy(layout.seq_lens.astype(np.int32)), non_blocking=True)
+        work = np.full(bucket, -1, dtype=np.int32)
+        work[:num_reqs] = np.arange(num_reqs, dtype=np.int32)
+        self.work_seq[:bucket].copy_(torch.from_numpy(work), non_blocking=True)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:num_reqs]

@@ -1,0 +1,94 @@
+"""Metrics: the Prometheus exporter, the periodic log line, and the Grafana
+dashboard only querying metrics heron exports."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from heron.engine.core_output import SchedulerStats
+from heron.metrics.logging_stats import LoggingStatLogger
+from heron.metrics.prometheus import EXPORTED_METRICS, PrometheusStatLogger
+from heron.metrics.stats import IterationStats, RequestTimes
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def sample_names(logger: PrometheusStatLogger) -> set[str]:
+    names = set()
+    for family in text_string_to_metric_families(logger.render().decode()):
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def one_finished_iteration() -> IterationStats:
+    stats = IterationStats()
+    times = RequestTimes(arrival=0.0, queued=0.1, scheduled=0.2)
+    stats.observe_tokens(times, num_prompt_tokens=12, num_new_tokens=1, now=0.5)
+    stats.observe_tokens(times, num_prompt_tokens=12, num_new_tokens=1, now=0.6)
+    stats.observe_finished(times, "length", 12, 2, now=0.6)
+    return stats
+
+
+def test_exporter_records_everything_it_declares():
+    logger = PrometheusStatLogger("m")
+    logger.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=100,
+                                 prefix_cache_hits=40, num_preemptions=3, num_scheduled_tokens=17), one_finished_iteration())
+    text = logger.render().decode()
+    values = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["heron:num_requests_running[('model_name', 'm')]"] == 2
+    assert values["heron:kv_cache_usage_perc[('model_name', 'm')]"] == 0.25
+    assert values["heron:prefix_cache_hits_total[('model_name', 'm')]"] == 40
+    assert values["heron:num_preemptions_total[('model_name', 'm')]"] == 3
+    assert values["heron:prompt_tokens_total[('model_name', 'm')]"] == 12
+    assert values["heron:generation_tokens_total[('model_name', 'm')]"] == 2
+    assert values["heron:request_success_total[('finished_reason', 'length'), ('model_name', 'm')]"] == 1
+    assert values["heron:time_to_first_token_seconds_sum[('model_name', 'm')]"] == 0.5
+    assert values["heron:inter_token_latency_seconds_count[('model_name', 'm')]"] == 1
+    assert abs(values["heron:request_queue_time_seconds_sum[('model_name', 'm')]"] - 0.1) < 1e-9
+    names = sample_names(logger)
+    for metric in EXPORTED_METRICS:
+        assert any(name.startswith(metric) for name in names), metric
+    # cumulative engine counters become deltas: a second report adds only the difference
+    logger.record(SchedulerStats(prefix_cache_queries=150, prefix_cache_hits=60, num_preemptions=3), None)
+    text = logger.render().decode()
+    assert 'heron:prefix_cache_hits_total{model_name="m"} 60.0' in text
+
+
+def test_periodic_log_line():
+    logger = LoggingStatLogger(interval_s=10.0)
+    logger.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.5,
+                                 prefix_cache_queries=200, prefix_cache_hits=50), one_finished_iteration())
+    assert logger.maybe_log(now=logger._window_start + 1.0) is None  # interval not reached
+    line = logger.maybe_log(now=logger._window_start + 10.0)
+    assert line is not None
+    assert "Avg prompt throughput: 1.2 tokens/s" in line and "Avg generation throughput: 0.2 tokens/s" in line
+    assert "Running: 3 reqs" in line and "Waiting: 1 reqs" in line
+    assert "KV cache usage: 50.0%" in line and "Prefix cache hit rate: 25.0%" in line
+
+
+def test_grafana_dashboard_queries_only_exported_metrics():
+    dashboard = json.loads((ROOT / "observability" / "grafana-dashboard.json").read_text())
+    logger = PrometheusStatLogger("m")
+    logger.record(SchedulerStats(num_scheduled_tokens=1), one_finished_iteration())
+    exported = sample_names(logger)
+    queried = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            queried.update(re.findall(r"heron:[a-z0-9_]+", target["expr"]))
+    for variable in dashboard["templating"]["list"]:
+        queried.update(re.findall(r"heron:[a-z0-9_]+", str(variable.get("query", ""))))
+    missing = sorted(name for name in queried if name not in exported)
+    assert not missing, f"dashboard queries metrics heron does not export: {missing}"
+    # the dashboard covers latency, throughput, KV usage, queue, cache hit rate and preemptions
+    for needed in ("heron:time_to_first_token_seconds_bucket", "heron:generation_tokens_total", "heron:kv_cache_usage_perc",
+                   "heron:num_requests_waiting", "heron:prefix_cache_hits_total", "heron:num_preemptions_total"):
+        assert needed in queried
+
+
+def test_prometheus_scrape_example_points_at_metrics():
+    text = (ROOT / "observability" / "prometheus.yml").read_text()
+    assert "metrics_path: /metrics" in text and "job_name: heron" in text
