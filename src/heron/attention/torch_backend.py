@@ -1,11 +1,12 @@
-"""Paged attention with plain torch ops: the CPU backend (and a CUDA fallback).
+"""Paged attention for the CPU (and, with plain torch ops, a CUDA fallback).
 
-Per step, requests with one query token (decodes) are attended together in one
-batched call over their gathered, padded, masked K/V; requests with several query
-tokens (prefill chunks) are attended one by one, each over its own gathered
-context with a causal mask. A prefill with nothing cached attends over its fresh
-K/V directly (no gather). Masks are built once per step per sliding-window size
-and shared by all layers.
+Per step, requests with one query token (decodes) are attended together: on the
+CPU by heron's native kernel (``cpu_kernels``), which reads each sequence's K/V in
+place through its block table; otherwise in one batched SDPA call over gathered,
+padded, masked K/V. Requests with several query tokens (prefill chunks) are
+attended one by one, each over its own gathered context with a causal mask; a
+prefill with nothing cached attends over its fresh K/V directly (no gather).
+Masks are built once per step per sliding-window size and shared by all layers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from heron.attention import cpu_kernels
 from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
 
 
@@ -35,7 +37,9 @@ class TorchAttentionMetadata:
     block_size: int
     decode_token_index: torch.Tensor | None = None  # [num_decodes]
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_block_ids: torch.Tensor | None = None  # the same, flattened
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes]
+    all_decode: bool = False  # every token is a decode: no gather/scatter of rows needed
     prefills: list[PrefillSpan] = field(default_factory=list)
     # (kind, index, sliding window) -> boolean mask, built on first use
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
@@ -95,7 +99,9 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.decode_block_table = torch.from_numpy(
                 layout.block_table[decode_rows, :max_blocks].astype(np.int64)
             ).to(device)
+            metadata.decode_block_ids = metadata.decode_block_table.flatten()
             metadata.decode_seq_lens = torch.from_numpy(seq_lens.astype(np.int64)).to(device)
+            metadata.all_decode = decode_rows.size == layout.num_reqs
         for row in np.flatnonzero(query_lens > 1):
             seq_len = int(layout.seq_lens[row])
             num_blocks = -(-seq_len // layout.block_size)
@@ -123,22 +129,25 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, heads, dim]
-        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_keys.index_copy_(0, metadata.slot_mapping, key)
-        flat_values.index_copy_(0, metadata.slot_mapping, value)
+        flat_kv = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        flat_kv[0].index_copy_(0, metadata.slot_mapping, key)
+        flat_kv[1].index_copy_(0, metadata.slot_mapping, value)
 
-        output = torch.empty_like(query)
         if metadata.decode_token_index is not None:
-            assert metadata.decode_block_table is not None
-            num_decodes = metadata.decode_token_index.shape[0]
-            q = query.index_select(0, metadata.decode_token_index).unsqueeze(2)  # [B, H, 1, D]
-            k = key_cache[metadata.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
-            v = value_cache[metadata.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
-            attended = _attend(
-                layer, q, k.transpose(1, 2), v.transpose(1, 2), metadata.decode_mask(layer.sliding_window)
-            )
-            output.index_copy_(0, metadata.decode_token_index, attended.squeeze(2))
+            group = layer.num_heads // num_kv_heads
+            q = query if metadata.all_decode else query.index_select(0, metadata.decode_token_index)
+            if layer.logits_soft_cap is None and cpu_kernels.can_run_paged_decode(q, kv_cache, group):
+                attended = cpu_kernels.paged_decode_attention(
+                    q, kv_cache, metadata.decode_block_table, metadata.decode_seq_lens, layer.scale, layer.sliding_window
+                )
+            else:
+                attended = self._decode_with_torch(layer, q, kv_cache, metadata)
+            if metadata.all_decode:
+                return attended
+            output = torch.empty_like(query)
+            output.index_copy_(0, metadata.decode_token_index, attended)
+        else:
+            output = torch.empty_like(query)
         for index, span in enumerate(metadata.prefills):
             q = query[span.start : span.end].transpose(0, 1)  # [H, Q, D]
             mask = metadata.prefill_mask(index, layer.sliding_window)
@@ -152,28 +161,51 @@ class TorchAttentionBackend(AttentionBackend):
             output[span.start : span.end] = attended.transpose(0, 1)
         return output
 
+    @staticmethod
+    def _decode_with_torch(
+        layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata
+    ) -> torch.Tensor:
+        """Decodes by gathering their blocks into a padded, masked batch (one SDPA)."""
+        assert metadata.decode_block_ids is not None
+        num_decodes = q.shape[0]
+        num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
+        # K and V of every decode's blocks in one row gather: [2, B, L, Hkv, D]
+        kv = (
+            kv_cache.view(2, kv_cache.shape[1], -1)
+            .index_select(1, metadata.decode_block_ids)
+            .view(2, num_decodes, -1, num_kv_heads, head_dim)
+        )
+        # each KV head's query heads become query rows: [B, Hkv, group, D]
+        return _attend(
+            layer,
+            q.view(num_decodes, num_kv_heads, layer.num_heads // num_kv_heads, head_dim),
+            kv[0].transpose(1, 2),
+            kv[1].transpose(1, 2),
+            metadata.decode_mask(layer.sliding_window),
+            grouped=True,
+        ).reshape(num_decodes, layer.num_heads, head_dim)
+
 
 def _attend(
     layer: AttentionLayerSpec,
-    query: torch.Tensor,  # [..., H, Q, D]
+    query: torch.Tensor,  # [..., H, Q, D], or [..., Hkv, group, D] when grouped
     key: torch.Tensor,  # [..., Hkv, K, D]
     value: torch.Tensor,
     mask: torch.Tensor | None,  # broadcastable to [..., H, Q, K]; None = causal
+    grouped: bool = False,
 ) -> torch.Tensor:
+    """Attention of ``query`` over ``key``/``value``. ``grouped`` (decodes only):
+    the query rows of each KV head are its group's heads, so no K/V repetition."""
+    expand = layer.num_kv_heads != layer.num_heads and not grouped
     if layer.logits_soft_cap is None:
         return F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=layer.scale,
-            enable_gqa=layer.num_kv_heads != layer.num_heads,
+            query, key, value, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=expand
         )
     # Soft-capped scores (Gemma 2 style) are not supported by SDPA: do it by hand.
-    group = layer.num_heads // layer.num_kv_heads
-    key = key.repeat_interleave(group, dim=-3)
-    value = value.repeat_interleave(group, dim=-3)
+    if expand:
+        group = layer.num_heads // layer.num_kv_heads
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
     scores = torch.matmul(query, key.transpose(-1, -2)) * layer.scale
     scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
     if mask is None:

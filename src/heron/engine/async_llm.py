@@ -99,14 +99,15 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, log_level: str = "INFO", log_stats_interval_s: float = 10.0) -> None:
         self.config = config
+        # start the engine core first: it loads the model while we load the tokenizer
+        self.client = EngineCoreClient(config, log_level)
         self.tokenizer = load_tokenizer(config.model)
         self.input_processor = InputProcessor(
-            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer)
+            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer, config.model.model if config.model.source_format == "hf" else None)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = PrometheusStatLogger(config.model.served_model_name)
         self.stat_logger = LoggingStatLogger(log_stats_interval_s)
-        self.client = EngineCoreClient(config, log_level)
         self._collectors: dict[str, RequestOutputCollector] = {}
         # requests sent to the engine that have produced no token yet
         self._not_started: set[str] = set()

@@ -46,6 +46,7 @@ class LLM:
         enforce_eager: bool = False,
         compile_model: bool = False,
         gpu_memory_utilization: float = 0.9,
+        quantization: str = "none",
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -68,6 +69,7 @@ class LLM:
             enforce_eager=enforce_eager,
             compile_model=compile_model,
             gpu_memory_utilization=gpu_memory_utilization,
+            quantization=quantization,
         )
         self.engine = LLMEngine(config)
 

@@ -21,7 +21,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.input_processor = InputProcessor(
-            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer)
+            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer, config.model.model if config.model.source_format == "hf" else None)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)

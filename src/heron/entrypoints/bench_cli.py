@@ -62,6 +62,10 @@ def add_bench_parsers(subcommands: Any) -> None:
     latency.add_argument("--profile-steps", type=int, default=32)
     latency.add_argument("--disable-tqdm", action="store_true")
 
+    quality = kinds.add_parser("quality", help="perplexity and agreement of a fast mode with float32")
+    add_engine_args(quality)
+    quality.add_argument("--output-json", default=None)
+
     compare = kinds.add_parser("compare", help="side-by-side table of saved bench serve results")
     compare.add_argument("results", nargs="+", help="JSON files written by --save-result")
     compare.add_argument("--plot", default=None, metavar="PNG", help="also write a comparison chart")
@@ -136,7 +140,28 @@ def run_bench(args: argparse.Namespace) -> int:
 
             print(f"wrote {plot_comparison(results, args.plot)}")
         return 0
+    if args.bench_command == "quality":
+        return _bench_quality(args)
     return _bench_offline(args)
+
+
+def _bench_quality(args: argparse.Namespace) -> int:
+    """The configured engine against the same model in float32, unquantized."""
+    import json
+    from dataclasses import replace
+
+    from heron.benchmarks.quality import compare
+    from heron.engine.llm import LLM
+
+    config = engine_config_from_args(args)
+    reference_config = replace(config, model=replace(config.model, quantization="none", dtype=__import__("torch").float32))
+    result = compare(LLM.from_config(reference_config), LLM.from_config(config))
+    result["mode"] = {"dtype": str(config.model.dtype).removeprefix("torch."), "quantization": config.model.quantization}
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
 
 
 def _bench_offline(args: argparse.Namespace) -> int:

@@ -41,6 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--compile", action="store_true", help="torch.compile the forward pass (instead of CUDA graphs)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--quantization", default="none", choices=["none", "int8"],
+                       help="int8: CPU weights int8 per channel, activations quantized at run time (fbgemm)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -68,6 +70,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         compile_model=args.compile,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        quantization=args.quantization,
     )
 
 

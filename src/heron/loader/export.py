@@ -11,6 +11,7 @@ import os
 from safetensors.torch import save_file
 
 from heron.config import EngineConfig
+from heron.loader.arch_config import ArchConfig
 from heron.loader.tokenizer import load_tokenizer
 from heron.loader.weights import iterate_weights
 
@@ -28,6 +29,8 @@ def export_hf_directory(config: EngineConfig, output_dir: str) -> str:
     }
     save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     hf_config = model.hf_config
+    if isinstance(hf_config, ArchConfig):
+        hf_config = hf_config.to_transformers()
     hf_config.torch_dtype = str(model.dtype).removeprefix("torch.")
     hf_config.save_pretrained(output_dir)
     load_tokenizer(model).save_pretrained(output_dir)

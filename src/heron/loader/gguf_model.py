@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from heron.loader.arch_config import ArchConfig, arch_config_from_dict
 from heron.loader.gguf_file import GGUFFile
 
 # GGUF architecture -> (HF model_type, HF architecture)
@@ -59,10 +60,9 @@ def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
     return GGUF_ARCHITECTURES[arch]
 
 
-def gguf_to_hf_config(gguf: GGUFFile) -> Any:
-    """Build the transformers config object that matches the GGUF metadata."""
-    from transformers import AutoConfig
-
+def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
+    """Build the model config (the fields transformers' config would hold) from the
+    GGUF metadata."""
     model_type, architecture = gguf_architecture(gguf)
     meta = gguf.metadata
     arch = gguf.architecture
@@ -81,6 +81,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
     kwargs: dict[str, Any] = dict(
+        model_type=model_type,
         architectures=[architecture],
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -101,7 +102,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> Any:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
     if get("attention.sliding_window") is not None:
         kwargs["sliding_window"] = int(get("attention.sliding_window"))
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config = arch_config_from_dict(kwargs)
     if _ROPE_FREQS in gguf.tensors:
         config.heron_rope_freq_factors = gguf.dequantize(_ROPE_FREQS).tolist()
     return config

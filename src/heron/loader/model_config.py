@@ -3,17 +3,31 @@ helpers that read config fields which differ between transformers versions."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
+from heron.loader.arch_config import arch_config_from_dict, is_native_family
 from heron.loader.model_source import ModelSource
 
 
-def load_hf_config(source: ModelSource) -> Any:
+def load_hf_config(source: ModelSource, model_impl: str = "auto") -> Any:
+    """The model's config: a light ``ArchConfig`` for natively implemented families
+    (GGUF files always; HF directories unless ``model_impl="transformers"``),
+    otherwise transformers' own config object."""
     if source.format == "gguf":
         from heron.loader.gguf_file import GGUFFile
         from heron.loader.gguf_model import gguf_to_hf_config
 
         return gguf_to_hf_config(GGUFFile(source.path))
+    config_path = os.path.join(source.path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the model config {config_path}: {exc}") from exc
+    if is_native_family(str(values.get("model_type"))) and model_impl != "transformers":
+        return arch_config_from_dict(values)
     from transformers import AutoConfig
 
     try:
@@ -45,15 +59,21 @@ def head_dim_of(hf_config: Any) -> int:
     return int(hf_config.hidden_size) // int(hf_config.num_attention_heads)
 
 
-def eos_token_ids(hf_config: Any, tokenizer: Any) -> list[int]:
-    """Every token id that ends generation: the config's (may be a list) and the
-    tokenizer's EOS."""
+def eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str | None = None) -> list[int]:
+    """Every token id that ends generation: the generation config's and the model
+    config's (either may be a list), and the tokenizer's EOS."""
     ids: list[int] = []
-    config_eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(config_eos, int):
-        ids.append(config_eos)
-    elif isinstance(config_eos, (list, tuple)):
-        ids.extend(int(i) for i in config_eos)
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    generation_config = os.path.join(model_dir, "generation_config.json") if model_dir else None
+    if generation_config and os.path.isfile(generation_config):
+        try:
+            with open(generation_config, encoding="utf-8") as handle:
+                sources.insert(0, json.load(handle).get("eos_token_id"))
+        except (OSError, json.JSONDecodeError):
+            pass
+    for config_eos in sources:
+        candidates = config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]
+        ids.extend(int(i) for i in candidates if isinstance(i, int) and int(i) not in ids)
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(tokenizer_eos, int) and tokenizer_eos not in ids:
         ids.append(tokenizer_eos)

@@ -1,20 +1,27 @@
 """Stream a checkpoint's tensors as (Hugging Face parameter name, tensor) pairs.
 
 Tensors are produced one at a time (safetensors files are memory-mapped; GGUF
-tensors are dequantized one by one), so peak memory stays near the size of the
-model plus one tensor.
+tensors are dequantized one by one). A GGUF file's dequantized tensors are also
+written once to ``~/.cache/heron/weights`` (keyed by the file's path, size and
+modification time), so later starts memory-map them instead of dequantizing
+again; set ``HERON_DISABLE_WEIGHT_CACHE=1`` to skip the cache.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 
 import torch
 
 from heron.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+_CACHE_FORMAT = "1"  # bump when the GGUF -> HF tensor mapping changes
 
 
 def safetensors_files(directory: str) -> list[str]:
@@ -33,14 +40,52 @@ def safetensors_files(directory: str) -> list[str]:
 
 def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.source_format == "gguf":
-        from heron.loader.gguf_file import GGUFFile
-        from heron.loader.gguf_model import iterate_gguf_weights
-
-        yield from iterate_gguf_weights(GGUFFile(model_config.model), model_config.hf_config)
+        yield from _iterate_gguf_cached(model_config)
         return
+    for path in safetensors_files(model_config.model):
+        yield from _iterate_safetensors(path)
+
+
+def _iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for path in safetensors_files(model_config.model):
-        with safe_open(path, framework="pt") as checkpoint:
-            for name in checkpoint.keys():
-                yield name, checkpoint.get_tensor(name)
+    with safe_open(path, framework="pt") as checkpoint:
+        for name in checkpoint.keys():  # noqa: SIM118 - safe_open is not a dict
+            yield name, checkpoint.get_tensor(name)
+
+
+def _gguf_cache_path(path: str) -> str | None:
+    if os.environ.get("HERON_DISABLE_WEIGHT_CACHE"):
+        return None
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{_CACHE_FORMAT}|{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    base = os.environ.get("HERON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "heron")
+    return os.path.join(base, "weights", key.hexdigest()[:20] + ".safetensors")
+
+
+def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from heron.loader.gguf_file import GGUFFile
+    from heron.loader.gguf_model import iterate_gguf_weights
+
+    cache_path = _gguf_cache_path(model_config.model)
+    if cache_path is not None and os.path.isfile(cache_path):
+        yield from _iterate_safetensors(cache_path)
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in iterate_gguf_weights(GGUFFile(model_config.model), model_config.hf_config):
+        tensors[name] = tensor
+        yield name, tensor
+    if cache_path is not None:
+        _write_cache(cache_path, tensors)
+
+
+def _write_cache(cache_path: str, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+        partial = f"{cache_path}.{os.getpid()}.partial"
+        save_file(tensors, partial)
+        os.replace(partial, cache_path)  # atomic: readers never see half a file
+    except OSError as exc:
+        logger.warning("could not cache dequantized weights at %s: %s", cache_path, exc)

@@ -13,7 +13,7 @@ weights are copied into their slices by ``load_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -21,14 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from heron.attention.backend import AttentionLayerSpec
+from heron.loader.arch_config import sliding_window_of_layer
 from heron.loader.model_config import head_dim_of, rope_parameters
 from heron.models.layers.attention import Attention
 from heron.models.layers.norm import RMSNorm
-from heron.models.layers.rotary import RotaryEmbedding
+from heron.models.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
@@ -47,10 +48,6 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, float(config.rms_norm_eps))
             self.k_norm = RMSNorm(self.head_dim, float(config.rms_norm_eps))
-        self.rotary = rotary
-        sliding_window = getattr(config, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
-            sliding_window = None
         self.attn = Attention(
             AttentionLayerSpec(
                 layer_idx=layer_idx,
@@ -58,21 +55,21 @@ class LlamaAttention(nn.Module):
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,
                 scale=self.head_dim**-0.5,
-                sliding_window=int(sliding_window) if sliding_window else None,
+                sliding_window=sliding_window_of_layer(config, layer_idx),
             )
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q_and_k = qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous(), metadata)
+            q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
+            q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q_and_k = apply_rotary(q_and_k, *rope)  # one pass over Q and K together
+        q = q_and_k[:, : self.num_heads].reshape(num_tokens, self.q_size)
+        k = q_and_k[:, self.num_heads :].reshape(num_tokens, self.kv_size)
+        out = self.attn(q, k, qkv[:, self.q_size + self.kv_size :], metadata)
         return self.o_proj(out)
 
 
@@ -94,16 +91,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         eps = float(config.rms_norm_eps)
         self.input_layernorm = RMSNorm(int(config.hidden_size), eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(int(config.hidden_size), eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -115,15 +112,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         hidden = int(config.hidden_size)
         self.embed_tokens = nn.Embedding(int(config.vocab_size), hidden)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             head_dim=head_dim_of(config),
             max_position=int(config.max_position_embeddings),
             rope=rope_parameters(config),
             freq_factors=getattr(config, "heron_rope_freq_factors", None),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_idx, rotary)
-            for layer_idx in range(int(config.num_hidden_layers))
+            LlamaDecoderLayer(config, layer_idx) for layer_idx in range(int(config.num_hidden_layers))
         )
         self.norm = RMSNorm(hidden, float(config.rms_norm_eps))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -135,13 +131,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
+            hidden = layer(rope, hidden, metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def quantize_lm_head(self, make_linear: Callable[[torch.Tensor], nn.Module]) -> None:
+        """Give a tied LM head its own (quantized) copy of the embedding matrix."""
+        if self.lm_head is None:
+            self.lm_head = make_linear(self.embed_tokens.weight)
 
     # ---- weights -------------------------------------------------------------
 

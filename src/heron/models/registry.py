@@ -8,8 +8,10 @@ transformers' own modeling code with heron's paged attention plugged in
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -69,21 +71,34 @@ def select_implementation(model_config: ModelConfig) -> str:
     return "transformers"
 
 
+@contextlib.contextmanager
+def _skip_weight_init() -> Iterator[None]:
+    """Construct linear and embedding layers without their random initialization
+    (a meta-device build would do the same, but costs 1.5 s of torch imports)."""
+    saved = (nn.Linear.reset_parameters, nn.Embedding.reset_parameters)
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
+
+
 def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Instantiate the model on ``device`` in ``model_config.dtype`` with its weights."""
+    from heron.models.quantization import quantize_model
+
     if select_implementation(model_config) == "transformers":
         from heron.models.hf_fallback import TransformersCausalLM
 
         logger.info("running %s through transformers' modeling code", model_config.architecture)
-        return TransformersCausalLM(model_config, device)
+        return quantize_model(TransformersCausalLM(model_config, device), model_config.quantization, device)
     from heron.loader.weights import iterate_weights
 
     module_name, class_name = NATIVE_ARCHITECTURES[native_architecture(model_config)]  # type: ignore[index]
     model_class = getattr(importlib.import_module(module_name), class_name)
-    # Build without initializing weights (they are overwritten by the checkpoint).
-    with torch.device("meta"):
+    with _skip_weight_init():  # every weight is overwritten by the checkpoint
         model = model_class(model_config.hf_config)
-    model = model.to_empty(device=device).to(model_config.dtype)
+    model = model.to(device=device, dtype=model_config.dtype)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
         if callable(init_buffers):
@@ -91,4 +106,4 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     model.load_weights(
         (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config)
     )
-    return model.eval()
+    return quantize_model(model.eval(), model_config.quantization, device)

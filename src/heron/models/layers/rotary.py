@@ -63,29 +63,29 @@ class RotaryEmbedding(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        """(Re)compute the float32 cos/sin tables, e.g. after ``to_empty``."""
+        """(Re)compute the float32 cos/sin tables (after a dtype change, they must
+        stay float32)."""
         inv_freq = compute_inv_freq(self.head_dim, self.rope)
         if self.freq_factors is not None:
             inv_freq = inv_freq / torch.tensor(self.freq_factors, dtype=torch.float32)
         device = self.cos_cache.device if hasattr(self, "cos_cache") else None
-        if device is not None and device.type == "meta":
-            device = None
         positions = torch.arange(self.max_position, dtype=torch.float32)
         angles = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
         emb = torch.cat((angles, angles), dim=-1)
         self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
         self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query: [T, H, D], key: [T, Hkv, D]; positions: [T]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for the step's positions, ``[T, 1, D]``; computed once
+        per step and shared by every layer."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos, signed_sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with rotate_half(x) = (-x2, x1): the
+    sign lives in ``signed_sin`` and the half swap is a roll. x: [T, heads, D]."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)

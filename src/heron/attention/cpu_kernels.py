@@ -1,0 +1,107 @@
+"""heron's native CPU kernels: small C files compiled with the system C compiler
+on first use (about a second), cached, and called through ctypes.
+
+They need no torch headers: kernels take raw pointers to contiguous tensors.
+OpenMP threading shares torch's runtime (torch's CPU build loads ``libgomp.so.1``
+first, and the kernel library links the same soname). Without a C compiler the
+kernels are unavailable and callers fall back to torch ops; set
+``HERON_DISABLE_NATIVE=1`` to force that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ("paged_attention.c",)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_MAX_GROUP = 64  # the kernel's per-task arrays hold one GQA group
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("HERON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "heron")
+    return os.path.join(base, "kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (logged once) when it cannot be built."""
+    if os.environ.get("HERON_DISABLE_NATIVE"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: native CPU kernels disabled (slower torch fallbacks)")
+        return None
+    sources = [resources.files("heron.attention").joinpath("csrc", name) for name in _SOURCES]
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([compiler, *_FLAGS]).encode())
+    target_dir = os.path.join(_cache_dir(), digest.hexdigest()[:16])
+    target = os.path.join(target_dir, "libheron_cpu.so")
+    if not os.path.exists(target):
+        os.makedirs(target_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            paths = []
+            for source in sources:
+                path = os.path.join(scratch, source.name)
+                with open(path, "wb") as handle:
+                    handle.write(source.read_bytes())
+                paths.append(path)
+            partial = os.path.join(scratch, "libheron_cpu.so")
+            result = subprocess.run([compiler, *_FLAGS, *paths, "-o", partial, "-lm"], capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building native CPU kernels failed; using torch fallbacks:\n%s", result.stderr[-2000:])
+                return None
+            os.replace(partial, target)  # atomic: concurrent builders never see half a file
+    library = ctypes.CDLL(target)
+    function = library.heron_paged_decode_attention_f32
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+    return library
+
+
+def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: int) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and kv_cache.dtype == torch.float32
+        and group <= _MAX_GROUP
+        and native_library() is not None
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] float32
+    block_table: torch.Tensor,  # [B, max_blocks] int64
+    seq_lens: torch.Tensor,  # [B] int64
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    library = native_library()
+    assert library is not None
+    query = query.contiguous()
+    block_table = block_table.contiguous()
+    output = torch.empty_like(query)
+    num_seqs, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    status = library.heron_paged_decode_attention_f32(
+        output.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1],
+        scale, sliding_window or 0,
+    )
+    if status != 0:
+        raise MemoryError("paged decode attention could not allocate its score buffer")
+    return output

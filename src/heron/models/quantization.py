@@ -1,0 +1,80 @@
+"""Weight quantization for the CPU: ``int8`` (weight-only, per output channel).
+
+Every linear layer (and the LM head) keeps int8 weights with one float scale per
+output channel. Inputs are rounded to bfloat16 and the product accumulates in
+float32, rounded to bfloat16 on the way out: for up to ``SMALL_BATCH_ROWS`` rows (decode steps) torch's int8
+weight-only kernel reads a quarter of float32's bytes; for larger inputs
+(prefill) the int8 weights, dequantized once at load, go through the float32
+GEMM, which is compute-bound there anyway. Both paths compute the same function
+(bf16 inputs times the same int8 weights), so a request's output does not depend
+on what it is batched with beyond float32 rounding.
+
+Measured on the embedded model (``heron bench quality --quantization int8``,
+BENCHMARKS.md): perplexity of the fixed text 33.3 vs 32.8 in float32, top-1
+agreement 95%. fbgemm's dynamic int8 (7-bit per-tensor activations on AVX2) was
+2x faster still but tripled perplexity, so it is not offered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("none", "int8")
+SMALL_BATCH_ROWS = 24
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = bf16(bf16(x) @ (q * scale)^T) + b, q int8 per output channel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        weight = weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16), persistent=False)
+        # the same int8 weights in float32, for large inputs (exactly q * scale)
+        self.register_buffer("dequantized", qweight.float() * scales.to(torch.bfloat16).float()[:, None], persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if rows.shape[0] <= SMALL_BATCH_ROWS:
+            out = torch._weight_int8pack_mm(rows, self.qweight, self.scales_bf16).float()
+        else:  # the kernel returns bf16: round the same way
+            out = torch.nn.functional.linear(rows.float(), self.dequantized).to(torch.bfloat16).float()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
+
+
+def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Module:
+    """Replace the model's linear layers (and its LM head) with quantized ones."""
+    if method in (None, "none"):
+        return model
+    if method != "int8":
+        raise ValueError(f"unknown quantization {method!r}; choose from {QUANTIZATION_METHODS}")
+    if device.type != "cpu":
+        raise ValueError("int8 quantization runs on the CPU; on CUDA use bfloat16")
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
+                count += 1
+    set_head = getattr(model, "quantize_lm_head", None)
+    if callable(set_head):
+        set_head(lambda weight: Int8WeightOnlyLinear(weight))
+    logger.info("quantized %d linear layers (and the LM head) to int8, weight-only", count)
+    return model

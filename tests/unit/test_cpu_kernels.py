@@ -1,0 +1,33 @@
+"""heron's native CPU paged-decode kernel against the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heron.attention import cpu_kernels
+from heron.attention.backend import AttentionLayerSpec
+from heron.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+
+pytestmark = pytest.mark.skipif(cpu_kernels.native_library() is None, reason="no C compiler")
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window):
+    generator = torch.Generator().manual_seed(num_heads + (window or 0))
+    num_blocks, block_size, num_seqs = 64, 16, 7
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    seq_lens = torch.tensor([1, 15, 16, 17, 33, 100, 160], dtype=torch.int64)
+    max_blocks = 10
+    block_table = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(num_seqs)])
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=generator)
+    spec = AttentionLayerSpec(0, num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
+    metadata = TorchAttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64), num_tokens=num_seqs, block_size=block_size,
+        decode_token_index=torch.arange(num_seqs), decode_block_table=block_table,
+        decode_block_ids=block_table.flatten(), decode_seq_lens=seq_lens, all_decode=True,
+    )
+    expected = TorchAttentionBackend._decode_with_torch(spec, query, cache, metadata)
+    got = cpu_kernels.paged_decode_attention(query, cache, block_table, seq_lens, spec.scale, window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
