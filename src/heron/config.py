@@ -194,6 +194,7 @@ class EngineConfig:
         compile_model: bool = False,
         gpu_memory_utilization: float = 0.9,
         quantization: str = "none",
+        usage: Literal["offline", "serve"] = "offline",
     ) -> EngineConfig:
         """Resolve a user's arguments against the model and machine, validating all."""
         from heron.loader.model_config import load_hf_config
@@ -221,9 +222,11 @@ class EngineConfig:
                 f"context length ({model_max_len})"
             )
         if max_num_batched_tokens is None:
-            # the step-time bound under mixed load: on CPU a 512-token step takes about
-            # a second and keeps 95% of the prefill rate of 2048-token steps
-            max_num_batched_tokens = max(512 if resolved_device.type == "cpu" else 2048, max_num_seqs)
+            # Serving on a CPU: the budget bounds how long running decodes wait behind
+            # a new prompt; a 512-token step takes about a second and keeps 95% of the
+            # prefill rate of 2048-token steps. Offline, nobody waits: take the rate.
+            serving_cpu = usage == "serve" and resolved_device.type == "cpu"
+            max_num_batched_tokens = max(512 if serving_cpu else 2048, max_num_seqs)
         architectures = getattr(hf_config, "architectures", None) or []
         model_config = ModelConfig(
             model=source.path,

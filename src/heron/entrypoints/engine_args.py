@@ -45,7 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="int8: CPU weights int8 per channel, activations quantized at run time (fbgemm)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
     return EngineConfig.create(
         args.model,
         tokenizer=args.tokenizer,
@@ -71,6 +71,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile_model=args.compile,
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
+        usage=usage,  # type: ignore[arg-type]
     )
 
 

@@ -194,7 +194,7 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 def run_server(args: argparse.Namespace) -> int:
     from heron.entrypoints.engine_args import engine_config_from_args
 
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, usage="serve")
     settings = gateway_settings_from_args(args)
     logger.info("starting heron %s (loading %s)", __version__, config.model.served_model_name)
     return asyncio.run(_serve(args, config, settings))

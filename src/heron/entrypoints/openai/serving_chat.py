@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,22 +10,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
-from heron.entrypoints.openai.errors import bad_request, timed_out
+from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.serving_common import (
-    SSE_DONE,
     ServingContext,
     check_request,
-    collect_final,
-    engine_error,
+    final_outputs,
     invalid_input,
     merge_streams,
     new_request_id,
     resolve_max_tokens,
     sampling_params,
     sse,
+    sse_stream,
     start_generation,
-    until_disconnected,
     usage,
 )
 from heron.outputs import CompletionOutput, RequestOutput, SampleLogprobs
@@ -80,15 +77,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs)
     if request.stream:
         return StreamingResponse(builder.stream(streams), media_type="text/event-stream")
-    try:
-        [final] = await until_disconnected(raw_request, lambda: collect_final(ctx, streams))
-    except TimeoutError as exc:
-        raise timed_out(ctx.request_timeout_s or 0) from exc
-    except (RuntimeError, ValueError) as exc:
-        error = engine_error(exc)
-        if error is None:
-            raise
-        raise error from exc
+    [final] = await final_outputs(ctx, raw_request, streams)
     return JSONResponse(builder.response(final))
 
 
@@ -155,47 +144,40 @@ class _ChatBuilder:
             "choices": choices,
         }
 
-    async def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
-        n = self.request.n
         prompt_tokens = len(self.prompt.token_ids)
-        completion_tokens = 0
-        cached = 0
-        # the first chunk of every choice announces the role (and any echoed text)
-        for index in range(n):
-            yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": self.echo_text},
-                                    "logprobs": None, "finish_reason": None}]))
-        try:
-            async with asyncio.timeout(self.ctx.request_timeout_s):
-                async for _, output in merge_streams(streams):
-                    cached = output.num_cached_tokens
-                    for completion in output.outputs:
-                        if not completion.text and not completion.token_ids and completion.finish_reason is None:
-                            continue
-                        completion_tokens += len(completion.token_ids)
-                        delta = {"content": completion.text} if completion.text else {}
-                        chunk = self._chunk([{
-                            "index": completion.index,
-                            "delta": delta,
-                            "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
-                            "finish_reason": completion.finish_reason,
-                            "stop_reason": completion.stop_reason,
-                        }])
-                        if continuous:
-                            chunk["usage"] = usage(prompt_tokens, completion_tokens, cached)
-                        yield sse(chunk)
-        except TimeoutError:
-            yield sse(timed_out(self.ctx.request_timeout_s or 0).body())
-        except (RuntimeError, ValueError) as exc:
-            error = engine_error(exc)
-            if error is None:
-                raise
-            yield sse(error.body())
-        else:
-            if include_usage:
-                chunk = self._chunk([])
-                chunk["usage"] = usage(prompt_tokens, completion_tokens, cached)
-                yield sse(chunk)
-        yield SSE_DONE
+        counts = {"completion": 0, "cached": 0}
+
+        async def chunks() -> AsyncIterator[str]:
+            # the first chunk of every choice announces the role (and any echoed text)
+            for index in range(self.request.n):
+                yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": self.echo_text},
+                                        "logprobs": None, "finish_reason": None}]))
+            async for _, output in merge_streams(streams):
+                counts["cached"] = output.num_cached_tokens
+                for completion in output.outputs:
+                    if not completion.text and not completion.token_ids and completion.finish_reason is None:
+                        continue
+                    counts["completion"] += len(completion.token_ids)
+                    chunk = self._chunk([{
+                        "index": completion.index,
+                        "delta": {"content": completion.text} if completion.text else {},
+                        "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
+                        "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason,
+                    }])
+                    if continuous:
+                        chunk["usage"] = usage(prompt_tokens, counts["completion"], counts["cached"])
+                    yield sse(chunk)
+
+        def closing() -> str | None:
+            if not include_usage:
+                return None
+            chunk = self._chunk([])
+            chunk["usage"] = usage(prompt_tokens, counts["completion"], counts["cached"])
+            return sse(chunk)
+
+        return sse_stream(self.ctx, chunks(), closing)

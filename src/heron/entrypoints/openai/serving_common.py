@@ -17,7 +17,14 @@ from fastapi import Request
 
 from heron.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
-from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found, too_many_requests, unavailable
+from heron.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    model_not_found,
+    timed_out,
+    too_many_requests,
+    unavailable,
+)
 from heron.entrypoints.openai.protocol import OpenAIModel, SamplingFields
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams
@@ -216,6 +223,45 @@ async def collect_final(ctx: ServingContext, streams: list[AsyncIterator[Request
             if output.finished:
                 finals[index] = output
     return [finals[i] for i in range(len(streams))]
+
+
+async def final_outputs(
+    ctx: ServingContext, raw_request: Request, streams: list[AsyncIterator[RequestOutput]]
+) -> list[RequestOutput]:
+    """Non-streaming requests: run to the end, aborting on disconnect or timeout;
+    engine failures become OpenAI errors."""
+    try:
+        return await until_disconnected(raw_request, lambda: collect_final(ctx, streams))
+    except TimeoutError as exc:
+        raise timed_out(ctx.request_timeout_s or 0) from exc
+    except (RuntimeError, ValueError) as exc:
+        error = engine_error(exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+async def sse_stream(
+    ctx: ServingContext, chunks: AsyncIterator[str], closing: Callable[[], str | None]
+) -> AsyncIterator[str]:
+    """Wrap a response's SSE chunks: the request timeout, errors as a final error
+    event, ``closing()`` (e.g. the usage chunk) after a clean end, then [DONE]."""
+    try:
+        async with asyncio.timeout(ctx.request_timeout_s):
+            async for chunk in chunks:
+                yield chunk
+    except TimeoutError:
+        yield sse(timed_out(ctx.request_timeout_s or 0).body())
+    except (RuntimeError, ValueError) as exc:
+        error = engine_error(exc)
+        if error is None:
+            raise
+        yield sse(error.body())
+    else:
+        tail = closing()
+        if tail:
+            yield tail
+    yield SSE_DONE
 
 
 async def until_disconnected(raw_request: Request, work: Callable[[], Awaitable[T]]) -> T:

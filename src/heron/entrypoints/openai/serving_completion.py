@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,22 +10,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
-from heron.entrypoints.openai.errors import bad_request, timed_out
+from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.protocol import CompletionRequest
 from heron.entrypoints.openai.serving_common import (
-    SSE_DONE,
     ServingContext,
     check_request,
-    collect_final,
-    engine_error,
+    final_outputs,
     invalid_input,
     merge_streams,
     new_request_id,
     resolve_max_tokens,
     sampling_params,
     sse,
+    sse_stream,
     start_generation,
-    until_disconnected,
     usage,
 )
 from heron.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
@@ -85,16 +82,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     builder = _CompletionBuilder(ctx, request, prompts, request_id, created)
     if request.stream:
         return StreamingResponse(builder.stream(streams), media_type="text/event-stream")
-    try:
-        finals = await until_disconnected(raw_request, lambda: collect_final(ctx, streams))
-    except TimeoutError as exc:
-        raise timed_out(ctx.request_timeout_s or 0) from exc
-    except (RuntimeError, ValueError) as exc:
-        error = engine_error(exc)
-        if error is None:
-            raise
-        raise error from exc
-    return JSONResponse(builder.response(finals))
+    return JSONResponse(builder.response(await final_outputs(ctx, raw_request, streams)))
 
 
 class _CompletionBuilder:
@@ -182,7 +170,7 @@ class _CompletionBuilder:
             "usage": usage(prompt_tokens, completion_tokens, cached),
         }
 
-    async def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
@@ -192,36 +180,32 @@ class _CompletionBuilder:
         echoed: set[int] = set()
         cached = [0] * len(self.prompts)
         prompt_total = sum(len(p.token_ids) for p in self.prompts)
-        try:
-            async with asyncio.timeout(self.ctx.request_timeout_s):
-                async for prompt_index, output in merge_streams(streams):
-                    cached[prompt_index] = output.num_cached_tokens
-                    for completion in output.outputs:
-                        index = prompt_index * n + completion.index
-                        echo = self.request.echo and index not in echoed
-                        echoed.add(index)
-                        if not completion.text and not completion.token_ids and completion.finish_reason is None and not echo:
-                            continue
-                        completion_tokens[index] += len(completion.token_ids)
-                        choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo, text_offsets[index])
-                        text_offsets[index] += len(choice["text"])
-                        chunk = self._chunk([choice])
-                        if continuous:
-                            chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
-                        yield sse(chunk)
-        except TimeoutError:
-            yield sse(timed_out(self.ctx.request_timeout_s or 0).body())
-        except (RuntimeError, ValueError) as exc:
-            error = engine_error(exc)
-            if error is None:
-                raise
-            yield sse(error.body())
-        else:
-            if include_usage:
-                chunk = self._chunk([])
-                chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
-                yield sse(chunk)
-        yield SSE_DONE
+
+        async def chunks() -> AsyncIterator[str]:
+            async for prompt_index, output in merge_streams(streams):
+                cached[prompt_index] = output.num_cached_tokens
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    echo = self.request.echo and index not in echoed
+                    echoed.add(index)
+                    if not completion.text and not completion.token_ids and completion.finish_reason is None and not echo:
+                        continue
+                    completion_tokens[index] += len(completion.token_ids)
+                    choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo, text_offsets[index])
+                    text_offsets[index] += len(choice["text"])
+                    chunk = self._chunk([choice])
+                    if continuous:
+                        chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
+                    yield sse(chunk)
+
+        def closing() -> str | None:
+            if not include_usage:
+                return None
+            chunk = self._chunk([])
+            chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
+            return sse(chunk)
+
+        return sse_stream(self.ctx, chunks(), closing)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
