@@ -38,6 +38,7 @@ class BatchLayout:
     block_table: np.ndarray  # int32 [num_reqs, max_blocks_per_req], host
     slot_mapping: torch.Tensor  # int64 [num_tokens], on the device
     block_size: int
+    host_slot_mapping: np.ndarray | None = None  # the same, on the host
 
     @property
     def query_lens(self) -> np.ndarray:

@@ -9,7 +9,7 @@ import torch
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [N] float32; 0 marks a greedy row
+    temperature: torch.Tensor  # [N] float32; 0 marks a greedy row (empty when all greedy)
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None  # [N] int64; vocab size where disabled

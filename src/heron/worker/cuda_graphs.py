@@ -61,6 +61,11 @@ class DecodeGraphRunner:
         self.work_q = torch.zeros(size, **int32)
         self.scratch_slot = scratch_slot
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # one pinned staging row per step: ids, positions, slots, seq lens, work list
+        self._staging = torch.empty(5 * size, dtype=torch.int64, pin_memory=True)
+        self._device_staging = torch.empty(5 * size, dtype=torch.int64, device=device)
+        self._max_blocks = max_blocks_per_seq
+        self._staging_blocks = torch.empty((size, max_blocks_per_seq), dtype=torch.int32, pin_memory=True)
 
     def _metadata(self, bucket: int) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
@@ -104,16 +109,25 @@ class DecodeGraphRunner:
         num_reqs = layout.num_reqs
         bucket = self.bucket_for(num_reqs)
         assert bucket is not None
-        self.input_ids[:num_reqs].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:num_reqs].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:num_reqs].copy_(layout.slot_mapping, non_blocking=True)
-        self.slot_mapping[num_reqs:bucket].fill_(self.scratch_slot)
+        # stage every per-row input in pinned memory, then two copies to the device
+        staged = self._staging.numpy().reshape(5, -1)
+        staged[0, :num_reqs] = input_ids
+        staged[1, :num_reqs] = positions
+        staged[2, :num_reqs] = layout.host_slot_mapping
+        staged[2, num_reqs:bucket] = self.scratch_slot
+        staged[3, :num_reqs] = layout.seq_lens
+        staged[4, :bucket] = -1
+        staged[4, :num_reqs] = np.arange(num_reqs)
         width = layout.block_table.shape[1]
-        self.block_table[:num_reqs, :width].copy_(torch.from_numpy(layout.block_table), non_blocking=True)
-        self.seq_lens[:num_reqs].copy_(torch.from_numpy(layout.seq_lens.astype(np.int32)), non_blocking=True)
-        work = np.full(bucket, -1, dtype=np.int32)
-        work[:num_reqs] = np.arange(num_reqs, dtype=np.int32)
-        self.work_seq[:bucket].copy_(torch.from_numpy(work), non_blocking=True)
+        self._staging_blocks.numpy()[:num_reqs, :width] = layout.block_table
+        self._device_staging.copy_(self._staging, non_blocking=True)
+        self.block_table[:num_reqs].copy_(self._staging_blocks[:num_reqs], non_blocking=True)
+        device_rows = self._device_staging.view(5, -1)
+        self.input_ids[:bucket].copy_(device_rows[0, :bucket])
+        self.positions[:bucket].copy_(device_rows[1, :bucket])
+        self.slot_mapping[:bucket].copy_(device_rows[2, :bucket])
+        self.seq_lens[:bucket].copy_(device_rows[3, :bucket])
+        self.work_seq[:bucket].copy_(device_rows[4, :bucket])
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:num_reqs]

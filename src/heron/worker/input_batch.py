@@ -71,15 +71,15 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """Sampling inputs for one row per state, in order."""
     params = [state.sampling_params for state in states]
-    temperature = torch.tensor(
-        [0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32
-    )
     num_greedy = sum(1 for p in params if p.is_greedy)
-    metadata = SamplingMetadata(
-        temperature=temperature.to(device),
-        all_greedy=num_greedy == len(params),
-        all_random=num_greedy == 0,
+    all_greedy = num_greedy == len(params)
+    # an all-greedy batch needs no temperature tensor (one host-to-device copy less)
+    temperature = (
+        torch.zeros(0)
+        if all_greedy
+        else torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32).to(device)
     )
+    metadata = SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=num_greedy == 0)
     sampled = [p for p in params if not p.is_greedy]
     if any(p.top_k > 0 for p in sampled):
         metadata.top_k = torch.tensor(

@@ -44,10 +44,7 @@ class StepInputs:
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
     layout: BatchLayout
-
-    @property
-    def is_decode_only(self) -> bool:
-        return bool((self.num_scheduled == 1).all())
+    use_graph: bool  # replay a captured CUDA graph for this step
 
 
 class ModelRunner:
@@ -190,15 +187,10 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         with phase("prepare_inputs"):
             step = self._prepare_inputs(scheduler_output)
-        graphs = self.decode_graphs
-        if (
-            graphs is not None
-            and step.is_decode_only
-            and len(step.sample_rows) == step.layout.num_reqs  # no mid-prompt chunk (prompt logprobs)
-            and graphs.bucket_for(step.layout.num_reqs) is not None
-        ):
+        if step.use_graph:
+            assert self.decode_graphs is not None
             with phase("forward"):
-                logits = graphs.run(step.layout, step.input_ids, step.positions)
+                logits = self.decode_graphs.run(step.layout, step.input_ids, step.positions)
             with phase("sample"):
                 return self._sample(step, None, logits)
         with phase("forward"):
@@ -238,14 +230,24 @@ class ModelRunner:
             block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
+        # a CUDA graph replays decode-only steps where every request samples (no
+        # mid-prompt chunk needing prompt logprobs) and the batch fits a bucket
+        use_graph = (
+            self.decode_graphs is not None
+            and bool((num_scheduled == 1).all())
+            and len(sample_rows) == len(states)
+            and self.decode_graphs.bucket_for(len(states)) is not None
+        )
         layout = BatchLayout(
             num_reqs=len(states),
             num_tokens=num_tokens,
             query_start_loc=query_start_loc,
             seq_lens=num_computed + num_scheduled,
             block_table=block_table,
-            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+            # the graph runner stages its own copy of the host array
+            slot_mapping=torch.empty(0) if use_graph else torch.from_numpy(slot_mapping).to(self.device),
             block_size=self.block_size,
+            host_slot_mapping=slot_mapping,
         )
         return StepInputs(
             request_ids=request_ids,
@@ -257,6 +259,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=positions,
             layout=layout,
+            use_graph=use_graph,
         )
 
     def _sample(
@@ -270,7 +273,10 @@ class ModelRunner:
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
         if step.sample_rows:
             if decode_logits is not None:
-                logits = decode_logits[torch.tensor(step.sample_rows, device=self.device)]
+                if len(step.sample_rows) == len(states):
+                    logits = decode_logits
+                else:
+                    logits = decode_logits[torch.tensor(step.sample_rows, device=self.device)]
             else:
                 assert hidden is not None
                 logits_index = torch.from_numpy(step.query_start_loc[1:][step.sample_rows] - 1).to(self.device)
