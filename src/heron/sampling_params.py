@@ -15,18 +15,67 @@ MAX_LOGPROBS = 20
 _EPS = 1e-5
 
 
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = 0  # every output carries all text/tokens so far
-    DELTA = 1  # every output carries only what is new (streaming)
-    FINAL_ONLY = 2  # only the finished output is produced (offline generate)
-
-
 class SamplingParamError(ValueError):
     """A sampling parameter has an invalid value; ``param`` names it."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names). Exactly one of: a JSON schema (dict or
+    string), a regular expression, a list of choices, an EBNF grammar, or any JSON
+    object (``json_object=True``).
+
+    JSON may carry whitespace between tokens, at most a few characters in a row
+    (small models otherwise fall into endless runs of newlines or tabs);
+    ``disable_any_whitespace=True`` makes it compact (``{"a": 1, "b": 2}``)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise SamplingParamError(
+                "structured_outputs",
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+                + (f" (got {', '.join(given)})" if given else ""),
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise SamplingParamError("structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, specification) — what identifies a compiled grammar. JSON kinds
+        become ``json-compact`` when whitespace is disabled."""
+        import json as json_module
+
+        suffix = "-compact" if self.disable_any_whitespace else ""
+        if self.json is not None:
+            # key order matters: the output follows the schema's property order
+            spec = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
+            return "json" + suffix, spec
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json_module.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object" + suffix, ""
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries all text/tokens so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # only the finished output is produced (offline generate)
 
 
 @dataclass
@@ -53,6 +102,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +116,8 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     @property

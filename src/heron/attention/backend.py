@@ -87,15 +87,20 @@ def get_attention_backend(
     device: torch.device, num_heads: int, num_kv_heads: int, name: str | None = None
 ) -> AttentionBackend:
     """The backend for a device: "triton" on CUDA when Triton is installed,
-    otherwise "torch" (plain torch ops, any device)."""
-    from heron.attention.triton_backend import TritonAttentionBackend, triton_available
-
+    otherwise "torch" (plain torch ops, any device). Triton is imported only for
+    CUDA devices: on a CPU it would only cost start-up time."""
     if name in (None, "auto"):
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        name = "torch"
+        if device.type == "cuda":
+            from heron.attention.triton_backend import triton_available
+
+            name = "triton" if triton_available() else "torch"
     if name == "torch":
         from heron.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
+        from heron.attention.triton_backend import TritonAttentionBackend
+
         return TritonAttentionBackend(num_heads // num_kv_heads)
     raise ValueError(f"unknown attention backend {name!r}; available: 'auto', 'torch', 'triton'")

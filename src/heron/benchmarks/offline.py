@@ -15,10 +15,24 @@ from heron.engine.llm import LLM
 from heron.sampling_params import SamplingParams
 
 
-def run_throughput(llm: LLM, samples: list[SampleRequest], temperature: float = 1.0, use_tqdm: bool = True) -> dict[str, Any]:
-    """All requests at once; returns vLLM's throughput fields."""
+def run_throughput(
+    llm: LLM,
+    samples: list[SampleRequest],
+    temperature: float = 1.0,
+    use_tqdm: bool = True,
+    structured_outputs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """All requests at once; returns vLLM's throughput fields. With
+    ``structured_outputs`` every request is constrained by it (a request whose
+    grammar terminates early stops there, so output totals may differ)."""
     params = [
-        SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=s.expected_output_len)
+        SamplingParams(
+            temperature=temperature,
+            top_p=1.0,
+            ignore_eos=True,
+            max_tokens=s.expected_output_len,
+            structured_outputs=dict(structured_outputs) if structured_outputs else None,
+        )
         for s in samples
     ]
     started = time.perf_counter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from heron.config import CacheConfig, SchedulerConfig
 from heron.core.kv_cache_manager import KVCacheManager
@@ -24,6 +25,9 @@ from heron.core.scheduler_output import CachedRequestData, NewRequestData, Sched
 from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs, EngineEventType, SchedulerStats
 from heron.request import Request, RequestStatus
 from heron.worker.runner_output import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from heron.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +39,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         max_model_len: int,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.structured_output = structured_output_manager
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_kv_blocks,
@@ -49,6 +55,7 @@ class Scheduler:
         # forgotten by the runner at the next step
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self._grammar_failures: list[Request] = []  # reported at the next output
 
     # ---- request lifecycle -------------------------------------------------
 
@@ -77,6 +84,8 @@ class Scheduler:
         return finished
 
     def _free_request(self, request: Request) -> None:
+        if self.structured_output is not None:
+            self.structured_output.remove_request(request.request_id)
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -141,6 +150,7 @@ class Scheduler:
             cached_reqs.add(request.request_id, new_block_ids, request.num_computed_tokens)
 
         # 2. waiting requests, unless this step had to preempt (the pool is full)
+        not_ready: list[Request] = []  # grammars still compiling: they keep their place
         if not preempted_ids:
             while (
                 len(self.waiting) > 0
@@ -148,6 +158,9 @@ class Scheduler:
                 and len(self.running) < self.config.max_num_seqs
             ):
                 request = self.waiting.peek()
+                if request.sampling_params.structured_outputs is not None and not self._grammar_ready(request):
+                    not_ready.append(self.waiting.pop())  # after peek: this request
+                    continue
                 computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > token_budget:
@@ -174,6 +187,11 @@ class Scheduler:
                     )
                 )
 
+        for request in reversed(not_ready):
+            if request.is_finished:  # its grammar failed to compile
+                self._free_request(request)
+            else:
+                self.waiting.add_preempted(request)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -189,6 +207,30 @@ class Scheduler:
         for request_id, num_new in num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_new
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a structured request's grammar is compiled. One whose grammar
+        failed to compile is finished as aborted (reported at the next output) and
+        counts as not ready; the caller takes it off the waiting queue."""
+        assert self.structured_output is not None
+        ready = self.structured_output.is_ready(request)
+        if ready is None:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._grammar_failures.append(request)
+            return False
+        return ready
+
+    def structured_requests_to_sample(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Structured requests scheduled this step that sample a token (their
+        grammar masks the logits), in batch order."""
+        if self.structured_output is None:
+            return []
+        ids = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[request_id]
+            if request.sampling_params.structured_outputs is not None and request.num_computed_tokens >= request.num_tokens:
+                ids.append(request_id)
+        return ids
 
     def _pick_preemption_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -227,9 +269,12 @@ class Scheduler:
             logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             new_token_ids: list[int] = []
+            structured = self.structured_output is not None and request.sampling_params.structured_outputs is not None
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
+                if structured and self._follow_grammar(request, token_id):
+                    break
                 if self._check_stop(request):
                     break
             if logprobs is not None:
@@ -250,9 +295,24 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+        for failed in self._grammar_failures:
+            outputs.append(EngineCoreOutput(failed.request_id, [], finish_reason="abort"))
+        self._grammar_failures.clear()
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(scheduler_output), timestamp=time.monotonic()
         )
+
+    def _follow_grammar(self, request: Request, token_id: int) -> bool:
+        """Advance the request's grammar; True if that finished the request."""
+        assert self.structured_output is not None
+        if not self.structured_output.accept(request.request_id, token_id):
+            logger.error("%s sampled token %d that its grammar forbids", request.request_id, token_id)
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if self.structured_output.is_terminated(request.request_id):
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -26,7 +26,6 @@ from heron.engine.core_output import SchedulerStats
 from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.serialization import MessageKind, decode_outputs
-from heron.loader.model_config import eos_token_ids
 from heron.loader.tokenizer import load_tokenizer
 from heron.metrics.logging_stats import LoggingStatLogger
 from heron.metrics.prometheus import PrometheusStatLogger
@@ -102,9 +101,7 @@ class AsyncLLM:
         # start the engine core first: it loads the model while we load the tokenizer
         self.client = EngineCoreClient(config, log_level)
         self.tokenizer = load_tokenizer(config.model)
-        self.input_processor = InputProcessor(
-            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer, config.model.model if config.model.source_format == "hf" else None)
-        )
+        self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = PrometheusStatLogger(config.model.served_model_name)
         self.stat_logger = LoggingStatLogger(log_stats_interval_s)
@@ -165,7 +162,7 @@ class AsyncLLM:
         """Requests accepted that have not produced a token yet (queued or prefilling)."""
         return len(self._not_started)
 
-    async def generate(
+    def generate(
         self,
         prompt: ProcessedPrompt,
         params: SamplingParams,
@@ -175,8 +172,9 @@ class AsyncLLM:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs (per ``params.output_kind``) until finished.
-        Cancelling the consumer (e.g. a client disconnect) aborts the request."""
+        """Validate the request now (raising before anything is streamed), then
+        return the stream of its outputs (per ``params.output_kind``) until it
+        finishes. Cancelling the consumer (e.g. a client disconnect) aborts it."""
         self._ensure_started()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -191,6 +189,15 @@ class AsyncLLM:
         self._collectors[request_id] = collector
         engine_ids = self.output_processor.add_request(request_id, prompt, params, arrival_time)
         self._not_started.update(engine_ids)
+        return self._stream(request_id, collector, core_requests, engine_ids)
+
+    async def _stream(
+        self,
+        request_id: str,
+        collector: RequestOutputCollector,
+        core_requests: list[Any],
+        engine_ids: list[str],
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             for core_request in core_requests:
@@ -206,6 +213,12 @@ class AsyncLLM:
             self._not_started.difference_update(engine_ids)
             if not finished:
                 self.abort_nowait(request_id)  # no await: we may be inside a cancellation
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request whose stream was never iterated (nothing was sent to
+        the engine core yet)."""
+        self._collectors.pop(request_id, None)
+        self._not_started.difference_update(self._forget(request_id))
 
     def abort_nowait(self, request_id: str) -> None:
         """Forget a request here at once and tell the engine core to free it."""

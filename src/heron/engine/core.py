@@ -15,7 +15,7 @@ from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from heron.profiling import StepProfiler, phase
 from heron.request import EngineCoreRequest, Request, RequestStatus
 from heron.worker.kv_cache_sizing import determine_num_kv_blocks, gpu_kv_cache_budget
-from heron.worker.model_runner import ModelRunner
+from heron.worker.model_runner import ModelRunner, StructuredStep
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +42,22 @@ class EngineCore:
             gpu_budget,
         )
         self.model_runner.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len)
+        from heron.structured_output.manager import StructuredOutputManager
+
+        self.structured_output = StructuredOutputManager(config.model)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, num_blocks, config.model.max_model_len, self.structured_output
+        )
         profile = config.profiler
         self.profiler = (
             StepProfiler(profile.directory, profile.num_steps, profile.start_step) if profile.directory else None
         )
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(core_request))
+        request = Request(core_request)
+        self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output.add_request(request)  # compiles off the step loop
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort wherever they are; returns a final output for each one aborted."""
@@ -68,7 +76,13 @@ class EngineCore:
             self.profiler.before_step()
         with phase("schedule"):
             scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+            structured_ids = self.scheduler.structured_requests_to_sample(scheduler_output)
+            grammar = (
+                StructuredStep(structured_ids, self.structured_output.bitmask(structured_ids), self.structured_output.apply)
+                if structured_ids
+                else None
+            )
+        runner_output = self.model_runner.execute_model(scheduler_output, grammar)
         with phase("update_from_output"):
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.profiler is not None:

@@ -36,10 +36,13 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: list[int]) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        from heron.loader.model_config import eos_token_ids
+
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.eos_token_ids = tuple(eos_token_ids)
+        model_dir = model_config.model if model_config.source_format == "hf" else None
+        self.eos_token_ids = tuple(eos_token_ids(model_config.hf_config, tokenizer, model_dir))
         self.vocab_size = model_config.vocab_size
 
     # ---- prompts -----------------------------------------------------------------
@@ -132,6 +135,13 @@ class InputProcessor:
                 "prompt",
             )
         params.validate_for_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            from heron.structured_output.xgrammar_backend import validate_constraint
+
+            try:
+                validate_constraint(*params.structured_outputs.key())
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), "structured_outputs") from exc
         room = max_model_len - num_prompt_tokens
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time

@@ -10,7 +10,6 @@ from heron.config import EngineConfig
 from heron.engine.core import EngineCore
 from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
-from heron.loader.model_config import eos_token_ids
 from heron.loader.tokenizer import load_tokenizer
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
@@ -20,9 +19,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        self.input_processor = InputProcessor(
-            config.model, self.tokenizer, eos_token_ids(config.model.hf_config, self.tokenizer, config.model.model if config.model.source_format == "hf" else None)
-        )
+        self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
         self._ids = itertools.count()

@@ -8,7 +8,7 @@ floats, strings, lists, dicts (int keys allowed).
 from __future__ import annotations
 
 import enum
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import msgpack
@@ -48,6 +48,8 @@ def unpack(data: bytes) -> tuple[MessageKind, Any]:
 def encode_sampling_params(params: SamplingParams) -> list[Any]:
     values = [getattr(params, name) for name in _SAMPLING_FIELDS]
     values[_SAMPLING_FIELDS.index("output_kind")] = params.output_kind.value
+    if params.structured_outputs is not None:  # decoded back by SamplingParams itself
+        values[_SAMPLING_FIELDS.index("structured_outputs")] = asdict(params.structured_outputs)
     return values
 
 

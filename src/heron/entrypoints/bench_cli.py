@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from typing import Any
@@ -45,6 +46,13 @@ def add_bench_parsers(subcommands: Any) -> None:
     throughput.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
     throughput.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
     throughput.add_argument("--temperature", type=float, default=1.0)
+    throughput.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='constrain every request, e.g. \'{"json": {"type": "array"}}\' or \'{"regex": "[a-z ]+"}\'',
+    )
     throughput.add_argument("--output-json", default=None)
     throughput.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace here")
     throughput.add_argument("--profile-steps", type=int, default=32)
@@ -150,11 +158,13 @@ def _bench_quality(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
 
+    import torch
+
     from heron.benchmarks.quality import compare
     from heron.engine.llm import LLM
 
     config = engine_config_from_args(args)
-    reference_config = replace(config, model=replace(config.model, quantization="none", dtype=__import__("torch").float32))
+    reference_config = replace(config, model=replace(config.model, quantization="none", dtype=torch.float32))
     result = compare(LLM.from_config(reference_config), LLM.from_config(config))
     result["mode"] = {"dtype": str(config.model.dtype).removeprefix("torch."), "quantization": config.model.quantization}
     print(json.dumps(result, indent=2))
@@ -171,7 +181,9 @@ def _bench_offline(args: argparse.Namespace) -> int:
     llm = LLM.from_config(engine_config_from_args(args))
     if args.bench_command == "throughput":
         samples = _samples(args, llm.get_tokenizer())
-        result = offline.run_throughput(llm, samples, args.temperature, use_tqdm=not args.disable_tqdm)
+        result = offline.run_throughput(
+            llm, samples, args.temperature, use_tqdm=not args.disable_tqdm, structured_outputs=args.structured_outputs
+        )
         print(offline.format_throughput(result))
     else:
         result = offline.run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters_warmup,

@@ -11,19 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from heron.attention.backend import BatchLayout, get_attention_backend
-from heron.attention.triton_backend import TritonAttentionBackend
 from heron.config import EngineConfig
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
 from heron.profiling import phase
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
-from heron.worker.cuda_graphs import DecodeGraphRunner
 from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
 from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, TokenLogprobs
@@ -45,6 +44,16 @@ class StepInputs:
     positions: np.ndarray  # [T]
     layout: BatchLayout
     use_graph: bool  # replay a captured CUDA graph for this step
+
+
+@dataclass
+class StructuredStep:
+    """The grammar bitmask of this step's structured requests (one row each, in
+    ``request_ids`` order) and how to apply it to logits rows."""
+
+    request_ids: list[str]
+    bitmask: Any
+    apply: Callable[[torch.Tensor, Any, list[int]], None]
 
 
 class ModelRunner:
@@ -70,7 +79,7 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.decode_graphs: DecodeGraphRunner | None = None
+        self.decode_graphs: Any = None  # a cuda_graphs.DecodeGraphRunner on CUDA
         if config.compile_model:
             self.model.forward = torch.compile(self.model.forward, dynamic=True)
 
@@ -97,7 +106,8 @@ class ModelRunner:
         num_allocated = num_blocks + (1 if self.use_cuda_graphs else 0)
         self._bind_kv_caches(num_allocated)
         if self.use_cuda_graphs:
-            assert isinstance(self.backend, TritonAttentionBackend)
+            from heron.worker.cuda_graphs import DecodeGraphRunner
+
             self.decode_graphs = DecodeGraphRunner(
                 self.model,
                 self.backend,
@@ -181,7 +191,9 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, structured: StructuredStep | None = None
+    ) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
@@ -192,7 +204,7 @@ class ModelRunner:
             with phase("forward"):
                 logits = self.decode_graphs.run(step.layout, step.input_ids, step.positions)
             with phase("sample"):
-                return self._sample(step, None, logits)
+                return self._sample(step, None, logits, structured)
         with phase("forward"):
             hidden = self.model(
                 torch.from_numpy(step.input_ids).to(self.device),
@@ -200,7 +212,7 @@ class ModelRunner:
                 self.backend.build_metadata(step.layout),
             )
         with phase("sample"):
-            return self._sample(step, hidden, None)
+            return self._sample(step, hidden, None, structured)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         request_ids = list(scheduler_output.num_scheduled_tokens)
@@ -263,7 +275,11 @@ class ModelRunner:
         )
 
     def _sample(
-        self, step: StepInputs, hidden: torch.Tensor | None, decode_logits: torch.Tensor | None
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor | None,
+        decode_logits: torch.Tensor | None,
+        structured: StructuredStep | None = None,
     ) -> ModelRunnerOutput:
         """Sample the rows that reached their last token. Either ``hidden`` (all
         tokens) or ``decode_logits`` (one row per request, from a CUDA graph) is given."""
@@ -281,6 +297,9 @@ class ModelRunner:
                 assert hidden is not None
                 logits_index = torch.from_numpy(step.query_start_loc[1:][step.sample_rows] - 1).to(self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, logits_index))
+            if structured is not None:
+                logits_row = {step.request_ids[row]: index for index, row in enumerate(step.sample_rows)}
+                structured.apply(logits, structured.bitmask, [logits_row[rid] for rid in structured.request_ids])
             sample_states = [states[row] for row in step.sample_rows]
             sampling_metadata = build_sampling_metadata(sample_states, self.vocab_size, self.device)
             output = self.sampler(logits, sampling_metadata)

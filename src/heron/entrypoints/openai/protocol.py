@@ -48,6 +48,8 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
@@ -77,7 +79,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM extensions
     echo: bool = False
     add_generation_prompt: bool = True

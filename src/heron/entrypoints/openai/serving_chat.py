@@ -55,8 +55,6 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     check_request(ctx, request, request.model)
     if request.tools:
         raise bad_request("tool calling is not supported by this server", "tools")
-    if request.response_format and request.response_format.get("type") not in (None, "text"):
-        raise bad_request("response_format other than 'text' is not supported yet", "response_format")
     top_logprobs = request.top_logprobs or 0
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

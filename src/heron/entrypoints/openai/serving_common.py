@@ -27,7 +27,7 @@ from heron.entrypoints.openai.errors import (
 )
 from heron.entrypoints.openai.protocol import OpenAIModel, SamplingFields
 from heron.outputs import RequestOutput
-from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams
+from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,6 +90,33 @@ def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: i
     return requested
 
 
+def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format`` (json_object, json_schema) or vLLM's
+    ``structured_outputs`` (json, regex, choice, grammar) -> the engine's params."""
+    fmt = request.response_format
+    if fmt is not None and request.structured_outputs is not None:
+        raise bad_request("give either response_format or structured_outputs, not both", "response_format")
+    try:
+        if request.structured_outputs is not None:
+            return StructuredOutputsParams(**request.structured_outputs)
+    except TypeError as exc:
+        raise bad_request(f"structured_outputs: {exc}", "structured_outputs") from exc
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    if fmt is None or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
+        return StructuredOutputsParams(json=schema)
+    raise bad_request(
+        f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}", "response_format"
+    )
+
+
 def sampling_params(
     request: SamplingFields,
     max_tokens: int,
@@ -127,6 +154,7 @@ def sampling_params(
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs(request),
         )
     except SamplingParamError as exc:
         raise bad_request(str(exc), exc.param) from exc
@@ -161,12 +189,21 @@ def start_generation(
     cache_salt: str | None,
 ) -> list[AsyncIterator[RequestOutput]]:
     arrival = time.monotonic()
-    return [
-        ctx.engine.generate(
-            prompt, prompt_params, f"{request_id}-{index}", priority=priority, cache_salt=cache_salt, arrival_time=arrival
-        )
-        for index, (prompt, prompt_params) in enumerate(zip(prompts, params))
-    ]
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
+            streams.append(ctx.engine.generate(
+                prompt, prompt_params, f"{request_id}-{index}", priority=priority, cache_salt=cache_salt,
+                arrival_time=arrival,
+            ))
+    except (RuntimeError, ValueError) as exc:  # nothing streamed yet: a plain error response
+        for index in range(len(streams)):  # forget the prompts already accepted
+            ctx.engine.discard(f"{request_id}-{index}")
+        error = engine_error(exc)
+        if error is None:
+            raise
+        raise error from exc
+    return streams
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,0 +1,112 @@
+"""Structured output in the engine core: grammars compile off the step loop, a
+request waits in its own state until its grammar is ready (others keep running),
+compiled grammars are cached by constraint, and each step one bitmask covers
+every structured request that samples.
+
+The manager loads the tokenizer (the xgrammar vocabulary needs it) the first
+time a structured request arrives, so unconstrained serving never pays for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from heron.config import ModelConfig
+from heron.request import Request
+from heron.structured_output.backend import GrammarMatcher, StructuredOutputBackend
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 256
+
+
+class StructuredOutputManager:
+    def __init__(self, model_config: ModelConfig, eos_token_ids: list[int] | None = None) -> None:
+        self.model_config = model_config
+        self.eos_token_ids = eos_token_ids
+        self._backend: StructuredOutputBackend | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-grammar")
+        self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._pending: dict[str, Future[Any]] = {}
+        self.matchers: dict[str, GrammarMatcher] = {}
+
+    def _get_backend(self) -> StructuredOutputBackend:
+        if self._backend is None:
+            from heron.loader.model_config import eos_token_ids
+            from heron.loader.tokenizer import load_tokenizer
+            from heron.structured_output.xgrammar_backend import XGrammarBackend
+
+            tokenizer = load_tokenizer(self.model_config)
+            model_dir = self.model_config.model if self.model_config.source_format == "hf" else None
+            stops = self.eos_token_ids or eos_token_ids(self.model_config.hf_config, tokenizer, model_dir)
+            self._backend = XGrammarBackend(tokenizer, self.model_config.vocab_size, stops)
+        return self._backend
+
+    def _compile(self, key: tuple[str, str]) -> Any:
+        return self._get_backend().compile(*key)
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling the request's grammar (or reuse a cached one)."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        key = params.key()
+        future = self._compiled.get(key)
+        if future is None:
+            future = self._executor.submit(self._compile, key)
+            self._compiled[key] = future
+            while len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        self._pending[request.request_id] = future
+
+    def is_ready(self, request: Request) -> bool | None:
+        """True once the grammar is compiled and the request has its matcher;
+        False while compiling; None if compiling failed (the request must end)."""
+        if request.request_id in self.matchers:
+            return True
+        future = self._pending.get(request.request_id)
+        if future is None or not future.done():
+            return False
+        del self._pending[request.request_id]
+        try:
+            compiled = future.result()
+        except Exception as exc:  # validated up front, so this is unexpected
+            logger.error("compiling the grammar of %s failed: %s", request.request_id, exc)
+            return None
+        matcher = self._get_backend().matcher(compiled)
+        # a request resumed after preemption replays the tokens it already has
+        for token_id in request.output_token_ids:
+            matcher.accept_token(token_id)
+        self.matchers[request.request_id] = matcher
+        return True
+
+    def remove_request(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    def bitmask(self, request_ids: list[str]) -> torch.Tensor | None:
+        """One row per request id (in order): the tokens each may sample next."""
+        if not request_ids:
+            return None
+        bitmask = self._get_backend().allocate_bitmask(len(request_ids))
+        for row, request_id in enumerate(request_ids):
+            self.matchers[request_id].fill_bitmask(bitmask, row)
+        return bitmask
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int]) -> None:
+        self._get_backend().apply_bitmask(logits, bitmask, logit_rows)
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        return self.matchers[request_id].accept_token(token_id)
+
+    def is_terminated(self, request_id: str) -> bool:
+        return self.matchers[request_id].is_terminated()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,110 @@
+"""The xgrammar backend: JSON schemas, any-JSON, regular expressions, choices and
+EBNF grammars, compiled against the model's tokenizer vocabulary."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from heron.structured_output.backend import GrammarMatcher, StructuredOutputBackend
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise RuntimeError("structured output needs xgrammar: pip install xgrammar") from exc
+    return xgrammar
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regular expression matching exactly one of the literal choices."""
+    import re
+
+    return "(" + "|".join(re.escape(choice) for choice in choices) + ")"
+
+
+# The longest run of whitespace JSON may carry between two tokens.
+MAX_JSON_WHITESPACE = 4
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def _json_options(kind: str) -> dict[str, Any]:
+    compact = kind.endswith("-compact")
+    return {"any_whitespace": not compact, "max_whitespace_cnt": None if compact else MAX_JSON_WHITESPACE}
+
+
+def validate_constraint(kind: str, spec: str) -> None:
+    """Parse the constraint without a tokenizer; raise ValueError with xgrammar's
+    explanation if it is malformed. Cheap: used before a request is accepted."""
+    xgr = _xgrammar()
+    try:
+        if kind.split("-")[0] == "json":
+            json.loads(spec)
+            xgr.Grammar.from_json_schema(spec, **_json_options(kind))
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind == "choice":
+            xgr.Grammar.from_regex(choice_regex(json.loads(spec)))
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
+        raise ValueError(f"invalid {kind} constraint: {str(exc).strip().splitlines()[0]}") from exc
+
+
+class _XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class XGrammarBackend(StructuredOutputBackend):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        xgr = _xgrammar()
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.vocab_size = vocab_size
+
+    def compile(self, kind: str, spec: str) -> Any:
+        base = kind.split("-")[0]
+        if base == "json":
+            return self._compiler.compile_json_schema(spec, **_json_options(kind))
+        if base == "json_object":  # any object, any keys
+            return self._compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, **_json_options(kind))
+        if kind == "regex":
+            return self._compiler.compile_regex(spec)
+        if kind == "choice":
+            return self._compiler.compile_regex(choice_regex(json.loads(spec)))
+        if kind == "grammar":
+            return self._compiler.compile_grammar(spec)
+        raise ValueError(f"unknown structured output kind {kind!r}")
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int]) -> None:
+        # xgrammar indexes logits and bitmask with the same row numbers: spread
+        # the rows out to the logits' layout (unlisted rows stay unmasked)
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype)
+        full[logit_rows] = bitmask
+        self._xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=logit_rows)

@@ -1,0 +1,105 @@
+"""Structured output without a model: constraint parameters and validation, and
+the scheduler keeping a request whose grammar is still compiling in its own
+waiting state while the others run."""
+
+from __future__ import annotations
+
+import pytest
+
+from heron.request import RequestStatus
+from heron.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
+from heron.structured_output.xgrammar_backend import choice_regex, validate_constraint
+from tests.helpers import make_request
+from tests.unit.test_scheduler import add, make_scheduler, step
+
+
+def test_exactly_one_constraint_and_keys():
+    with pytest.raises(SamplingParamError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(SamplingParamError, match="exactly one.*json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(SamplingParamError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}
+    assert StructuredOutputsParams(json=schema).key() == ("json", '{"type": "object", "properties": {"b": {}, "a": {}}}')
+    assert StructuredOutputsParams(choice=["x", "y"]).key() == ("choice", '["x", "y"]')
+    assert StructuredOutputsParams(json_object=True).key() == ("json_object", "")
+    params = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    assert params.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
+
+
+@pytest.mark.parametrize(
+    "kind, spec, fragment",
+    [
+        ("json", "{not json", "not valid JSON"),
+        ("json", '{"type": "no-such-type"}', "invalid json"),
+        ("regex", "(unclosed", "invalid regex"),
+        ("grammar", "root ::= undefined_rule", "invalid grammar"),
+    ],
+)
+def test_bad_constraints_are_rejected_with_the_reason(kind, spec, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        validate_constraint(kind, spec)
+
+
+def test_good_constraints_validate():
+    validate_constraint("json", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    validate_constraint("regex", r"\d{3}-\d{4}")
+    validate_constraint("grammar", 'root ::= "yes" | "no"')
+    validate_constraint("choice", '["a.b", "c|d"]')
+    assert choice_regex(["a.b", "c|d"]) == r"(a\.b|c\|d)"
+
+
+class FakeGrammars:
+    """Stands in for the StructuredOutputManager: readiness is set by the test,
+    and the grammar accepts any token and never terminates."""
+
+    def __init__(self) -> None:
+        self.ready: dict[str, bool | None] = {}
+        self.removed: list[str] = []
+
+    def is_ready(self, request):
+        return self.ready.get(request.request_id, False)
+
+    def remove_request(self, request_id: str) -> None:
+        self.removed.append(request_id)
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        return True
+
+    def is_terminated(self, request_id: str) -> bool:
+        return False
+
+
+def test_request_waits_for_its_grammar_while_others_run():
+    scheduler = make_scheduler()
+    grammars = FakeGrammars()
+    scheduler.structured_output = grammars  # type: ignore[assignment]
+    structured = make_request(8, max_tokens=3, structured_outputs={"regex": "a+"})
+    plain = make_request(8, token_offset=50, max_tokens=3)
+    add(scheduler, structured, plain)
+    out, _ = step(scheduler)
+    assert list(out.num_scheduled_tokens) == [plain.request_id]
+    assert structured.status == RequestStatus.WAITING and scheduler.waiting.peek() is structured
+    grammars.ready[structured.request_id] = True
+    out = scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {structured.request_id, plain.request_id}
+    # the structured request samples this step (its whole prompt fits), so it needs a bitmask row
+    assert scheduler.structured_requests_to_sample(out) == [structured.request_id]
+
+
+def test_failed_grammar_aborts_only_that_request():
+    scheduler = make_scheduler()
+    grammars = FakeGrammars()
+    scheduler.structured_output = grammars  # type: ignore[assignment]
+    broken = make_request(8, max_tokens=3, structured_outputs={"regex": "a+"})
+    plain = make_request(8, token_offset=50, max_tokens=3)
+    add(scheduler, broken, plain)
+    grammars.ready[broken.request_id] = None
+    out, result = step(scheduler)
+    assert list(out.num_scheduled_tokens) == [plain.request_id]
+    [aborted] = [o for o in result.outputs if o.request_id == broken.request_id]
+    assert aborted.finish_reason == "abort"
+    assert broken.request_id not in scheduler.requests and grammars.removed == [broken.request_id]
+    assert len(scheduler.waiting) == 0
+    scheduler.kv_cache_manager.check_integrity()
