@@ -157,6 +157,45 @@ class ProfilerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys. ``ngram``: propose the tokens that
+    followed the latest earlier occurrence of the request's last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. ``draft_model``: a
+    smaller model with the same tokenizer (``model``) proposes them."""
+
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+
+    @staticmethod
+    def from_dict(value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        return SpeculativeConfig(**{**value, "method": method})  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16]")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.method 'draft_model' needs 'model' (the draft model's path)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -166,6 +205,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # no CUDA graphs
     compile_model: bool = False  # torch.compile the forward pass (exclusive with graphs)
+    speculative: SpeculativeConfig | None = None
+    draft_model: ModelConfig | None = None  # the draft model of speculative "draft_model"
 
     @staticmethod
     def create(
@@ -194,6 +235,7 @@ class EngineConfig:
         compile_model: bool = False,
         gpu_memory_utilization: float = 0.9,
         quantization: str = "none",
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         usage: Literal["offline", "serve"] = "offline",
     ) -> EngineConfig:
         """Resolve a user's arguments against the model and machine, validating all."""
@@ -244,6 +286,8 @@ class EngineConfig:
         from heron.models.registry import select_implementation
 
         select_implementation(model_config)  # unsupported architectures fail here, early
+        speculative = SpeculativeConfig.from_dict(speculative_config)
+        draft_model = _draft_model_config(speculative, model_config, model_impl) if speculative else None
         if quantization == "int8" and resolved_device.type != "cpu":
             raise ValueError("quantization='int8' runs on the CPU only (fbgemm); use bfloat16 on CUDA")
         return EngineConfig(
@@ -267,7 +311,37 @@ class EngineConfig:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager or compile_model,
             compile_model=compile_model,
+            speculative=speculative,
+            draft_model=draft_model,
         )
+
+
+def _draft_model_config(speculative: SpeculativeConfig, target: ModelConfig, model_impl: str) -> ModelConfig | None:
+    """The draft model's config: same dtype and context as the target, and a
+    vocabulary the target can verify."""
+    if speculative.method != "draft_model":
+        return None
+    from dataclasses import replace
+
+    from heron.loader.model_config import load_hf_config
+    from heron.loader.model_source import resolve_model_source
+
+    source = resolve_model_source(speculative.model)
+    hf_config = load_hf_config(source, model_impl)
+    if getattr(hf_config, "vocab_size", None) != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({getattr(hf_config, 'vocab_size', None)} tokens) differs from the "
+            f"target's ({target.vocab_size}): speculative decoding needs the same tokenizer"
+        )
+    architectures = getattr(hf_config, "architectures", None) or []
+    return replace(
+        target,
+        model=source.path,
+        served_model_name=source.name,
+        source_format=source.format,
+        hf_config=hf_config,
+        architecture=architectures[0] if architectures else "",
+    )
 
 
 def _model_max_len(hf_config: Any) -> int:

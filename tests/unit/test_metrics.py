@@ -36,13 +36,18 @@ def one_finished_iteration() -> IterationStats:
 def test_exporter_records_everything_it_declares():
     logger = PrometheusStatLogger("m")
     logger.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=100,
-                                 prefix_cache_hits=40, num_preemptions=3, num_scheduled_tokens=17), one_finished_iteration())
+                                 prefix_cache_hits=40, num_preemptions=3, num_scheduled_tokens=17,
+                                 spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=11),
+                  one_finished_iteration())
     text = logger.render().decode()
     values = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["heron:num_requests_running[('model_name', 'm')]"] == 2
     assert values["heron:kv_cache_usage_perc[('model_name', 'm')]"] == 0.25
     assert values["heron:prefix_cache_hits_total[('model_name', 'm')]"] == 40
     assert values["heron:num_preemptions_total[('model_name', 'm')]"] == 3
+    assert values["heron:spec_decode_num_drafts_total[('model_name', 'm')]"] == 5
+    assert values["heron:spec_decode_num_draft_tokens_total[('model_name', 'm')]"] == 20
+    assert values["heron:spec_decode_num_accepted_tokens_total[('model_name', 'm')]"] == 11
     assert values["heron:prompt_tokens_total[('model_name', 'm')]"] == 12
     assert values["heron:generation_tokens_total[('model_name', 'm')]"] == 2
     assert values["heron:request_success_total[('finished_reason', 'length'), ('model_name', 'm')]"] == 1
@@ -68,6 +73,16 @@ def test_periodic_log_line():
     assert "Avg prompt throughput: 1.2 tokens/s" in line and "Avg generation throughput: 0.2 tokens/s" in line
     assert "Running: 3 reqs" in line and "Waiting: 1 reqs" in line
     assert "KV cache usage: 50.0%" in line and "Prefix cache hit rate: 25.0%" in line
+    assert "Spec" not in line  # no speculative decoding: no acceptance figures
+
+
+def test_periodic_log_line_reports_spec_acceptance():
+    logger = LoggingStatLogger(interval_s=10.0)
+    logger.record(SchedulerStats(num_running_reqs=1, spec_num_drafts=4, spec_num_draft_tokens=16, spec_num_accepted_tokens=10), None)
+    logger.record(SchedulerStats(num_running_reqs=1, spec_num_drafts=8, spec_num_draft_tokens=32, spec_num_accepted_tokens=20), None)
+    line = logger.maybe_log(now=logger._window_start + 10.0)
+    assert line is not None
+    assert "Spec acceptance rate: 62.5%" in line and "Mean acceptance length: 3.50" in line
 
 
 def test_grafana_dashboard_queries_only_exported_metrics():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from heron.config import CacheConfig, SchedulerConfig
@@ -30,6 +31,20 @@ if TYPE_CHECKING:
     from heron.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodingCounters:
+    """Cumulative speculative-decoding counts (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # verifications: one per request per step with drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
 
 
 class Scheduler:
@@ -55,6 +70,7 @@ class Scheduler:
         # forgotten by the runner at the next step
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingCounters()
         self._grammar_failures: list[Request] = []  # reported at the next output
 
     # ---- request lifecycle -------------------------------------------------
@@ -263,9 +279,10 @@ class Scheduler:
             sampled = runner_output.sampled_token_ids[row]
             num_draft = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
             if num_draft:
-                # accepted drafts + 1 bonus token were sampled; the rest were rejected
+                # accepted drafts + 1 target token were sampled; the rest were rejected
                 request.num_computed_tokens -= num_draft + 1 - len(sampled)
-                request.spec_token_ids = []
+                self.spec_stats.observe(num_draft, len(sampled) - 1)
+            request.spec_token_ids = []
             logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             new_token_ids: list[int] = []
@@ -295,6 +312,10 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+            elif request_id in runner_output.draft_token_ids:
+                # a step emits at most 1 + drafts tokens: never propose past max_tokens
+                room = request.max_tokens - request.num_output_tokens - 1
+                request.spec_token_ids = runner_output.draft_token_ids[request_id][: max(room, 0)]
         for failed in self._grammar_failures:
             outputs.append(EngineCoreOutput(failed.request_id, [], finish_reason="abort"))
         self._grammar_failures.clear()
@@ -339,6 +360,9 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             num_scheduled_tokens=(
                 scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
             ),

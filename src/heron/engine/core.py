@@ -78,7 +78,11 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             structured_ids = self.scheduler.structured_requests_to_sample(scheduler_output)
             grammar = (
-                StructuredStep(structured_ids, self.structured_output.bitmask(structured_ids), self.structured_output.apply)
+                StructuredStep(
+                    structured_ids,
+                    self.structured_output.bitmask(structured_ids, scheduler_output.scheduled_spec_decode_tokens),
+                    self.structured_output.apply,
+                )
                 if structured_ids
                 else None
             )

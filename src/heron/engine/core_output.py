@@ -44,6 +44,10 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
     num_scheduled_tokens: int = 0  # this step
+    # speculative decoding, cumulative
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -47,6 +47,7 @@ class LLM:
         compile_model: bool = False,
         gpu_memory_utilization: float = 0.9,
         quantization: str = "none",
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -70,6 +71,7 @@ class LLM:
             compile_model=compile_model,
             gpu_memory_utilization=gpu_memory_utilization,
             quantization=quantization,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
 

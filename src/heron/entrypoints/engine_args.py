@@ -43,6 +43,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--quantization", default="none", choices=["none", "int8"],
                        help="int8: CPU weights int8 per channel, activations quantized at run time (fbgemm)")
+    group.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
@@ -71,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace, usage: str = "offline") ->
         compile_model=args.compile,
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
+        speculative_config=args.speculative_config,
         usage=usage,  # type: ignore[arg-type]
     )
 

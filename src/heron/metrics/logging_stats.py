@@ -2,6 +2,10 @@
 
 ``Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 95.1 tokens/s,
 Running: 8 reqs, Waiting: 0 reqs, KV cache usage: 3.1%, Prefix cache hit rate: 41.0%``
+
+With speculative decoding the line adds the window's draft acceptance rate and
+mean accepted length (tokens per verification, counting the target's own token):
+``, Spec acceptance rate: 62.5%, Mean acceptance length: 3.50``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class LoggingStatLogger:
         self._last_stats = SchedulerStats()
         self._window_queries = 0
         self._window_hits = 0
+        self._window_drafts = 0
+        self._window_draft_tokens = 0
+        self._window_accepted = 0
         self._last_logged_idle = True
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
@@ -33,6 +40,10 @@ class LoggingStatLogger:
         if scheduler_stats is not None:
             self._window_queries += max(0, scheduler_stats.prefix_cache_queries - self._last_stats.prefix_cache_queries)
             self._window_hits += max(0, scheduler_stats.prefix_cache_hits - self._last_stats.prefix_cache_hits)
+            last = self._last_stats
+            self._window_drafts += max(0, scheduler_stats.spec_num_drafts - last.spec_num_drafts)
+            self._window_draft_tokens += max(0, scheduler_stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
+            self._window_accepted += max(0, scheduler_stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
             self._last_stats = scheduler_stats
 
     def maybe_log(self, now: float | None = None) -> str | None:
@@ -57,9 +68,15 @@ class LoggingStatLogger:
                 f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
                 f"KV cache usage: {stats.kv_cache_usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}"
             )
+            if self._window_draft_tokens:
+                line += (
+                    f", Spec acceptance rate: {self._window_accepted / self._window_draft_tokens:.1%}, "
+                    f"Mean acceptance length: {1 + self._window_accepted / self._window_drafts:.2f}"
+                )
             logger.info(line)
         self._last_logged_idle = idle
         self._window_start = now
         self._prompt_tokens = self._generation_tokens = 0
         self._window_queries = self._window_hits = 0
+        self._window_drafts = self._window_draft_tokens = self._window_accepted = 0
         return line

@@ -24,6 +24,8 @@ EXPORTED_METRICS = (
     "heron:request_queue_time_seconds", "heron:request_prefill_time_seconds",
     "heron:request_decode_time_seconds", "heron:request_inference_time_seconds",
     "heron:request_prompt_tokens", "heron:request_generation_tokens", "heron:iteration_tokens_total",
+    "heron:spec_decode_num_drafts_total", "heron:spec_decode_num_draft_tokens_total",
+    "heron:spec_decode_num_accepted_tokens_total",
 )
 
 
@@ -51,6 +53,9 @@ class PrometheusStatLogger:
         self.preemptions = counter("num_preemptions", "Preemptions")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (request-steps with drafts)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Mean decode time per output token", _LATENCY_BUCKETS)
@@ -77,6 +82,13 @@ class PrometheusStatLogger:
             self.preemptions.labels(name).inc(max(0, scheduler_stats.num_preemptions - last.num_preemptions))
             self.prefix_queries.labels(name).inc(max(0, scheduler_stats.prefix_cache_queries - last.prefix_cache_queries))
             self.prefix_hits.labels(name).inc(max(0, scheduler_stats.prefix_cache_hits - last.prefix_cache_hits))
+            self.spec_drafts.labels(name).inc(max(0, scheduler_stats.spec_num_drafts - last.spec_num_drafts))
+            self.spec_draft_tokens.labels(name).inc(
+                max(0, scheduler_stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
+            )
+            self.spec_accepted_tokens.labels(name).inc(
+                max(0, scheduler_stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
+            )
             if scheduler_stats.num_scheduled_tokens:
                 self.iteration_tokens.labels(name).observe(scheduler_stats.num_scheduled_tokens)
             self._last_cumulative = scheduler_stats

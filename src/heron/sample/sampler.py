@@ -69,15 +69,21 @@ class Sampler:
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
+        sampled = sample_from_probs(self.probabilities(logits, metadata), metadata.generators, self.generator)
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.temperature > 0, sampled, greedy)
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row draws from: processed logits with
+        temperature, min-p, top-k and top-p applied (greedy rows: temperature 1)."""
         temperature = torch.where(metadata.temperature > 0, metadata.temperature, 1.0)
         scaled = logits / temperature[:, None]
         if metadata.min_p is not None:
             scaled = apply_min_p(scaled, metadata.min_p)
         scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
-        sampled = sample_from_probs(torch.softmax(scaled, dim=-1), metadata.generators, self.generator)
-        if greedy is None:
-            return sampled
-        return torch.where(metadata.temperature > 0, sampled, greedy)
+        return torch.softmax(scaled, dim=-1)
 
 
 def gather_logprobs(

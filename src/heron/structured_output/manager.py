@@ -90,13 +90,32 @@ class StructuredOutputManager:
         self.matchers.pop(request_id, None)
         self._pending.pop(request_id, None)
 
-    def bitmask(self, request_ids: list[str]) -> torch.Tensor | None:
-        """One row per request id (in order): the tokens each may sample next."""
+    def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> torch.Tensor | None:
+        """The tokens each request may sample next, in order: one row per
+        request, plus one per draft token it verifies (row ``j`` is the mask
+        after its first ``j`` drafts). The matcher walks the drafts to fill the
+        rows and is rolled back, so it only ever advances on accepted tokens; a
+        draft the grammar forbids leaves the rows after it unmasked (its own
+        row's mask already rejects it)."""
         if not request_ids:
             return None
-        bitmask = self._get_backend().allocate_bitmask(len(request_ids))
-        for row, request_id in enumerate(request_ids):
-            self.matchers[request_id].fill_bitmask(bitmask, row)
+        drafts = drafts or {}
+        num_rows = sum(1 + len(drafts.get(request_id, ())) for request_id in request_ids)
+        bitmask = self._get_backend().allocate_bitmask(num_rows)
+        row = 0
+        for request_id in request_ids:
+            matcher = self.matchers[request_id]
+            matcher.fill_bitmask(bitmask, row)
+            row += 1
+            walked = 0
+            for token_id in drafts.get(request_id, ()):
+                if matcher.is_terminated() or not matcher.accept_token(token_id):
+                    break
+                walked += 1
+                matcher.fill_bitmask(bitmask, row)
+                row += 1
+            matcher.rollback(walked)
+            row += len(drafts.get(request_id, ())) - walked  # rows left all-allowed
         return bitmask
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int]) -> None:

@@ -22,10 +22,13 @@ from heron.config import EngineConfig
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
 from heron.profiling import phase
+from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
+from heron.spec_decode.proposer import DraftProposer, build_proposer
 from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
 from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, TokenLogprobs
+from heron.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +47,26 @@ class StepInputs:
     positions: np.ndarray  # [T]
     layout: BatchLayout
     use_graph: bool  # replay a captured CUDA graph for this step
+    drafts: list[list[int]]  # [B] draft tokens each request verifies this step
+
+    def logits_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The flat token positions whose logits are needed (each sample row's
+        last token, preceded by one per draft it verifies), and the offsets of
+        each sample row's logits rows in that list (``[len(sample_rows) + 1]``)."""
+        sample_rows = np.asarray(self.sample_rows, dtype=np.int64)
+        counts = np.fromiter((len(self.drafts[row]) + 1 for row in self.sample_rows), dtype=np.int64, count=len(sample_rows))
+        offsets = np.zeros(len(sample_rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        ends = self.query_start_loc[1:][sample_rows]
+        index = np.repeat(ends - counts - offsets[:-1], counts) + np.arange(int(offsets[-1]))
+        return index, offsets
 
 
 @dataclass
 class StructuredStep:
-    """The grammar bitmask of this step's structured requests (one row each, in
-    ``request_ids`` order) and how to apply it to logits rows."""
+    """The grammar bitmask of this step's structured requests (in
+    ``request_ids`` order, one row per logits row of each: 1 + its drafts) and
+    how to apply it to logits rows."""
 
     request_ids: list[str]
     bitmask: Any
@@ -77,6 +94,8 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
+        self.rejection_sampler = RejectionSampler(generator)
+        self.proposer: DraftProposer | None = build_proposer(config, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: Any = None  # a cuda_graphs.DecodeGraphRunner on CUDA
@@ -229,10 +248,13 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
         sample_rows: list[int] = []
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        drafts = [spec_tokens.get(request_id, []) for request_id in request_ids]
         for row, state in enumerate(states):
             start, count = int(num_computed[row]), int(num_scheduled[row])
             offset = int(query_start_loc[row])
-            input_ids[offset : offset + count] = state.token_ids[start : start + count]
+            tokens = state.token_ids + drafts[row] if drafts[row] else state.token_ids
+            input_ids[offset : offset + count] = tokens[start : start + count]
             block_table[row, : len(state.block_ids)] = state.block_ids
             if start + count >= len(state.token_ids):
                 sample_rows.append(row)
@@ -272,6 +294,7 @@ class ModelRunner:
             positions=positions,
             layout=layout,
             use_graph=use_graph,
+            drafts=drafts,
         )
 
     def _sample(
@@ -288,36 +311,65 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
         if step.sample_rows:
-            if decode_logits is not None:
+            index, offsets = step.logits_rows()
+            if decode_logits is not None:  # one token per request: no drafts
                 if len(step.sample_rows) == len(states):
                     logits = decode_logits
                 else:
                     logits = decode_logits[torch.tensor(step.sample_rows, device=self.device)]
             else:
                 assert hidden is not None
-                logits_index = torch.from_numpy(step.query_start_loc[1:][step.sample_rows] - 1).to(self.device)
-                logits = self.model.compute_logits(hidden.index_select(0, logits_index))
+                logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(index).to(self.device)))
             if structured is not None:
-                logits_row = {step.request_ids[row]: index for index, row in enumerate(step.sample_rows)}
-                structured.apply(logits, structured.bitmask, [logits_row[rid] for rid in structured.request_ids])
-            sample_states = [states[row] for row in step.sample_rows]
-            sampling_metadata = build_sampling_metadata(sample_states, self.vocab_size, self.device)
-            output = self.sampler(logits, sampling_metadata)
-            sampled = output.sampled_token_ids.tolist()
-            row_logprobs = _split_logprobs(output, sample_states)
-            for index, row in enumerate(step.sample_rows):
-                token_id = sampled[index]
-                sampled_token_ids[row] = [token_id]
-                states[row].token_ids.append(token_id)
-                if row_logprobs[index] is not None:
-                    logprobs[row] = [row_logprobs[index]]  # type: ignore[list-item]
+                position = {step.request_ids[row]: i for i, row in enumerate(step.sample_rows)}
+                rows = [
+                    r
+                    for rid in structured.request_ids
+                    for r in range(int(offsets[position[rid]]), int(offsets[position[rid] + 1]))
+                ]
+                structured.apply(logits, structured.bitmask, rows)
+            plain = [i for i, row in enumerate(step.sample_rows) if not step.drafts[row]]
+            spec = [i for i, row in enumerate(step.sample_rows) if step.drafts[row]]
+            if plain:
+                plain_logits = logits if not spec else logits[torch.from_numpy(offsets[plain]).to(self.device)]
+                plain_states = [states[step.sample_rows[i]] for i in plain]
+                output = self.sampler(plain_logits, build_sampling_metadata(plain_states, self.vocab_size, self.device))
+                row_logprobs = _split_logprobs(output, plain_states)
+                for i, token_id, entry in zip(plain, output.sampled_token_ids.tolist(), row_logprobs):
+                    row = step.sample_rows[i]
+                    sampled_token_ids[row] = [token_id]
+                    if entry is not None:
+                        logprobs[row] = [entry]
+            if spec:
+                rows_index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
+                spec_rows = [step.sample_rows[i] for i in spec]
+                tokens, spec_logprobs = verify_drafts(
+                    self.rejection_sampler,
+                    logits[torch.from_numpy(rows_index).to(self.device)],
+                    [states[row] for row in spec_rows],
+                    [step.drafts[row] for row in spec_rows],
+                    self.vocab_size,
+                    self.device,
+                )
+                for row, emitted, entry in zip(spec_rows, tokens, spec_logprobs):
+                    sampled_token_ids[row] = emitted
+                    logprobs[row] = entry
+            for row in step.sample_rows:
+                states[row].token_ids.extend(sampled_token_ids[row])
         for row, state in enumerate(states):
-            state.num_computed_tokens += int(step.num_scheduled[row])
+            # rejected drafts' K/V will be overwritten: they do not count as computed
+            num_rejected = len(step.drafts[row]) + 1 - len(sampled_token_ids[row]) if step.drafts[row] else 0
+            state.num_computed_tokens += int(step.num_scheduled[row]) - num_rejected
+        draft_token_ids = {}
+        if self.proposer is not None and step.sample_rows:
+            with phase("propose"):
+                draft_token_ids = self.proposer.propose([states[row] for row in step.sample_rows])
         return ModelRunnerOutput(
             req_ids=step.request_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            draft_token_ids=draft_token_ids,
         )
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:

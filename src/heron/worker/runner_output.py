@@ -26,6 +26,8 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     # request id -> logprobs of the prompt positions computed this step
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> draft tokens proposed for the next step (speculative decoding)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -1,0 +1,84 @@
+"""Speculative decoding on a tiny random Llama, float32: greedy output with
+n-gram drafts is token-identical to transformers' greedy decoding in every
+batching situation (chunked prefill, prefix-cache hits, preemption, mixed with
+requests that have no drafts), and sampled output with drafts follows the same
+next-token distribution as without them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from heron import LLM, SamplingParams
+from tests.model.conftest import load_reference, random_prompts, reference_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NEW_TOKENS = 16
+
+
+def looping_prompts(reference) -> list[list[int]]:
+    """Prompts that contain their own continuation (so n-gram drafts match): a
+    random prompt, its greedy continuation, then the prompt again."""
+    prompts = []
+    for prompt in random_prompts([6, 9, 20, 31], seed=3):
+        continuation = reference_greedy(reference, prompt, 8)
+        prompts.append(prompt + continuation + prompt)
+    return prompts + random_prompts([5, 40], seed=4)
+
+
+def test_greedy_is_identical_to_transformers_in_every_batching_situation(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    reference = load_reference(directory)
+    prompts = looping_prompts(reference)
+    expected = [reference_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+    # chunked prefill mixed with verification steps (24-token budget)
+    llm = LLM(directory, dtype="float32", max_model_len=128, max_num_batched_tokens=24, num_kv_blocks=64,
+              speculative_config=NGRAM)
+    for round_ in range(2):  # the second round starts from prefix-cache hits
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, f"round {round_}"
+    scheduler = llm.engine.engine_core.scheduler
+    assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert scheduler.spec_stats.num_accepted_tokens > 0 and scheduler.spec_stats.num_drafts > 0
+    # mixed: requests that may not draft (max_tokens=1 leaves no room) beside ones that do
+    mixed = llm.generate(prompts[:3], [greedy, SamplingParams(max_tokens=1, temperature=0), greedy], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == expected[0] and mixed[2].outputs[0].token_ids == expected[2]
+    assert mixed[1].outputs[0].token_ids == expected[1][:1]
+    scheduler.kv_cache_manager.check_integrity()
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+    # preemption: a pool too small for every request at once
+    small = LLM(directory, dtype="float32", max_model_len=96, num_kv_blocks=14, block_size=8, speculative_config=NGRAM)
+    outputs = small.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert small.engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_sampled_next_tokens_follow_the_same_distribution(tiny_model_dir):
+    """Two-sample chi-square test on each generated token after the first (the
+    ones drafts can cover) over many seeded samples, with and without n-gram
+    drafts; top_k keeps the support small enough to count. (The tiny random
+    model repeats itself, so its own outputs give the n-gram drafts.)"""
+    directory = tiny_model_dir("llama")
+    reference = load_reference(directory)
+    prompt = looping_prompts(reference)[1]
+    num_samples = 1500
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True) for seed in range(num_samples)]
+    kwargs = dict(dtype="float32", max_model_len=128, num_kv_blocks=256, max_num_seqs=256)
+    plain = LLM(directory, **kwargs).generate([prompt] * num_samples, params, use_tqdm=False)
+    llm = LLM(directory, speculative_config=NGRAM, **kwargs)
+    spec = llm.generate([prompt] * num_samples, params, use_tqdm=False)
+    assert llm.engine.engine_core.scheduler.spec_stats.num_accepted_tokens > 100
+    for position in (1, 2, 3):
+        a = [o.outputs[0].token_ids[position] for o in plain]
+        b = [o.outputs[0].token_ids[position] for o in spec]
+        keys = sorted(set(a) | set(b))
+        counts = np.array([[a.count(k) for k in keys], [b.count(k) for k in keys]], dtype=float)
+        counts = counts[:, counts.sum(axis=0) >= 10]  # chi-square needs populated cells
+        expected = counts.sum(axis=1, keepdims=True) * counts.sum(axis=0, keepdims=True) / counts.sum()
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        dof = counts.shape[1] - 1
+        # p < 0.001 critical value, approximated (Wilson-Hilferty) for any dof
+        critical = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3 if dof else 0.0
+        assert chi2 < critical, (position, chi2, critical, dof)
