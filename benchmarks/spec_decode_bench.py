@@ -13,6 +13,8 @@ tokens equal the run without speculation.
 
     python benchmarks/spec_decode_bench.py --speculative-config \\
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' [--quantization int8]
+    python benchmarks/spec_decode_bench.py --speculative-config \\
+        '{"method": "draft_model", "model": "embedded", "quantization": "int8", "num_speculative_tokens": 3}'
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
+    if args.speculative_config.get("model") == "embedded":  # the default model as its own (e.g. int8) draft
+        from heron.loader.model_source import default_model_path
+
+        args.speculative_config["model"] = default_model_path()
     results = {}
     base = LLM(max_model_len=1024, quantization=args.quantization)
     baseline = {name: run(base, prompts, args.max_tokens) for name, prompts in (("copy", COPY), ("free", FREE))}

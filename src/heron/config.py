@@ -161,13 +161,15 @@ class SpeculativeConfig:
     """Speculative decoding, with vLLM's keys. ``ngram``: propose the tokens that
     followed the latest earlier occurrence of the request's last
     ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. ``draft_model``: a
-    smaller model with the same tokenizer (``model``) proposes them."""
+    smaller model with the same tokenizer (``model``) proposes them, optionally
+    int8-quantized (``quantization``)."""
 
     method: Literal["ngram", "draft_model"]
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None
+    quantization: str | None = None  # the draft's; None: the target's
 
     @staticmethod
     def from_dict(value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -175,7 +177,7 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "quantization"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -191,6 +193,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16]")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.quantization not in (None, "none", "int8"):
+            raise ValueError(f"speculative_config.quantization must be 'none' or 'int8', got {self.quantization!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.method 'draft_model' needs 'model' (the draft model's path)")
 
@@ -288,6 +292,8 @@ class EngineConfig:
         select_implementation(model_config)  # unsupported architectures fail here, early
         speculative = SpeculativeConfig.from_dict(speculative_config)
         draft_model = _draft_model_config(speculative, model_config, model_impl) if speculative else None
+        if draft_model is not None and draft_model.quantization == "int8" and resolved_device.type != "cpu":
+            raise ValueError("speculative_config.quantization='int8' runs on the CPU only")
         if quantization == "int8" and resolved_device.type != "cpu":
             raise ValueError("quantization='int8' runs on the CPU only (fbgemm); use bfloat16 on CUDA")
         return EngineConfig(
@@ -333,6 +339,12 @@ def _draft_model_config(speculative: SpeculativeConfig, target: ModelConfig, mod
             f"the draft model's vocabulary ({getattr(hf_config, 'vocab_size', None)} tokens) differs from the "
             f"target's ({target.vocab_size}): speculative decoding needs the same tokenizer"
         )
+    draft_max_len = _model_max_len(hf_config)
+    if draft_max_len < target.max_model_len + speculative.num_speculative_tokens:
+        raise ValueError(
+            f"the draft model's context ({draft_max_len} tokens) is shorter than max_model_len "
+            f"({target.max_model_len}) plus the drafts; lower max_model_len"
+        )
     architectures = getattr(hf_config, "architectures", None) or []
     return replace(
         target,
@@ -341,6 +353,7 @@ def _draft_model_config(speculative: SpeculativeConfig, target: ModelConfig, mod
         source_format=source.format,
         hf_config=hf_config,
         architecture=architectures[0] if architectures else "",
+        quantization=speculative.quantization or target.quantization,
     )
 
 

@@ -1,5 +1,5 @@
 """Speculative decoding on a tiny random Llama, float32: greedy output with
-n-gram drafts is token-identical to transformers' greedy decoding in every
+n-gram or draft-model drafts is token-identical to transformers' greedy decoding in every
 batching situation (chunked prefill, prefix-cache hits, preemption, mixed with
 requests that have no drafts), and sampled output with drafts follows the same
 next-token distribution as without them."""
@@ -7,9 +7,10 @@ next-token distribution as without them."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from heron import LLM, SamplingParams
-from tests.model.conftest import load_reference, random_prompts, reference_greedy
+from tests.model.conftest import FAMILIES, build_tiny_model, load_reference, random_prompts, reference_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 NEW_TOKENS = 16
@@ -55,7 +56,44 @@ def test_greedy_is_identical_to_transformers_in_every_batching_situation(tiny_mo
     assert small.engine.engine_core.scheduler.num_preemptions > 0
 
 
-def test_sampled_next_tokens_follow_the_same_distribution(tiny_model_dir):
+@pytest.fixture(scope="module")
+def small_draft_dir(tmp_path_factory, embedded_tokenizer):
+    """A one-layer draft with other random weights: it agrees with the target
+    only sometimes, so both acceptance and rejection happen."""
+    directory = str(tmp_path_factory.mktemp("draft"))
+    return build_tiny_model(directory, {**FAMILIES["llama"], "num_hidden_layers": 1}, embedded_tokenizer, seed=7)
+
+
+def test_draft_model_greedy_is_identical_in_every_batching_situation(tiny_model_dir, small_draft_dir):
+    directory = tiny_model_dir("llama")
+    reference = load_reference(directory)
+    prompts = looping_prompts(reference)
+    expected = [reference_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    # the target as its own draft: every draft must be accepted, which holds only
+    # if the draft's paged K/V (catch-up, lookahead slots, prefix hits) is right
+    for draft, situation in ((directory, dict(max_num_batched_tokens=24, num_kv_blocks=64)),
+                             (small_draft_dir, dict(max_num_batched_tokens=24, num_kv_blocks=64)),
+                             (directory, dict(num_kv_blocks=18, block_size=8))):
+        llm = LLM(directory, dtype="float32", max_model_len=96, **situation,
+                  speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        for _ in range(2):  # the second round starts from prefix-cache hits
+            outputs = llm.generate(prompts, greedy, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == expected, (draft, situation)
+        counters = llm.engine.engine_core.scheduler.spec_stats
+        if draft == directory:
+            assert counters.num_accepted_tokens == counters.num_draft_tokens > 0
+        else:
+            assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+        if "block_size" in situation:
+            assert llm.engine.engine_core.scheduler.num_preemptions > 0
+        manager = llm.engine.engine_core.scheduler.kv_cache_manager
+        manager.check_integrity()
+        assert manager.num_free_blocks == manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_next_tokens_follow_the_same_distribution(tiny_model_dir, method):
     """Two-sample chi-square test on each generated token after the first (the
     ones drafts can cover) over many seeded samples, with and without n-gram
     drafts; top_k keeps the support small enough to count. (The tiny random
@@ -67,7 +105,10 @@ def test_sampled_next_tokens_follow_the_same_distribution(tiny_model_dir):
     params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True) for seed in range(num_samples)]
     kwargs = dict(dtype="float32", max_model_len=128, num_kv_blocks=256, max_num_seqs=256)
     plain = LLM(directory, **kwargs).generate([prompt] * num_samples, params, use_tqdm=False)
-    llm = LLM(directory, speculative_config=NGRAM, **kwargs)
+    # the target as its own (greedy) draft: its drafts sit in the top-k, so some
+    # are accepted and some rejected
+    config = NGRAM if method == "ngram" else {"method": "draft_model", "model": directory, "num_speculative_tokens": 3}
+    llm = LLM(directory, speculative_config=config, **kwargs)
     spec = llm.generate([prompt] * num_samples, params, use_tqdm=False)
     assert llm.engine.engine_core.scheduler.spec_stats.num_accepted_tokens > 100
     for position in (1, 2, 3):

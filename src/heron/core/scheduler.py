@@ -55,8 +55,12 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         structured_output_manager: StructuredOutputManager | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = scheduler_config
+        # slots allocated past the scheduled tokens (a draft model writes its
+        # speculative K/V there)
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.structured_output = structured_output_manager
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -138,7 +142,9 @@ class Scheduler:
                 index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 victim = self._pick_preemption_victim()
@@ -184,7 +190,7 @@ class Scheduler:
                         break
                     num_new = token_budget
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new, computed_blocks, num_hit_tokens
+                    request, num_new, computed_blocks, num_hit_tokens, self.num_lookahead_tokens
                 )
                 if new_blocks is None:
                     break

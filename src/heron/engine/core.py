@@ -45,8 +45,16 @@ class EngineCore:
         from heron.structured_output.manager import StructuredOutputManager
 
         self.structured_output = StructuredOutputManager(config.model)
+        speculative = config.speculative
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks, config.model.max_model_len, self.structured_output
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            config.model.max_model_len,
+            self.structured_output,
+            num_lookahead_tokens=(
+                speculative.num_speculative_tokens if speculative and speculative.method == "draft_model" else 0
+            ),
         )
         profile = config.profiler
         self.profiler = (

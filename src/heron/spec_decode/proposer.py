@@ -20,9 +20,15 @@ if TYPE_CHECKING:
 class DraftProposer(Protocol):
     num_speculative_tokens: int
 
-    def propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
-        """request id -> drafts (omitted when there are none)."""
+    def propose(self, states: list[CachedRequestState], sampled: list[bool]) -> dict[str, list[int]]:
+        """Given every request scheduled this step (``sampled[i]``: whether
+        ``states[i]`` got a new token), request id -> drafts for the next step
+        (omitted when there are none)."""
         ...
+
+    def add_request(self, request_id: str, num_computed_tokens: int) -> None: ...
+
+    def remove_request(self, request_id: str) -> None: ...
 
 
 class NgramDraftProposer:
@@ -30,13 +36,21 @@ class NgramDraftProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self._ngram = NgramProposer(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
 
-    def propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
+    def propose(self, states: list[CachedRequestState], sampled: list[bool]) -> dict[str, list[int]]:
         drafts = {}
-        for state in states:
+        for state, did_sample in zip(states, sampled):
+            if not did_sample:
+                continue
             proposed = self._ngram.propose(np.asarray(state.token_ids, dtype=np.int64))
             if proposed:
                 drafts[state.request_id] = proposed
         return drafts
+
+    def add_request(self, request_id: str, num_computed_tokens: int) -> None:
+        pass  # stateless: it reads the request's tokens
+
+    def remove_request(self, request_id: str) -> None:
+        pass
 
 
 def build_proposer(config: EngineConfig, device: torch.device) -> DraftProposer | None:
@@ -45,4 +59,6 @@ def build_proposer(config: EngineConfig, device: torch.device) -> DraftProposer 
         return None
     if spec.method == "ngram":
         return NgramDraftProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    raise NotImplementedError(f"speculative method {spec.method!r} is built by the draft-model runner")
+    from heron.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(config, device)

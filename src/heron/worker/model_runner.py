@@ -109,14 +109,17 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one block in every layer's cache (and the draft model's)."""
         spec = self.attention_layers[0].spec
-        return kv_cache_bytes_per_block(
+        target = kv_cache_bytes_per_block(
             num_layers=len(self.attention_layers),
             block_size=self.block_size,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             dtype=self.config.model.dtype,
         )
+        draft_bytes = getattr(self.proposer, "kv_cache_bytes_per_block", None)
+        return target + (draft_bytes() if draft_bytes is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache, zeroed (stale NaNs in padded slots would
@@ -124,6 +127,9 @@ class ModelRunner:
         CUDA graphs, one extra block past the pool is the padded rows' scratch."""
         num_allocated = num_blocks + (1 if self.use_cuda_graphs else 0)
         self._bind_kv_caches(num_allocated)
+        bind_draft = getattr(self.proposer, "bind_kv_caches", None)
+        if bind_draft is not None:
+            bind_draft(num_allocated, _zeros)
         if self.use_cuda_graphs:
             from heron.worker.cuda_graphs import DecodeGraphRunner
 
@@ -199,8 +205,12 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.remove_request(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.request_id] = CachedRequestState.from_new_request(new, self.device)
+            if self.proposer is not None:
+                self.proposer.add_request(new.request_id, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for request_id, new_block_ids, num_computed in zip(
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -361,9 +371,10 @@ class ModelRunner:
             num_rejected = len(step.drafts[row]) + 1 - len(sampled_token_ids[row]) if step.drafts[row] else 0
             state.num_computed_tokens += int(step.num_scheduled[row]) - num_rejected
         draft_token_ids = {}
-        if self.proposer is not None and step.sample_rows:
+        if self.proposer is not None:
             with phase("propose"):
-                draft_token_ids = self.proposer.propose([states[row] for row in step.sample_rows])
+                sampled = [bool(tokens) for tokens in sampled_token_ids]
+                draft_token_ids = self.proposer.propose(states, sampled)
         return ModelRunnerOutput(
             req_ids=step.request_ids,
             sampled_token_ids=sampled_token_ids,

@@ -1,0 +1,142 @@
+"""The draft-model proposer: a second, smaller model with the same tokenizer
+proposes ``k`` tokens per request per step.
+
+The draft keeps its own paged KV cache under the target's block tables: block
+``b`` of a request holds the target's K/V in the target's caches and the
+draft's K/V in the draft's caches, so allocation, prefix caching, preemption
+and freeing need nothing of their own (the KV budget counts both per block).
+The scheduler allocates ``k`` lookahead slots past each request's scheduled
+tokens for the draft's speculative positions.
+
+After each target step, the draft
+
+1. catches up: one forward over every scheduled request's tokens whose target
+   K/V is now valid but whose draft K/V is not (a prompt chunk, the accepted
+   drafts, the token just sampled), taking logits at the last token of the
+   requests that sampled;
+2. drafts: ``k - 1`` more single-token forwards, each feeding back the previous
+   draft token.
+
+Drafts are the draft model's greedy choices, so the draft distribution is a
+point mass and the rejection sampler's rule keeps the output exactly the
+target's. The K/V written at draft positions is scratch: the next catch-up
+rewrites those slots with the verified tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from heron.attention.backend import BatchLayout, get_attention_backend
+from heron.models.registry import build_model
+from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
+
+if TYPE_CHECKING:
+    from heron.config import EngineConfig
+    from heron.worker.input_batch import CachedRequestState
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        assert config.speculative is not None and config.draft_model is not None
+        self.num_speculative_tokens = config.speculative.num_speculative_tokens
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.model = build_model(config.draft_model, device)
+        self.layers = self.model.attention_layers()
+        spec = self.layers[0].spec
+        self.backend = get_attention_backend(device, spec.num_heads, spec.num_kv_heads, config.attention_backend)
+        self.dtype = config.draft_model.dtype
+        # request id -> tokens whose draft K/V is in the cache
+        self.num_computed: dict[str, int] = {}
+
+    # ---- KV cache ------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        spec = self.layers[0].spec
+        return kv_cache_bytes_per_block(
+            num_layers=len(self.layers),
+            block_size=self.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=self.dtype,
+        )
+
+    def bind_kv_caches(self, num_blocks: int, zeros: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]) -> None:
+        for layer in self.layers:
+            spec = layer.spec
+            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            layer.kv_cache = zeros(shape, self.dtype, self.device)
+            layer.backend = self.backend
+
+    # ---- request lifecycle -----------------------------------------------------
+
+    def add_request(self, request_id: str, num_computed_tokens: int) -> None:
+        """A request the runner (re)learns: its prefix-cache hits already hold
+        draft K/V (every block the target computed, the draft computed too)."""
+        self.num_computed[request_id] = num_computed_tokens
+
+    def remove_request(self, request_id: str) -> None:
+        self.num_computed.pop(request_id, None)
+
+    # ---- one step ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, states: list[CachedRequestState], sampled: list[bool]) -> dict[str, list[int]]:
+        # 1. catch up on every scheduled request; logits where a token was sampled
+        pending = []
+        for state, did_sample in zip(states, sampled):
+            valid = len(state.token_ids) if did_sample else state.num_computed_tokens
+            start = self.num_computed.get(state.request_id, 0)
+            if valid > start:
+                pending.append((state, start, state.token_ids[start:valid], did_sample))
+            self.num_computed[state.request_id] = max(valid, start)
+        proposing = [(state, sample) for state, _, _, sample in pending if sample]
+        if not proposing:
+            return {}
+        logits_rows = [i for i, entry in enumerate(pending) if entry[3]]
+        hidden, query_start_loc = self._forward([(s, start, tokens) for s, start, tokens, _ in pending])
+        last = torch.from_numpy(query_start_loc[1:][logits_rows] - 1).to(self.device)
+        current = self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
+        drafts = [current]
+        # 2. k - 1 single-token forwards at the draft positions
+        lengths = [len(state.token_ids) for state, _ in proposing]
+        for step in range(1, self.num_speculative_tokens):
+            tokens = current.tolist()
+            batch = [(state, length + step - 1, [token]) for (state, _), length, token in zip(proposing, lengths, tokens)]
+            hidden, _ = self._forward(batch)
+            current = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(current)
+        proposals = torch.stack(drafts, dim=1).tolist()
+        return {state.request_id: draft for (state, _), draft in zip(proposing, proposals)}
+
+    def _forward(self, batch: list[tuple[CachedRequestState, int, list[int]]]) -> tuple[torch.Tensor, np.ndarray]:
+        """Run the draft on a flat batch of (request, first position, tokens)."""
+        counts = np.array([len(tokens) for _, _, tokens in batch], dtype=np.int64)
+        query_start_loc = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        starts = np.array([start for _, start, _ in batch], dtype=np.int64)
+        max_blocks = max(len(state.block_ids) for state, _, _ in batch)
+        block_table = np.zeros((len(batch), max_blocks), dtype=np.int32)
+        for row, (state, _, _) in enumerate(batch):
+            block_table[row, : len(state.block_ids)] = state.block_ids
+        num_tokens = int(query_start_loc[-1])
+        rows = np.repeat(np.arange(len(batch)), counts)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - starts, counts)
+        slots = block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        layout = BatchLayout(
+            num_reqs=len(batch),
+            num_tokens=num_tokens,
+            query_start_loc=query_start_loc,
+            seq_lens=starts + counts,
+            block_table=block_table,
+            slot_mapping=torch.from_numpy(slots).to(self.device),
+            block_size=self.block_size,
+            host_slot_mapping=slots,
+        )
+        input_ids = torch.tensor([t for _, _, tokens in batch for t in tokens], dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), self.backend.build_metadata(layout))
+        return hidden, query_start_loc
