@@ -71,13 +71,19 @@ class FakeGrammars:
         return False
 
 
-def test_request_waits_for_its_grammar_while_others_run():
+def scheduler_with_grammars():
+    """A scheduler with fake grammars, a structured request and a plain one."""
     scheduler = make_scheduler()
     grammars = FakeGrammars()
     scheduler.structured_output = grammars  # type: ignore[assignment]
     structured = make_request(8, max_tokens=3, structured_outputs={"regex": "a+"})
     plain = make_request(8, token_offset=50, max_tokens=3)
     add(scheduler, structured, plain)
+    return scheduler, grammars, structured, plain
+
+
+def test_request_waits_for_its_grammar_while_others_run():
+    scheduler, grammars, structured, plain = scheduler_with_grammars()
     out, _ = step(scheduler)
     assert list(out.num_scheduled_tokens) == [plain.request_id]
     assert structured.status == RequestStatus.WAITING and scheduler.waiting.peek() is structured
@@ -89,12 +95,7 @@ def test_request_waits_for_its_grammar_while_others_run():
 
 
 def test_failed_grammar_aborts_only_that_request():
-    scheduler = make_scheduler()
-    grammars = FakeGrammars()
-    scheduler.structured_output = grammars  # type: ignore[assignment]
-    broken = make_request(8, max_tokens=3, structured_outputs={"regex": "a+"})
-    plain = make_request(8, token_offset=50, max_tokens=3)
-    add(scheduler, broken, plain)
+    scheduler, grammars, broken, plain = scheduler_with_grammars()
     grammars.ready[broken.request_id] = None
     out, result = step(scheduler)
     assert list(out.num_scheduled_tokens) == [plain.request_id]

@@ -45,6 +45,19 @@ class BatchLayout:
         return np.diff(self.query_start_loc)
 
 
+def positions_and_slots(
+    query_start_loc: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_table: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For a flat batch where request ``i`` contributes ``counts[i]`` tokens from
+    position ``starts[i]`` on: each token's position and its cache slot
+    (``block_table[i][pos // B] * B + pos % B``)."""
+    num_tokens = int(query_start_loc[-1])
+    row_of_token = np.repeat(np.arange(len(counts)), counts)
+    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - starts, counts)
+    slots = block_table[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return positions, slots
+
+
 @dataclass(frozen=True)
 class AttentionLayerSpec:
     """Per-layer constants a backend needs."""

@@ -94,6 +94,9 @@ class EngineCore:
                 if structured_ids
                 else None
             )
+        if scheduler_output.is_empty:
+            # only requests waiting for their grammars: let the compiler run
+            self.structured_output.wait_for_compile(timeout=0.02)
         runner_output = self.model_runner.execute_model(scheduler_output, grammar)
         with phase("update_from_output"):
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from heron.attention.backend import BatchLayout, get_attention_backend
+from heron.attention.backend import BatchLayout, get_attention_backend, positions_and_slots
 from heron.models.registry import build_model
 from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
 
@@ -123,13 +123,10 @@ class DraftModelProposer:
         block_table = np.zeros((len(batch), max_blocks), dtype=np.int32)
         for row, (state, _, _) in enumerate(batch):
             block_table[row, : len(state.block_ids)] = state.block_ids
-        num_tokens = int(query_start_loc[-1])
-        rows = np.repeat(np.arange(len(batch)), counts)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - starts, counts)
-        slots = block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        positions, slots = positions_and_slots(query_start_loc, starts, counts, block_table, self.block_size)
         layout = BatchLayout(
             num_reqs=len(batch),
-            num_tokens=num_tokens,
+            num_tokens=int(query_start_loc[-1]),
             query_start_loc=query_start_loc,
             seq_lens=starts + counts,
             block_table=block_table,

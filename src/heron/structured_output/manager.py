@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -85,6 +85,14 @@ class StructuredOutputManager:
             matcher.accept_token(token_id)
         self.matchers[request.request_id] = matcher
         return True
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Block (releasing the GIL) until some pending grammar is compiled or
+        ``timeout`` passes: what an engine step with nothing to run does instead
+        of spinning, which would starve the compiling thread."""
+        pending = [future for future in self._pending.values() if not future.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def remove_request(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from heron.attention.backend import BatchLayout, get_attention_backend
+from heron.attention.backend import BatchLayout, get_attention_backend, positions_and_slots
 from heron.config import EngineConfig
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
@@ -268,11 +268,8 @@ class ModelRunner:
             block_table[row, : len(state.block_ids)] = state.block_ids
             if start + count >= len(state.token_ids):
                 sample_rows.append(row)
-        row_of_token = np.repeat(np.arange(len(states)), num_scheduled)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - num_computed, num_scheduled)
-        slot_mapping = (
-            block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
+        positions, slot_mapping = positions_and_slots(
+            query_start_loc, num_computed, num_scheduled, block_table, self.block_size
         )
         # a CUDA graph replays decode-only steps where every request samples (no
         # mid-prompt chunk needing prompt logprobs) and the batch fits a bucket
