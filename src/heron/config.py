@@ -84,7 +84,7 @@ class ModelConfig:
     max_model_len: int
     architecture: str  # the HF architecture name, e.g. "LlamaForCausalLM"
     model_impl: Literal["auto", "native", "transformers"] = "auto"
-    quantization: str = "none"  # "none" | "int8" (CPU, fbgemm)
+    quantization: str = "none"  # "none" | "int8" | "int4" (CPU, weight-only)
     seed: int = 0
     tokenizer: str | None = None  # override; defaults to the model's own
 
@@ -193,8 +193,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16]")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.quantization not in (None, "none", "int8"):
-            raise ValueError(f"speculative_config.quantization must be 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(
+                f"speculative_config.quantization must be 'none', 'int8' or 'int4', got {self.quantization!r}"
+            )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.method 'draft_model' needs 'model' (the draft model's path)")
 
@@ -246,8 +248,8 @@ class EngineConfig:
         from heron.loader.model_config import load_hf_config
         from heron.loader.model_source import resolve_model_source
 
-        if quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be 'none' or 'int8', got {quantization!r}")
+        if quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be 'none', 'int8' or 'int4', got {quantization!r}")
         if attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
         if model_impl not in ("auto", "native", "transformers"):
@@ -292,10 +294,10 @@ class EngineConfig:
         select_implementation(model_config)  # unsupported architectures fail here, early
         speculative = SpeculativeConfig.from_dict(speculative_config)
         draft_model = _draft_model_config(speculative, model_config, model_impl) if speculative else None
-        if draft_model is not None and draft_model.quantization == "int8" and resolved_device.type != "cpu":
-            raise ValueError("speculative_config.quantization='int8' runs on the CPU only")
-        if quantization == "int8" and resolved_device.type != "cpu":
-            raise ValueError("quantization='int8' runs on the CPU only (fbgemm); use bfloat16 on CUDA")
+        if draft_model is not None and draft_model.quantization != "none" and resolved_device.type != "cpu":
+            raise ValueError(f"speculative_config.quantization={draft_model.quantization!r} runs on the CPU only")
+        if quantization != "none" and resolved_device.type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only; use bfloat16 on CUDA")
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(

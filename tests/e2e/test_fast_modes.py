@@ -1,5 +1,5 @@
-"""Fast modes state what they change: int8 reports its fidelity against float32,
-and the GGUF weight cache changes nothing."""
+"""Fast modes state what they change: int8 and int4 report their fidelity against
+float32, and the GGUF weight cache changes nothing."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ def fp32():
     return LLM(max_model_len=1024, num_kv_blocks=128)
 
 
-def test_int8_keeps_perplexity_and_agreement(fp32):
-    int8 = LLM(max_model_len=1024, num_kv_blocks=128, quantization="int8")
-    result = compare(fp32, int8)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_modes_keep_perplexity_and_agreement(fp32, method):
+    quantized = LLM(max_model_len=1024, num_kv_blocks=128, quantization=method)
+    result = compare(fp32, quantized)
     assert result["perplexity"] < result["reference_perplexity"] * 1.05
     assert result["top1_agreement"] > 0.9
-    [answer] = int8.chat([{"role": "user", "content": "What is the capital of France?"}],
+    [answer] = quantized.chat([{"role": "user", "content": "What is the capital of France?"}],
                          SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert "Paris" in answer.outputs[0].text
 

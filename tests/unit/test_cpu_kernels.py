@@ -31,3 +31,32 @@ def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window):
     expected = TorchAttentionBackend._decode_with_torch(spec, query, cache, metadata)
     got = cpu_kernels.paged_decode_attention(query, cache, block_table, seq_lens, spec.scale, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (64, 1536), (5, 32)])
+def test_int4_linear_matches_its_dequantized_weights(shape):
+    from heron.models.quantization import Int4WeightOnlyLinear
+
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    layer = Int4WeightOnlyLinear(torch.randn(out_features, in_features) * 0.05, torch.randn(out_features))
+    assert layer._native, "the C kernel must build on this machine"
+    for rows in (1, 2, 3, 4, 5, 9, 16, 17):
+        x = torch.randn(rows, in_features)
+        expected = x @ layer.dequantized.T + layer.bias
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_int4_reproduces_q4_1_weights():
+    """Weights already in GGUF's Q4_1 form (d * q + m, every block using q = 0
+    and 15) come back as the same values."""
+    from heron.models.quantization import Int4WeightOnlyLinear
+
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (8, 4, 32), generator=generator).float()
+    q[:, :, 0], q[:, :, 1] = 0, 15
+    d = torch.rand(8, 4, 1, generator=generator) * 0.01 + 1e-3
+    m = torch.randn(8, 4, 1, generator=generator) * 0.05
+    weight = (q * d + m).reshape(8, 128)
+    layer = Int4WeightOnlyLinear(weight)
+    torch.testing.assert_close(layer.dequantized, weight, rtol=1e-5, atol=1e-6)

@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c",)
+_SOURCES = ("paged_attention.c", "q4_linear.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _MAX_GROUP = 64  # the kernel's per-task arrays hold one GQA group
 
@@ -69,6 +69,9 @@ def native_library() -> ctypes.CDLL | None:
     function = library.heron_paged_decode_attention_f32
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+    q4 = library.heron_q4_linear_f32
+    q4.restype = ctypes.c_int
+    q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
     return library
 
 
@@ -105,3 +108,22 @@ def paged_decode_attention(
     if status != 0:
         raise MemoryError("paged decode attention could not allocate its score buffer")
     return output
+
+
+def q4_linear(
+    x: torch.Tensor,  # [rows, k] float32, contiguous
+    packed: torch.Tensor,  # [n, k / 2] uint8
+    scales: torch.Tensor,  # [n, k / 32] float32
+    mins: torch.Tensor,  # [n, k / 32] float32
+) -> torch.Tensor:
+    """``x @ W^T`` for 4-bit block-quantized ``W`` (see csrc/q4_linear.c)."""
+    library = native_library()
+    assert library is not None
+    rows, k = x.shape
+    out = torch.empty(rows, packed.shape[0], dtype=torch.float32)
+    status = library.heron_q4_linear_f32(
+        x.data_ptr(), rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(), packed.shape[0]
+    )
+    if status != 0:
+        raise RuntimeError(f"q4 linear failed (status {status})")
+    return out

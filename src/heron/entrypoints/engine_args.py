@@ -41,8 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--compile", action="store_true", help="torch.compile the forward pass (instead of CUDA graphs)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--quantization", default="none", choices=["none", "int8"],
-                       help="int8: CPU weights int8 per channel, activations quantized at run time (fbgemm)")
+    group.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                       help="CPU weight-only: int8 per output channel, or int4 in blocks of 32 (the LM head int8)")
     group.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 

@@ -24,8 +24,10 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("none", "int8")
+QUANTIZATION_METHODS = ("none", "int8", "int4")
 SMALL_BATCH_ROWS = 24
+INT4_BLOCK = 32
+INT4_KERNEL_MAX_ROWS = 16  # above this the dequantized float32 GEMM is faster
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -59,22 +61,71 @@ class Int8WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
 
 
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ (d * q + m)^T + b: 4-bit weights in blocks of 32 inputs, each with
+    a float scale ``d`` and minimum ``m`` (GGUF's Q4_1 scheme, so a Q4_1 file's
+    weights are reproduced exactly up to float rounding). Small batches (decode)
+    run heron's C kernel on the packed nibbles, an eighth of float32's bytes;
+    larger ones the float32 GEMM on the same weights, dequantized once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        weight = weight.detach().float()
+        out_features, in_features = weight.shape
+        blocks = weight.reshape(out_features, in_features // INT4_BLOCK, INT4_BLOCK)
+        low = blocks.amin(dim=2)
+        scale = (blocks.amax(dim=2) - low) / 15.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = ((blocks - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        self.packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_features, in_features // 2).contiguous()
+        self.scales = scale.contiguous()
+        self.mins = low.contiguous()
+        self.dequantized = (q.float() * scale[..., None] + low[..., None]).reshape(out_features, in_features)
+        self.bias = None if bias is None else bias.detach().float()
+        self.in_features = in_features
+        self.out_features = out_features
+        from heron.attention.cpu_kernels import native_library
+
+        self._native = native_library() is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if self._native and rows.shape[0] <= INT4_KERNEL_MAX_ROWS:
+            from heron.attention.cpu_kernels import q4_linear
+
+            out = q4_linear(rows.float().contiguous(), self.packed, self.scales, self.mins)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = torch.nn.functional.linear(rows.float(), self.dequantized, self.bias)
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only (blocks of 32)"
+
+
 def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Module:
-    """Replace the model's linear layers (and its LM head) with quantized ones."""
+    """Replace the model's linear layers (and its LM head) with quantized ones.
+    ``int4``: linear layers in 4-bit blocks, the LM head (often tied to the
+    embedding, and the most sensitive) in int8."""
     if method in (None, "none"):
         return model
-    if method != "int8":
+    if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {QUANTIZATION_METHODS}")
     if device.type != "cpu":
-        raise ValueError("int8 quantization runs on the CPU; on CUDA use bfloat16")
+        raise ValueError(f"{method} quantization runs on the CPU; on CUDA use bfloat16")
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
+                if method == "int4" and child.in_features % INT4_BLOCK == 0:
+                    setattr(parent, name, Int4WeightOnlyLinear(child.weight, child.bias))
+                else:
+                    setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
                 count += 1
     set_head = getattr(model, "quantize_lm_head", None)
     if callable(set_head):
         set_head(lambda weight: Int8WeightOnlyLinear(weight))
-    logger.info("quantized %d linear layers (and the LM head) to int8, weight-only", count)
+    logger.info("quantized %d linear layers to %s (the LM head to int8), weight-only", count, method)
     return model
