@@ -78,6 +78,14 @@ class AttentionBackend(ABC):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    @staticmethod
+    def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write this step's keys and values (``[num_tokens, num_kv_heads,
+        head_dim]``) into their slots of a ``kv_cache_shape`` cache."""
+        flat = kv_cache.view(2, -1, key.shape[1], key.shape[2])
+        flat[0].index_copy_(0, slot_mapping, key)
+        flat[1].index_copy_(0, slot_mapping, value)
+
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> Any:
         """Derive this backend's per-step metadata from the batch layout."""

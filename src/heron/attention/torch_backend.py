@@ -129,9 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, heads, dim]
-        flat_kv = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        flat_kv[0].index_copy_(0, metadata.slot_mapping, key)
-        flat_kv[1].index_copy_(0, metadata.slot_mapping, value)
+        self.store_kv(kv_cache, key, value, metadata.slot_mapping)
 
         if metadata.decode_token_index is not None:
             group = layer.num_heads // num_kv_heads

@@ -188,9 +188,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        self.store_kv(kv_cache, key, value, metadata.slot_mapping)
         output = torch.empty_like(query)
         paged_attention(output, query, key_cache, value_cache, metadata, layer)
         return output

@@ -37,12 +37,11 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
-        from heron.loader.model_config import eos_token_ids
+        from heron.loader.model_config import model_eos_token_ids
 
         self.model_config = model_config
         self.tokenizer = tokenizer
-        model_dir = model_config.model if model_config.source_format == "hf" else None
-        self.eos_token_ids = tuple(eos_token_ids(model_config.hf_config, tokenizer, model_dir))
+        self.eos_token_ids = tuple(model_eos_token_ids(model_config, tokenizer))
         self.vocab_size = model_config.vocab_size
 
     # ---- prompts -----------------------------------------------------------------

@@ -78,3 +78,10 @@ def eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str | None = None) 
     if isinstance(tokenizer_eos, int) and tokenizer_eos not in ids:
         ids.append(tokenizer_eos)
     return ids
+
+
+def model_eos_token_ids(model_config: Any, tokenizer: Any) -> list[int]:
+    """``eos_token_ids`` of a resolved ``ModelConfig`` (an HF directory may add a
+    generation_config.json; a GGUF file carries everything in its metadata)."""
+    model_dir = model_config.model if model_config.source_format == "hf" else None
+    return eos_token_ids(model_config.hf_config, tokenizer, model_dir)

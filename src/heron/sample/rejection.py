@@ -60,7 +60,9 @@ class RejectionSampler:
         first_row = [0]
         for k in num_drafts:
             first_row.append(first_row[-1] + k + 1)
-        draft_rows = torch.tensor([first_row[i] + j for i, k in enumerate(num_drafts) for j in range(k)], dtype=torch.int64)
+        draft_rows = torch.tensor(
+            [first_row[i] + j for i, k in enumerate(num_drafts) for j in range(k)], dtype=torch.int64, device=device
+        )
         drafts = torch.tensor([t for ds in draft_token_ids for t in ds], dtype=torch.int64, device=device)
 
         processed = Sampler._process(logits, metadata)

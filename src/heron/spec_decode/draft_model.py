@@ -25,14 +25,14 @@ rewrites those slots with the verified tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from heron.attention.backend import BatchLayout, get_attention_backend, positions_and_slots
 from heron.models.registry import build_model
-from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
+from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 
 if TYPE_CHECKING:
     from heron.config import EngineConfig
@@ -56,21 +56,10 @@ class DraftModelProposer:
     # ---- KV cache ------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
-        spec = self.layers[0].spec
-        return kv_cache_bytes_per_block(
-            num_layers=len(self.layers),
-            block_size=self.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=self.dtype,
-        )
+        return layers_bytes_per_block(self.layers, self.block_size, self.dtype)
 
-    def bind_kv_caches(self, num_blocks: int, zeros: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]) -> None:
-        for layer in self.layers:
-            spec = layer.spec
-            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-            layer.kv_cache = zeros(shape, self.dtype, self.device)
-            layer.backend = self.backend
+    def bind_kv_caches(self, num_blocks: int) -> None:
+        bind_kv_caches(self.layers, self.backend, num_blocks, self.block_size, self.dtype, self.device)
 
     # ---- request lifecycle -----------------------------------------------------
 
@@ -94,24 +83,22 @@ class DraftModelProposer:
             if valid > start:
                 pending.append((state, start, state.token_ids[start:valid], did_sample))
             self.num_computed[state.request_id] = max(valid, start)
-        proposing = [(state, sample) for state, _, _, sample in pending if sample]
-        if not proposing:
-            return {}
         logits_rows = [i for i, entry in enumerate(pending) if entry[3]]
+        if not logits_rows:
+            return {}
+        proposing = [pending[i][0] for i in logits_rows]
         hidden, query_start_loc = self._forward([(s, start, tokens) for s, start, tokens, _ in pending])
         last = torch.from_numpy(query_start_loc[1:][logits_rows] - 1).to(self.device)
         current = self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
         drafts = [current]
         # 2. k - 1 single-token forwards at the draft positions
-        lengths = [len(state.token_ids) for state, _ in proposing]
         for step in range(1, self.num_speculative_tokens):
-            tokens = current.tolist()
-            batch = [(state, length + step - 1, [token]) for (state, _), length, token in zip(proposing, lengths, tokens)]
+            batch = [(state, len(state.token_ids) + step - 1, [token]) for state, token in zip(proposing, current.tolist())]
             hidden, _ = self._forward(batch)
             current = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(current)
         proposals = torch.stack(drafts, dim=1).tolist()
-        return {state.request_id: draft for (state, _), draft in zip(proposing, proposals)}
+        return {state.request_id: draft for state, draft in zip(proposing, proposals)}
 
     def _forward(self, batch: list[tuple[CachedRequestState, int, list[int]]]) -> tuple[torch.Tensor, np.ndarray]:
         """Run the draft on a flat batch of (request, first position, tokens)."""

@@ -30,6 +30,12 @@ class DraftProposer(Protocol):
 
     def remove_request(self, request_id: str) -> None: ...
 
+    def kv_cache_bytes_per_block(self) -> int:
+        """KV bytes the proposer keeps per block (a draft model's own caches)."""
+        ...
+
+    def bind_kv_caches(self, num_blocks: int) -> None: ...
+
 
 class NgramDraftProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
@@ -50,6 +56,12 @@ class NgramDraftProposer:
         pass  # stateless: it reads the request's tokens
 
     def remove_request(self, request_id: str) -> None:
+        pass
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return 0  # no model, no cache
+
+    def bind_kv_caches(self, num_blocks: int) -> None:
         pass
 
 

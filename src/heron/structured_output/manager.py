@@ -26,9 +26,8 @@ _CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
-    def __init__(self, model_config: ModelConfig, eos_token_ids: list[int] | None = None) -> None:
+    def __init__(self, model_config: ModelConfig) -> None:
         self.model_config = model_config
-        self.eos_token_ids = eos_token_ids
         self._backend: StructuredOutputBackend | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-grammar")
         self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
@@ -37,13 +36,12 @@ class StructuredOutputManager:
 
     def _get_backend(self) -> StructuredOutputBackend:
         if self._backend is None:
-            from heron.loader.model_config import eos_token_ids
+            from heron.loader.model_config import model_eos_token_ids
             from heron.loader.tokenizer import load_tokenizer
             from heron.structured_output.xgrammar_backend import XGrammarBackend
 
             tokenizer = load_tokenizer(self.model_config)
-            model_dir = self.model_config.model if self.model_config.source_format == "hf" else None
-            stops = self.eos_token_ids or eos_token_ids(self.model_config.hf_config, tokenizer, model_dir)
+            stops = model_eos_token_ids(self.model_config, tokenizer)
             self._backend = XGrammarBackend(tokenizer, self.model_config.vocab_size, stops)
         return self._backend
 

@@ -1,10 +1,13 @@
-"""How many KV-cache blocks to allocate, from the configured budget."""
+"""How many KV-cache blocks to allocate, from the configured budget, and the
+allocation of a model's per-layer caches."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from heron.config import CacheConfig
@@ -17,6 +20,40 @@ def kv_cache_bytes_per_block(
 ) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def layers_bytes_per_block(layers: list[Any], block_size: int, dtype: torch.dtype) -> int:
+    """``kv_cache_bytes_per_block`` of a model's attention layers."""
+    spec = layers[0].spec
+    return kv_cache_bytes_per_block(
+        num_layers=len(layers), block_size=block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype
+    )
+
+
+def bind_kv_caches(
+    layers: list[Any], backend: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Give every attention layer a zeroed cache of ``num_blocks`` blocks (stale
+    NaNs in padded slots would leak through a masked softmax as 0 * NaN) and the
+    backend that reads it; returns the caches."""
+    caches = []
+    for layer in layers:
+        spec = layer.spec
+        cache = zeroed(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim), dtype, device)
+        layer.kv_cache = cache
+        layer.backend = backend
+        caches.append(cache)
+    return caches
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed memory; on CPU from calloc'ed pages that the kernel zero-fills on first
+    touch, so a multi-GiB cache costs nothing until it is used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * element_size, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def available_memory_bytes(device: torch.device) -> int:

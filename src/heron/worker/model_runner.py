@@ -26,7 +26,7 @@ from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
 from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
-from heron.worker.kv_cache_sizing import kv_cache_bytes_per_block
+from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, TokenLogprobs
 from heron.worker.spec_verify import verify_drafts
 
@@ -110,16 +110,8 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block in every layer's cache (and the draft model's)."""
-        spec = self.attention_layers[0].spec
-        target = kv_cache_bytes_per_block(
-            num_layers=len(self.attention_layers),
-            block_size=self.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=self.config.model.dtype,
-        )
-        draft_bytes = getattr(self.proposer, "kv_cache_bytes_per_block", None)
-        return target + (draft_bytes() if draft_bytes is not None else 0)
+        target = layers_bytes_per_block(self.attention_layers, self.block_size, self.config.model.dtype)
+        return target + (self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache, zeroed (stale NaNs in padded slots would
@@ -127,9 +119,8 @@ class ModelRunner:
         CUDA graphs, one extra block past the pool is the padded rows' scratch."""
         num_allocated = num_blocks + (1 if self.use_cuda_graphs else 0)
         self._bind_kv_caches(num_allocated)
-        bind_draft = getattr(self.proposer, "bind_kv_caches", None)
-        if bind_draft is not None:
-            bind_draft(num_allocated, _zeros)
+        if self.proposer is not None:
+            self.proposer.bind_kv_caches(num_allocated)
         if self.use_cuda_graphs:
             from heron.worker.cuda_graphs import DecodeGraphRunner
 
@@ -145,14 +136,9 @@ class ModelRunner:
             self.decode_graphs.capture()
 
     def _bind_kv_caches(self, num_blocks: int) -> None:
-        self.kv_caches = []
-        for layer in self.attention_layers:
-            spec = layer.spec
-            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-            cache = _zeros(shape, self.config.model.dtype, self.device)
-            layer.kv_cache = cache
-            layer.backend = self.backend
-            self.kv_caches.append(cache)
+        self.kv_caches = bind_kv_caches(
+            self.attention_layers, self.backend, num_blocks, self.block_size, self.config.model.dtype, self.device
+        )
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, num_seqs: int) -> int:
@@ -329,12 +315,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(index).to(self.device)))
             if structured is not None:
                 position = {step.request_ids[row]: i for i, row in enumerate(step.sample_rows)}
-                rows = [
-                    r
-                    for rid in structured.request_ids
-                    for r in range(int(offsets[position[rid]]), int(offsets[position[rid] + 1]))
-                ]
-                structured.apply(logits, structured.bitmask, rows)
+                members = [position[request_id] for request_id in structured.request_ids]
+                structured.apply(logits, structured.bitmask, _logits_rows_of(offsets, members).tolist())
             plain = [i for i, row in enumerate(step.sample_rows) if not step.drafts[row]]
             spec = [i for i, row in enumerate(step.sample_rows) if step.drafts[row]]
             if plain:
@@ -348,11 +330,10 @@ class ModelRunner:
                     if entry is not None:
                         logprobs[row] = [entry]
             if spec:
-                rows_index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
                 spec_rows = [step.sample_rows[i] for i in spec]
                 tokens, spec_logprobs = verify_drafts(
                     self.rejection_sampler,
-                    logits[torch.from_numpy(rows_index).to(self.device)],
+                    logits[torch.from_numpy(_logits_rows_of(offsets, spec)).to(self.device)],
                     [states[row] for row in spec_rows],
                     [step.drafts[row] for row in spec_rows],
                     self.vocab_size,
@@ -400,14 +381,10 @@ class ModelRunner:
         return result
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed memory; on CPU from calloc'ed pages that the kernel zero-fills on first
-    touch, so a multi-GiB cache costs nothing until it is used."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    element_size = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * element_size, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+def _logits_rows_of(offsets: np.ndarray, members: list[int]) -> np.ndarray:
+    """The logits rows of the given sample rows (``offsets`` from
+    ``StepInputs.logits_rows``), in order."""
+    return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
 
 
 def _to_token_logprobs(output: SamplerOutput, num_top: int) -> list[TokenLogprobs]:
