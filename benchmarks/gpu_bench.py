@@ -4,7 +4,9 @@
 
 Measures, on the device it runs on:
 * the HBM floor of one decode step: weight bytes / measured device copy bandwidth;
-* decode inter-token latency at batch 1 and 64, with CUDA graphs and eager;
+* decode inter-token latency at batch 1 and 64, with CUDA graphs (async
+  scheduling on, the default, and off) and eager; and at batch 64 with
+  top-k/top-p sampling (a host sync in the sampler would show here);
 * offline throughput (256 requests, input 128-1024, output 128-512, ignore_eos)
   for heron and for Hugging Face transformers (its continuous-batching
   ``generate_batch`` when present, else length-sorted padded batches).
@@ -80,12 +82,12 @@ def random_prompts(count: int, low: int, high: int, vocab: int, seed: int) -> li
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def decode_itl(llm: LLM, batch: int, prompt_len: int = 128, steps: int = 256) -> float:
+def decode_itl(llm: LLM, batch: int, prompt_len: int = 128, steps: int = 256, **sampling) -> float:
     """Seconds per decode step at ``batch``: (time for 1 + steps tokens - time for 1) / steps."""
     prompts = random_prompts(batch, prompt_len, prompt_len, LLAMA_1B["vocab_size"], seed=batch)
 
     def timed(max_tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=max_tokens, ignore_eos=True)
         torch.cuda.synchronize()
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -186,6 +188,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--hf-time-limit", type=float, default=150.0)
     parser.add_argument("--hf-only", action="store_true", help="measure transformers only")
+    parser.add_argument("--modes", default="cuda_graphs,cuda_graphs_sync,eager",
+                        help="comma-separated: cuda_graphs (async scheduling), cuda_graphs_sync, eager")
     args = parser.parse_args()
     report: dict = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -206,27 +210,41 @@ def main() -> None:
     report.update(weight_bytes=weight_bytes, copy_bandwidth_bytes_per_s=bandwidth,
                   hbm_floor_ms=weight_bytes / bandwidth * 1000)
     save()
-    for mode, eager in (("cuda_graphs", False), ("eager", True)):
-        llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=256, enforce_eager=eager)
+    modes = {  # name -> engine settings
+        "cuda_graphs": dict(enforce_eager=False, async_scheduling=True),  # the CUDA default
+        "cuda_graphs_sync": dict(enforce_eager=False, async_scheduling=False),
+        "eager": dict(enforce_eager=True, async_scheduling=True),
+    }
+    for mode in args.modes.split(","):
+        llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=256, **modes[mode])
         report[f"itl_batch1_ms_{mode}"] = decode_itl(llm, 1) * 1000
         report[f"itl_batch64_ms_{mode}"] = decode_itl(llm, 64) * 1000
         save()
-        if not eager:
-            report["heron_throughput"] = heron_throughput(llm)
+        if mode == "cuda_graphs":
+            report["itl_batch64_ms_sampled"] = decode_itl(llm, 64, temperature=0.8, top_p=0.95, top_k=50) * 1000
+        if mode.startswith("cuda_graphs"):
+            report[f"heron_throughput_{mode}"] = heron_throughput(llm)
             save()
         del llm
         torch.cuda.empty_cache()
-    report["graphs_speedup_batch1"] = report["itl_batch1_ms_eager"] / report["itl_batch1_ms_cuda_graphs"]
-    report["graphs_speedup_batch64"] = report["itl_batch64_ms_eager"] / report["itl_batch64_ms_cuda_graphs"]
-    report["itl_batch1_over_floor"] = report["itl_batch1_ms_cuda_graphs"] / report["hbm_floor_ms"]
-    report["itl_batch64_over_floor"] = report["itl_batch64_ms_cuda_graphs"] / report["hbm_floor_ms"]
+    report["heron_throughput"] = report.get("heron_throughput_cuda_graphs")
+    for batch in (1, 64):
+        graphs = report.get(f"itl_batch{batch}_ms_cuda_graphs")
+        if graphs and f"itl_batch{batch}_ms_eager" in report:
+            report[f"graphs_speedup_batch{batch}"] = report[f"itl_batch{batch}_ms_eager"] / graphs
+        if graphs and f"itl_batch{batch}_ms_cuda_graphs_sync" in report:
+            report[f"async_speedup_batch{batch}"] = report[f"itl_batch{batch}_ms_cuda_graphs_sync"] / graphs
+        if graphs:
+            report[f"itl_batch{batch}_over_floor"] = graphs / report["hbm_floor_ms"]
     save()
     if not args.skip_hf:
         report["hf"] = hf_throughput(args.model_dir, args.hf_time_limit)
         report["heron_over_hf"] = report["heron_throughput"]["output_tok_per_s"] / report["hf"]["best_output_tok_per_s"]
         save()
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, dict)}, indent=1))
-    print(json.dumps(report.get("heron_throughput"), indent=1), json.dumps(report.get("hf"), indent=1))
+    for mode in args.modes.split(","):
+        print(mode, json.dumps(report.get(f"heron_throughput_{mode}")))
+    print(json.dumps(report.get("hf"), indent=1))
 
 
 if __name__ == "__main__":

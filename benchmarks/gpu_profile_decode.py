@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU: host phases vs device time.
 
-    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64]
+    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--no-async-scheduling]
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", default="/tmp/llama-1b-random")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     build_model(args.model_dir)
-    llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=64)
+    llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
+              async_scheduling=args.async_scheduling)
     engine = llm.engine
     for batch in args.batch:
         prompts = random_prompts(batch, 128, 128, LLAMA_1B["vocab_size"], seed=batch)
@@ -39,7 +41,7 @@ def main() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(30):
                 engine.step()
-        names = ("schedule", "prepare_inputs", "forward", "sample", "update_from_output")
+        names = ("schedule", "prepare_inputs", "forward", "sample", "wait_for_output", "update_from_output")
         table = {e.key: e.cpu_time_total / 30 / 1000 for e in prof.key_averages() if e.key in names}
         print(f"batch {batch}: {per_step:.2f} ms per LLMEngine.step; host ms per phase: "
               + ", ".join(f"{k} {table.get(k, 0):.2f}" for k in names), flush=True)

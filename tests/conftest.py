@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,8 +24,8 @@ def _limit_threads():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    if torch.cuda.is_available() or os.environ.get("HERON_TEST_DEVICE") == "cpu":
+        return  # HERON_TEST_DEVICE=cpu: run the GPU tests that support it on the CPU
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:

@@ -213,6 +213,8 @@ class EngineConfig:
     compile_model: bool = False  # torch.compile the forward pass (exclusive with graphs)
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None  # the draft model of speculative "draft_model"
+    # schedule and prepare step N+1 while the device runs step N (see engine/core.py)
+    async_scheduling: bool = False
 
     @staticmethod
     def create(
@@ -242,6 +244,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         quantization: str = "none",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        async_scheduling: bool | None = None,
         usage: Literal["offline", "serve"] = "offline",
     ) -> EngineConfig:
         """Resolve a user's arguments against the model and machine, validating all."""
@@ -298,6 +301,11 @@ class EngineConfig:
             raise ValueError(f"speculative_config.quantization={draft_model.quantization!r} runs on the CPU only")
         if quantization != "none" and resolved_device.type != "cpu":
             raise ValueError(f"quantization={quantization!r} runs on the CPU only; use bfloat16 on CUDA")
+        if async_scheduling and speculative is not None:
+            raise ValueError("async_scheduling does not support speculative decoding yet; turn one of them off")
+        if async_scheduling is None:
+            # overlapping needs a device that runs beside the host: on a CPU both are the same cores
+            async_scheduling = resolved_device.type == "cuda" and speculative is None
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -321,6 +329,7 @@ class EngineConfig:
             compile_model=compile_model,
             speculative=speculative,
             draft_model=draft_model,
+            async_scheduling=async_scheduling,
         )
 
 

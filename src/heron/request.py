@@ -6,6 +6,9 @@ Invariants (DESIGN.md §2):
   ``spec_token_ids`` and count only in ``num_tokens_with_spec``.
 * ``num_computed_tokens`` <= ``num_tokens_with_spec`` is how many of those tokens
   have their K/V in the cache (or are scheduled to, in the current step).
+* With async scheduling, ``num_output_placeholders`` output tokens are being
+  sampled by steps still in flight: scheduled and counted in
+  ``num_computed_tokens``, but not yet in ``all_token_ids``.
 * ``block_hashes[i]`` is the chained hash of full block ``i`` of ``all_token_ids``;
   the KV manager extends it as blocks fill.
 """
@@ -74,6 +77,7 @@ class Request:
         self.all_token_ids: list[int] = list(core_request.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
+        self.num_output_placeholders = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit, set at first scheduling
         self.block_hashes: list[bytes] = []

@@ -124,6 +124,17 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_latest_tokens(self) -> bool:
+        """Whether sampling the next token reads the previous one on the host
+        (penalties count output tokens, a grammar must accept it first): such a
+        request cannot be scheduled before its previous token is known."""
+        return self.has_penalties or self.structured_outputs is not None
+
     def validate(self) -> None:
         def fail(param: str, message: str) -> None:
             raise SamplingParamError(param, f"{param} {message}")

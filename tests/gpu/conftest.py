@@ -23,3 +23,18 @@ def word_tokenizer(vocab_size: int):
 @pytest.fixture(scope="session")
 def cuda() -> torch.device:
     return torch.device("cuda")
+
+
+def byte_level_tokenizer():
+    """A self-contained byte-level tokenizer (one token per byte, no merges) that
+    can spell any text; EOS = id 0, BOS = id 1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<s>": 1}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|endoftext|>")

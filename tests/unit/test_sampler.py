@@ -70,6 +70,21 @@ def test_top_k_top_p_masks():
     assert torch.isinf(both[1]).tolist() == [True, False, True, True]
 
 
+def test_top_k_candidates_match_the_full_sort():
+    """Rows that all use top-k work on their candidates (no vocabulary sort, no
+    host read of top_k): the same masks as sorting the whole vocabulary."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(6, 3000, generator=generator) * 3
+        top_k = torch.randint(1, 200, (6,), generator=generator)
+        top_p = torch.rand(6, generator=generator) * 0.9 + 0.05
+        for p in (None, top_p):
+            candidates = apply_top_k_top_p(logits, top_k, p, max_top_k=int(top_k.max()))
+            full_sort = apply_top_k_top_p(logits, top_k, p, max_top_k=logits.shape[1])
+            assert torch.equal(torch.isinf(candidates), torch.isinf(full_sort))
+            assert torch.equal(candidates[~torch.isinf(candidates)], logits[~torch.isinf(candidates)])
+
+
 def test_min_p_drops_unlikely_tokens():
     logits = [[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05), -1e9, -1e9, -1e9, -1e9]]
     params = SamplingParams(temperature=1.0, min_p=0.5)  # threshold 0.25

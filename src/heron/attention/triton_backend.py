@@ -91,12 +91,13 @@ if triton is not None:
                 mask=dim_valid[:, None] & n_valid[None, :],
                 other=0.0,
             )
+            # float scalars may arrive as float64 (torch.compile passes them so): keep s float32
             if IEEE:
-                s = tl.dot(q, k, input_precision="ieee") * scale
+                s = (tl.dot(q, k, input_precision="ieee") * scale).to(tl.float32)
             else:
-                s = tl.dot(q, k) * scale
-            if USE_SOFTCAP:
-                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+                s = (tl.dot(q, k) * scale).to(tl.float32)
+            if USE_SOFTCAP:  # softcap * tanh(s / softcap)
+                s = (softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)).to(tl.float32)
             keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             if USE_WINDOW:
                 keep = keep & (q_pos[:, None] - offs_n[None, :] < sliding_window)

@@ -10,6 +10,13 @@ cannot hold a running request's new tokens, the lowest-priority running request
 back to the waiting queue to be recomputed later. Waiting requests are then
 admitted in queue order, with a cached prefix skipped and a prompt longer than the
 remaining budget chunked.
+
+With async scheduling the next step is scheduled before the current one reports
+its sampled tokens: a request that samples gets an output placeholder, which
+the next step schedules like a known token (its input id comes from the device);
+the placeholder is replaced when the output arrives. Stops are therefore seen a
+step late — a finished request's extra step is discarded — and max_tokens is
+respected ahead by counting placeholders.
 """
 
 from __future__ import annotations
@@ -56,8 +63,10 @@ class Scheduler:
         max_model_len: int,
         structured_output_manager: StructuredOutputManager | None = None,
         num_lookahead_tokens: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         self.config = scheduler_config
+        self.async_scheduling = async_scheduling
         # slots allocated past the scheduled tokens (a draft model writes its
         # speculative K/V there)
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -76,6 +85,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingCounters()
         self._grammar_failures: list[Request] = []  # reported at the next output
+        # unfinished requests whose sampling reads their previous token on the host
+        self._num_needing_latest_tokens = 0
 
     # ---- request lifecycle -------------------------------------------------
 
@@ -83,6 +94,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._num_needing_latest_tokens += request.sampling_params.needs_latest_tokens
         self.waiting.add(request)
         request.record_event(EngineEventType.QUEUED)
 
@@ -94,16 +106,21 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._remove_from_queue(request)
             request.status = status
             self._free_request(request)
             finished.append(request)
         return finished
 
+    def _remove_from_queue(self, request: Request) -> None:
+        """Take an unfinished request (or one finished just now) off its queue."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
     def _free_request(self, request: Request) -> None:
+        self._num_needing_latest_tokens -= request.sampling_params.needs_latest_tokens
         if self.structured_output is not None:
             self.structured_output.remove_request(request.request_id)
         self.kv_cache_manager.free(request)
@@ -116,6 +133,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished_requests > 0
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the current one's output
+        is known: async scheduling is on and no unfinished request needs its
+        previous token on the host to be sampled."""
+        return self.async_scheduling and self._num_needing_latest_tokens == 0
 
     # ---- scheduling --------------------------------------------------------
 
@@ -133,8 +156,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
+            if request.num_output_placeholders and (
+                request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+            ):
+                index += 1  # the token in flight is its last one
+                continue
             num_new = min(
-                request.num_tokens_with_spec - request.num_computed_tokens,
+                request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens,
                 token_budget,
                 self.max_model_len - 1 - request.num_computed_tokens,
             )
@@ -180,7 +208,10 @@ class Scheduler:
                 and len(self.running) < self.config.max_num_seqs
             ):
                 request = self.waiting.peek()
-                if request.sampling_params.structured_outputs is not None and not self._grammar_ready(request):
+                if request.num_output_placeholders or (
+                    request.sampling_params.structured_outputs is not None and not self._grammar_ready(request)
+                ):
+                    # preempted while its last token was in flight, or its grammar still compiles
                     not_ready.append(self.waiting.pop())  # after peek: this request
                     continue
                 computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -227,7 +258,10 @@ class Scheduler:
         # The step will compute what was granted: advance progress now, so the next
         # schedule() sees it even before this step's output is processed.
         for request_id, num_new in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_new
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new
+            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
@@ -283,6 +317,8 @@ class Scheduler:
             if request is None:
                 continue  # finished (aborted) while the step ran
             sampled = runner_output.sampled_token_ids[row]
+            if sampled and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             num_draft = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
             if num_draft:
                 # accepted drafts + 1 target token were sampled; the rest were rejected
@@ -316,7 +352,8 @@ class Scheduler:
                     )
                 )
             if request.is_finished:
-                self.running.remove(request)
+                # (an async step may report a request preempted since: it waits)
+                self._remove_from_queue(request)
                 self._free_request(request)
             elif request_id in runner_output.draft_token_ids:
                 # a step emits at most 1 + drafts tokens: never propose past max_tokens

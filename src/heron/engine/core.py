@@ -3,6 +3,13 @@
 It never touches text: requests arrive tokenized (``EngineCoreRequest``) and leave
 as token deltas (``EngineCoreOutput``). The same class runs in-process for the
 offline ``LLM`` and inside the engine-core process behind the API server.
+
+With async scheduling (the default on CUDA), ``step()`` schedules and launches
+step N+1 before it waits for step N's sampled tokens: the host's scheduling,
+input preparation and output handling overlap the device's work, and the device
+reads step N's tokens as step N+1's inputs without a round trip. While any
+unfinished request needs its previous token on the host to sample the next one
+(penalties, grammars), steps run one at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from heron.profiling import StepProfiler, phase
 from heron.request import EngineCoreRequest, Request, RequestStatus
 from heron.worker.kv_cache_sizing import determine_num_kv_blocks, gpu_kv_cache_budget
+from heron.core.scheduler_output import SchedulerOutput
 from heron.worker.model_runner import ModelRunner, StructuredStep
+from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +64,10 @@ class EngineCore:
             num_lookahead_tokens=(
                 speculative.num_speculative_tokens if speculative and speculative.method == "draft_model" else 0
             ),
+            async_scheduling=config.async_scheduling,
         )
+        # the launched step whose output has not been processed yet (async scheduling)
+        self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         profile = config.profiler
         self.profiler = (
             StepProfiler(profile.directory, profile.num_steps, profile.start_step) if profile.directory else None
@@ -74,12 +86,22 @@ class EngineCore:
             EngineCoreOutput(request.request_id, [], finish_reason="abort") for request in aborted
         ]
 
+    @property
+    def async_scheduling(self) -> bool:
+        return self.config.async_scheduling
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        """Schedule and run one step; return the outputs of the step that finished
+        (this one, or with async scheduling usually the one before)."""
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        in_flight = self._in_flight
+        if in_flight is not None and not self.scheduler.can_schedule_ahead():
+            self._in_flight = None  # the next step needs this one's tokens on the host
+            return self._process(*in_flight)
         if self.profiler is not None:
             self.profiler.before_step()
         with phase("schedule"):
@@ -94,15 +116,36 @@ class EngineCore:
                 if structured_ids
                 else None
             )
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and in_flight is None:
             # only requests waiting for their grammars: let the compiler run
             self.structured_output.wait_for_compile(timeout=0.02)
-        runner_output = self.model_runner.execute_model(scheduler_output, grammar)
-        with phase("update_from_output"):
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        runner_output = self.model_runner.execute_model(
+            scheduler_output, grammar, defer_output=self.scheduler.can_schedule_ahead()
+        )
+        self._in_flight = None
+        if isinstance(runner_output, PendingRunnerOutput):
+            self._in_flight = (scheduler_output, runner_output)
+            # while the device runs the step just launched, process the one before
+            outputs = self._process(*in_flight) if in_flight is not None else EngineCoreOutputs(
+                scheduler_stats=self.scheduler.make_stats(scheduler_output)
+            )
+        else:
+            earlier = self._process(*in_flight) if in_flight is not None else None
+            outputs = self._process(scheduler_output, runner_output)
+            if earlier is not None:
+                outputs.outputs = earlier.outputs + outputs.outputs
         if self.profiler is not None:
             self.profiler.after_step()
         return outputs
+
+    def _process(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | PendingRunnerOutput
+    ) -> EngineCoreOutputs:
+        if isinstance(runner_output, PendingRunnerOutput):
+            with phase("wait_for_output"):
+                runner_output = runner_output.get()
+        with phase("update_from_output"):
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def finish_profile(self) -> None:
         """Write the trace now, even if the window was not complete."""

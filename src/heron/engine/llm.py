@@ -48,6 +48,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         quantization: str = "none",
         speculative_config: dict[str, Any] | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -72,6 +73,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             quantization=quantization,
             speculative_config=speculative_config,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config)
 

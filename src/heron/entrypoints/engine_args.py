@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="CPU weight-only: int8 per output channel, or int4 in blocks of 32 (the LM head int8)")
     group.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule step N+1 while the device runs step N (default: on for CUDA without "
+                            "speculative decoding)")
 
 
 def _json_dict(text: str) -> dict:
@@ -86,6 +89,7 @@ def engine_config_from_args(args: argparse.Namespace, usage: str = "offline") ->
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
         speculative_config=args.speculative_config,
+        async_scheduling=args.async_scheduling,
         usage=usage,  # type: ignore[arg-type]
     )
 

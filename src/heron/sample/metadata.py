@@ -13,6 +13,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None  # [N] int64; vocab size where disabled
+    max_top_k: int | None = None  # the largest top_k (on the host), with top_k
     top_p: torch.Tensor | None = None  # [N] float32; 1.0 where disabled
     min_p: torch.Tensor | None = None  # [N] float32; 0.0 where disabled
     # row -> generator of a request with a seed (others use the engine's generator)

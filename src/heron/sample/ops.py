@@ -20,7 +20,7 @@ def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.devi
     for row, ids in enumerate(token_ids):
         if ids:
             padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    padded = padded.to(device)
+    padded = padded.to(device, non_blocking=True)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
     return counts[:, :vocab_size]
 
@@ -57,29 +57,47 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
+# above this many candidates a full sort of the vocabulary is as cheap as top-k
+_MAX_TOP_K_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
 ) -> torch.Tensor:
-    """Keep each row's ``top_k`` largest logits (ties at the boundary kept) and the
-    smallest set of tokens whose probability reaches ``top_p`` (at least one)."""
+    """Keep each row's ``top_k`` largest logits and, of those, the smallest set of
+    most likely tokens whose probability reaches ``top_p`` (at least one).
+
+    ``max_top_k`` (the largest ``top_k``, known on the host) lets rows that all
+    use top-k work on their candidates instead of sorting the vocabulary, and
+    keeps the device from waiting on a host read of ``top_k``."""
     if top_k is None and top_p is None:
         return logits
-    if top_p is None:
-        assert top_k is not None
-        max_k = int(top_k.max())
-        kth_largest = logits.topk(max_k, dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
-        return logits.masked_fill(logits < kth_largest, _NEG_INF)
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab_size = logits.shape[1]
     if top_k is not None:
-        kth_index = (vocab_size - top_k).clamp(min=0, max=vocab_size - 1)
-        kth_largest = sorted_logits.gather(1, kth_index[:, None])
+        if max_top_k is None:
+            max_top_k = int(top_k.max())  # (a host sync: callers on the device path pass it)
+        if max_top_k <= _MAX_TOP_K_CANDIDATES and max_top_k < vocab_size:
+            values, indices = logits.topk(max_top_k, dim=-1)  # descending
+            columns = torch.arange(max_top_k, device=logits.device)
+            values = values.masked_fill(columns[None, :] >= top_k[:, None], _NEG_INF)
+            if top_p is not None:
+                values = _mask_top_p_descending(values, top_p)
+            return torch.full_like(logits, _NEG_INF).scatter_(1, indices, values)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth_largest = sorted_logits.gather(1, (top_k - 1).clamp(min=0, max=vocab_size - 1)[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, _NEG_INF)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop = cumulative <= (1.0 - top_p[:, None])
-    drop[:, -1] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    if top_p is not None:
+        sorted_logits = _mask_top_p_descending(sorted_logits, top_p)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _mask_top_p_descending(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask, in logits sorted best first, every token whose more likely tokens
+    already hold ``top_p`` of the probability (the first one always stays)."""
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    return sorted_logits.masked_fill(mass_before >= top_p[:, None], _NEG_INF)
 
 
 def sample_from_probs(

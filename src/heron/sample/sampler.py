@@ -52,7 +52,8 @@ class Sampler:
             logits = logits.index_put((rows, token_ids), values, accumulate=True)
         if metadata.banned_tokens is not None:
             rows, token_ids = metadata.banned_tokens
-            logits = logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+            # (torch.full fills on the device; torch.tensor(..., device=) would copy and wait)
+            logits = logits.index_put((rows, token_ids), torch.full((), float("-inf"), device=logits.device))
         if metadata.has_penalties:
             logits = apply_penalties(
                 logits,
@@ -82,7 +83,7 @@ class Sampler:
         scaled = logits / temperature[:, None]
         if metadata.min_p is not None:
             scaled = apply_min_p(scaled, metadata.min_p)
-        scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+        scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p, metadata.max_top_k)
         return torch.softmax(scaled, dim=-1)
 
 

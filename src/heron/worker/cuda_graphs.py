@@ -61,11 +61,16 @@ class DecodeGraphRunner:
         self.work_q = torch.zeros(size, **int32)
         self.scratch_slot = scratch_slot
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # one pinned staging row per step: ids, positions, slots, seq lens, work list
-        self._staging = torch.empty(5 * size, dtype=torch.int64, pin_memory=True)
+        # pinned staging per step: ids, positions, slots, seq lens, work list; and the
+        # block table. Two sets, alternating: with async scheduling the host fills
+        # step N+1's while step N's copy may still be queued (step N-1's has run:
+        # the host waited for its output)
+        self._staging = [torch.empty(5 * size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._staging_blocks = [
+            torch.empty((size, max_blocks_per_seq), dtype=torch.int32, pin_memory=True) for _ in range(2)
+        ]
+        self._next_staging = 0
         self._device_staging = torch.empty(5 * size, dtype=torch.int64, device=device)
-        self._max_blocks = max_blocks_per_seq
-        self._staging_blocks = torch.empty((size, max_blocks_per_seq), dtype=torch.int32, pin_memory=True)
 
     def _metadata(self, bucket: int) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
@@ -104,13 +109,22 @@ class DecodeGraphRunner:
     def bucket_for(self, num_reqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_reqs), None)
 
-    def run(self, layout: BatchLayout, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Logits ``[B, vocab]`` of a decode-only batch of ``B`` requests."""
+    def run(
+        self,
+        layout: BatchLayout,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of a decode-only batch of ``B`` requests;
+        ``pending`` = (rows, token ids on the device) overrides those input ids."""
         num_reqs = layout.num_reqs
         bucket = self.bucket_for(num_reqs)
         assert bucket is not None
+        staging, staging_blocks = self._staging[self._next_staging], self._staging_blocks[self._next_staging]
+        self._next_staging ^= 1
         # stage every per-row input in pinned memory, then two copies to the device
-        staged = self._staging.numpy().reshape(5, -1)
+        staged = staging.numpy().reshape(5, -1)
         staged[0, :num_reqs] = input_ids
         staged[1, :num_reqs] = positions
         staged[2, :num_reqs] = layout.host_slot_mapping
@@ -119,11 +133,13 @@ class DecodeGraphRunner:
         staged[4, :bucket] = -1
         staged[4, :num_reqs] = np.arange(num_reqs)
         width = layout.block_table.shape[1]
-        self._staging_blocks.numpy()[:num_reqs, :width] = layout.block_table
-        self._device_staging.copy_(self._staging, non_blocking=True)
-        self.block_table[:num_reqs].copy_(self._staging_blocks[:num_reqs], non_blocking=True)
+        staging_blocks.numpy()[:num_reqs, :width] = layout.block_table
+        self._device_staging.copy_(staging, non_blocking=True)
+        self.block_table[:num_reqs].copy_(staging_blocks[:num_reqs], non_blocking=True)
         device_rows = self._device_staging.view(5, -1)
         self.input_ids[:bucket].copy_(device_rows[0, :bucket])
+        if pending is not None:
+            self.input_ids.index_copy_(0, *pending)
         self.positions[:bucket].copy_(device_rows[1, :bucket])
         self.slot_mapping[:bucket].copy_(device_rows[2, :bucket])
         self.seq_lens[:bucket].copy_(device_rows[3, :bucket])

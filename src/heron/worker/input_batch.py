@@ -31,6 +31,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    # tokens sampled by steps still in flight (async scheduling): on the device,
+    # not yet in ``token_ids``
+    num_pending_tokens: int = 0
 
     @staticmethod
     def from_new_request(data: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -48,10 +51,16 @@ class CachedRequestState:
         )
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens, counting those still in flight."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     def output_token_ids(self) -> list[int]:
+        assert self.num_pending_tokens == 0, "the output is not all on the host yet"
         return self.token_ids[self.num_prompt_tokens :]
 
     def seeded_generator(self) -> torch.Generator | None:
@@ -77,18 +86,19 @@ def build_sampling_metadata(
     temperature = (
         torch.zeros(0)
         if all_greedy
-        else torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32).to(device)
+        else _on_device([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
     )
     metadata = SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=num_greedy == 0)
     sampled = [p for p in params if not p.is_greedy]
     if any(p.top_k > 0 for p in sampled):
-        metadata.top_k = torch.tensor(
-            [p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64
-        ).to(device)
+        # (greedy rows take the argmax: 1 keeps them off the full-vocabulary path)
+        top_k = [p.top_k if p.top_k > 0 else 1 if p.is_greedy else vocab_size for p in params]
+        metadata.top_k = _on_device(top_k, torch.int64, device)
+        metadata.max_top_k = max(top_k)
     if any(p.top_p < 1.0 for p in sampled):
-        metadata.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+        metadata.top_p = _on_device([p.top_p for p in params], torch.float32, device)
     if any(p.min_p > 0.0 for p in sampled):
-        metadata.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
+        metadata.min_p = _on_device([p.min_p for p in params], torch.float32, device)
     for row, state in enumerate(states):
         generator = state.seeded_generator()
         if generator is not None and not state.sampling_params.is_greedy:
@@ -104,18 +114,15 @@ def _add_penalties(
     metadata: SamplingMetadata, states: list[CachedRequestState], device: torch.device
 ) -> None:
     params = [state.sampling_params for state in states]
-    if not any(
-        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-        for p in params
-    ):
+    if not any(p.has_penalties for p in params):
         return
     metadata.output_token_ids = [state.output_token_ids() for state in states]
     if any(p.presence_penalty != 0.0 for p in params):
-        metadata.presence_penalties = torch.tensor([p.presence_penalty for p in params]).to(device)
+        metadata.presence_penalties = _on_device([p.presence_penalty for p in params], torch.float32, device)
     if any(p.frequency_penalty != 0.0 for p in params):
-        metadata.frequency_penalties = torch.tensor([p.frequency_penalty for p in params]).to(device)
+        metadata.frequency_penalties = _on_device([p.frequency_penalty for p in params], torch.float32, device)
     if any(p.repetition_penalty != 1.0 for p in params):
-        metadata.repetition_penalties = torch.tensor([p.repetition_penalty for p in params]).to(device)
+        metadata.repetition_penalties = _on_device([p.repetition_penalty for p in params], torch.float32, device)
         metadata.prompt_token_ids = [state.token_ids[: state.num_prompt_tokens] for state in states]
 
 
@@ -142,12 +149,18 @@ def _add_logit_bias_and_bans(
             ban_tokens.extend(sorted(banned))
     if bias_rows:
         metadata.logit_bias = (
-            torch.tensor(bias_rows, dtype=torch.int64, device=device),
-            torch.tensor(bias_tokens, dtype=torch.int64, device=device),
-            torch.tensor(bias_values, dtype=torch.float32, device=device),
+            _on_device(bias_rows, torch.int64, device),
+            _on_device(bias_tokens, torch.int64, device),
+            _on_device(bias_values, torch.float32, device),
         )
     if ban_rows:
         metadata.banned_tokens = (
-            torch.tensor(ban_rows, dtype=torch.int64, device=device),
-            torch.tensor(ban_tokens, dtype=torch.int64, device=device),
+            _on_device(ban_rows, torch.int64, device),
+            _on_device(ban_tokens, torch.int64, device),
         )
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor. The copy does not wait for the device
+    (a blocking copy would, and stall async scheduling's overlap)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -27,7 +27,7 @@ from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
 from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
-from heron.worker.runner_output import ModelRunnerOutput, TokenLogprobs
+from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
 from heron.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ class StepInputs:
     layout: BatchLayout
     use_graph: bool  # replay a captured CUDA graph for this step
     drafts: list[list[int]]  # [B] draft tokens each request verifies this step
+    # async scheduling: flat positions whose input id is the previous step's
+    # sampled token (still on the device), and that token's row in its output
+    pending_positions: list[int]
+    pending_rows: list[int]
 
     def logits_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The flat token positions whose logits are needed (each sample row's
@@ -99,6 +103,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: Any = None  # a cuda_graphs.DecodeGraphRunner on CUDA
+        # the last deferred step's sampled ids (on the device) and each request's row
+        self._last_sampled: torch.Tensor | None = None
+        self._last_sampled_rows: dict[str, int] = {}
         if config.compile_model:
             self.model.forward = torch.compile(self.model.forward, dynamic=True)
 
@@ -207,27 +214,48 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, scheduler_output: SchedulerOutput, structured: StructuredStep | None = None
-    ) -> ModelRunnerOutput:
+        self,
+        scheduler_output: SchedulerOutput,
+        structured: StructuredStep | None = None,
+        defer_output: bool = False,
+    ) -> ModelRunnerOutput | PendingRunnerOutput:
+        """Run one step. With ``defer_output`` (async scheduling) a step that
+        samples returns as soon as its work is queued on the device: the sampled
+        ids are copied back in the background and the next step may use them as
+        input ids on the device before the host has seen them."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
         with phase("prepare_inputs"):
             step = self._prepare_inputs(scheduler_output)
+            pending = self._pending_token_ids(step)
         if step.use_graph:
             assert self.decode_graphs is not None
             with phase("forward"):
-                logits = self.decode_graphs.run(step.layout, step.input_ids, step.positions)
+                logits = self.decode_graphs.run(step.layout, step.input_ids, step.positions, pending)
             with phase("sample"):
-                return self._sample(step, None, logits, structured)
+                return self._sample(step, None, logits, structured, defer_output)
         with phase("forward"):
+            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+            if pending is not None:
+                input_ids.index_copy_(0, *pending)
             hidden = self.model(
-                torch.from_numpy(step.input_ids).to(self.device),
-                torch.from_numpy(step.positions).to(self.device),
+                input_ids,
+                torch.from_numpy(step.positions).to(self.device, non_blocking=True),
                 self.backend.build_metadata(step.layout),
             )
         with phase("sample"):
-            return self._sample(step, hidden, None, structured)
+            return self._sample(step, hidden, None, structured, defer_output)
+
+    def _pending_token_ids(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat positions, token ids) of the input ids sampled by the step in
+        flight, all on the device: no wait for that step."""
+        if not step.pending_positions:
+            return None
+        assert self._last_sampled is not None
+        rows = torch.tensor(step.pending_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        positions = torch.tensor(step.pending_positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        return positions, self._last_sampled.index_select(0, rows)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         request_ids = list(scheduler_output.num_scheduled_tokens)
@@ -244,15 +272,23 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
         sample_rows: list[int] = []
+        pending_positions: list[int] = []
+        pending_rows: list[int] = []
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         drafts = [spec_tokens.get(request_id, []) for request_id in request_ids]
         for row, state in enumerate(states):
             start, count = int(num_computed[row]), int(num_scheduled[row])
             offset = int(query_start_loc[row])
             tokens = state.token_ids + drafts[row] if drafts[row] else state.token_ids
-            input_ids[offset : offset + count] = tokens[start : start + count]
+            known = min(start + count, len(tokens))
+            input_ids[offset : offset + known - start] = tokens[start:known]
+            if known < start + count:  # its last token is the step in flight's sample
+                assert known + 1 == start + count and state.num_pending_tokens == 1, state.request_id
+                input_ids[offset + count - 1] = 0
+                pending_positions.append(offset + count - 1)
+                pending_rows.append(self._last_sampled_rows[state.request_id])
             block_table[row, : len(state.block_ids)] = state.block_ids
-            if start + count >= len(state.token_ids):
+            if start + count >= state.num_tokens:
                 sample_rows.append(row)
         positions, slot_mapping = positions_and_slots(
             query_start_loc, num_computed, num_scheduled, block_table, self.block_size
@@ -288,6 +324,8 @@ class ModelRunner:
             layout=layout,
             use_graph=use_graph,
             drafts=drafts,
+            pending_positions=pending_positions,
+            pending_rows=pending_rows,
         )
 
     def _sample(
@@ -296,7 +334,8 @@ class ModelRunner:
         hidden: torch.Tensor | None,
         decode_logits: torch.Tensor | None,
         structured: StructuredStep | None = None,
-    ) -> ModelRunnerOutput:
+        defer_output: bool = False,
+    ) -> ModelRunnerOutput | PendingRunnerOutput:
         """Sample the rows that reached their last token. Either ``hidden`` (all
         tokens) or ``decode_logits`` (one row per request, from a CUDA graph) is given."""
         states = step.states
@@ -309,7 +348,7 @@ class ModelRunner:
                 if len(step.sample_rows) == len(states):
                     logits = decode_logits
                 else:
-                    logits = decode_logits[torch.tensor(step.sample_rows, device=self.device)]
+                    logits = decode_logits[torch.tensor(step.sample_rows).to(self.device, non_blocking=True)]
             else:
                 assert hidden is not None
                 logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(index).to(self.device)))
@@ -323,6 +362,9 @@ class ModelRunner:
                 plain_logits = logits if not spec else logits[torch.from_numpy(offsets[plain]).to(self.device)]
                 plain_states = [states[step.sample_rows[i]] for i in plain]
                 output = self.sampler(plain_logits, build_sampling_metadata(plain_states, self.vocab_size, self.device))
+                if defer_output:
+                    assert not spec, "async scheduling does not verify drafts"
+                    return self._defer_output(step, output, plain_states, prompt_logprobs)
                 row_logprobs = _split_logprobs(output, plain_states)
                 for i, token_id, entry in zip(plain, output.sampled_token_ids.tolist(), row_logprobs):
                     row = step.sample_rows[i]
@@ -360,6 +402,45 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=draft_token_ids,
         )
+
+    def _defer_output(
+        self,
+        step: StepInputs,
+        output: SamplerOutput,
+        sampled_states: list[CachedRequestState],
+        prompt_logprobs: dict[str, list[TokenLogprobs]],
+    ) -> PendingRunnerOutput:
+        """Start copying this step's samples to the host and return at once; the
+        states count the tokens as pending until ``get()`` appends them."""
+        for row, state in enumerate(step.states):
+            state.num_computed_tokens += int(step.num_scheduled[row])
+        for state in sampled_states:
+            state.num_pending_tokens += 1
+        self._last_sampled = output.sampled_token_ids
+        self._last_sampled_rows = {state.request_id: i for i, state in enumerate(sampled_states)}
+        host = SamplerOutput(*(
+            None if tensor is None else tensor.to("cpu", non_blocking=True)  # pinned, in stream order
+            for tensor in (output.sampled_token_ids, output.logprob_token_ids, output.logprobs, output.sampled_ranks)
+        ))
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
+
+        def resolve() -> ModelRunnerOutput:
+            if copied is not None:
+                copied.synchronize()  # this step's copy only, not the steps queued since
+            token_ids = host.sampled_token_ids.tolist()
+            entries = _split_logprobs(host, sampled_states)
+            sampled: list[list[int]] = [[] for _ in step.states]
+            logprobs: list[list[TokenLogprobs] | None] = [None] * len(step.states)
+            for row, state, token_id, entry in zip(step.sample_rows, sampled_states, token_ids, entries):
+                state.token_ids.append(token_id)
+                state.num_pending_tokens -= 1
+                sampled[row] = [token_id]
+                logprobs[row] = None if entry is None else [entry]
+            return ModelRunnerOutput(step.request_ids, sampled, logprobs, prompt_logprobs)
+
+        return PendingRunnerOutput(resolve)
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the prompt tokens whose predecessors were computed this step:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -32,3 +33,19 @@ class ModelRunnerOutput:
     @staticmethod
     def empty() -> ModelRunnerOutput:
         return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+class PendingRunnerOutput:
+    """The output of a step still running on the device (async scheduling): its
+    sampled ids are being copied to the host; ``get()`` waits for that copy (not
+    for later steps) and returns the step's ``ModelRunnerOutput``."""
+
+    def __init__(self, resolve: Callable[[], ModelRunnerOutput]) -> None:
+        self._resolve: Callable[[], ModelRunnerOutput] | None = resolve
+        self._output: ModelRunnerOutput | None = None
+
+    def get(self) -> ModelRunnerOutput:
+        if self._resolve is not None:
+            self._output, self._resolve = self._resolve(), None
+        assert self._output is not None
+        return self._output
