@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "q4_linear.c")
+_SOURCES = ("paged_attention.c", "q4_linear.c", "llama_decode.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _MAX_GROUP = 64  # the kernel's per-task arrays hold one GQA group
 

@@ -124,6 +124,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(hidden, float(config.rms_norm_eps))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, int(config.vocab_size), bias=False)
+        # set by quantize_model for 4-bit CPU models: runs decode steps in one C call
+        self.native_decoder: Any = None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -132,6 +134,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, ``[T, hidden]``."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, hidden.dtype)
+        if self.native_decoder is not None and self.native_decoder.covers(hidden.shape[0], metadata):
+            return self.native_decoder(hidden, rope, metadata)
         for layer in self.layers:
             hidden = layer(rope, hidden, metadata)
         return self.norm(hidden)

@@ -128,4 +128,10 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Mo
     if callable(set_head):
         set_head(lambda weight: Int8WeightOnlyLinear(weight))
     logger.info("quantized %d linear layers to %s (the LM head to int8), weight-only", count, method)
+    if method == "int4" and hasattr(model, "native_decoder"):
+        from heron.models.native_decode import NativeQ4Decoder
+
+        model.native_decoder = NativeQ4Decoder.build(model)
+        if model.native_decoder is not None:
+            logger.info("decode steps of up to %d sequences run natively (one C call per step)", INT4_KERNEL_MAX_ROWS)
     return model

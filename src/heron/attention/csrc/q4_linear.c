@@ -8,9 +8,11 @@
  *
  *   y[r, n] = sum_b d[n, b] * sum_i q[n, b, i] * x[r, 32 b + i] + m[n, b] * sum_i x[r, 32 b + i]
  *
- * Decoding reads an eighth of float32's weight bytes; each block is unpacked
- * once and used for up to four input rows. Output columns are split over
- * OpenMP threads. Layouts (contiguous): x [rows, k], packed [n, k / 2] uint8,
+ * Decoding reads an eighth of float32's weight bytes. Each block is unpacked and
+ * dequantized (w = d * q + m, one FMA) once per group of four input rows; every
+ * row then takes four FMAs per block into accumulators of its own (one chain per
+ * 8 lanes for a single row, so consecutive blocks do not wait on each other).
+ * Output columns are split over OpenMP threads. Layouts (contiguous): x [rows, k], packed [n, k / 2] uint8,
  * scales and mins [n, k / 32] float, y [rows, n]. k must be a multiple of 32.
  */
 #include <stdint.h>
@@ -21,6 +23,7 @@
 
 #define ROW_GROUP 4
 
+#ifndef __AVX2__
 static void block_sums(const float *x, int64_t rows, int64_t k, float *sums) {
     int64_t nb = k / 32;
     for (int64_t r = 0; r < rows; r++)
@@ -31,6 +34,7 @@ static void block_sums(const float *x, int64_t rows, int64_t k, float *sums) {
             sums[r * nb + b] = s;
         }
 }
+#endif
 
 #ifdef __AVX2__
 static inline float hsum(__m256 v) {
@@ -46,6 +50,53 @@ int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *
                         const float *mins, float *y, int64_t n_out) {
     if (k % 32 != 0) return -1;
     int64_t nb = k / 32;
+#ifdef __AVX2__
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t *wq = packed + n * (k / 2);
+        const float *d = scales + n * nb;
+        const float *m = mins + n * nb;
+        const __m128i low_mask = _mm_set1_epi8(0x0F);
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_GROUP) {
+            int64_t rc = rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP;
+            /* a single row: four independent chains; several: two per row */
+            __m256 acc[ROW_GROUP][2];
+            __m256 solo[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int rr = 0; rr < ROW_GROUP; rr++) acc[rr][0] = acc[rr][1] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + b * 16));
+                __m128i lo = _mm_and_si128(bytes, low_mask);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+                __m256 dv = _mm256_set1_ps(d[b]), mv = _mm256_set1_ps(m[b]);
+                __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv);
+                __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv);
+                __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv);
+                __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv);
+                if (rc == 1) {
+                    const float *xp = x + r0 * k + b * 32;
+                    solo[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), solo[0]);
+                    solo[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), solo[1]);
+                    solo[2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp + 16), solo[2]);
+                    solo[3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), solo[3]);
+                    continue;
+                }
+                for (int64_t rr = 0; rr < rc; rr++) {
+                    const float *xp = x + (r0 + rr) * k + b * 32;
+                    acc[rr][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), acc[rr][0]);
+                    acc[rr][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), acc[rr][1]);
+                    acc[rr][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp + 16), acc[rr][0]);
+                    acc[rr][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), acc[rr][1]);
+                }
+            }
+            if (rc == 1) {
+                y[r0 * n_out + n] = hsum(_mm256_add_ps(_mm256_add_ps(solo[0], solo[1]), _mm256_add_ps(solo[2], solo[3])));
+            } else {
+                for (int64_t rr = 0; rr < rc; rr++) y[(r0 + rr) * n_out + n] = hsum(_mm256_add_ps(acc[rr][0], acc[rr][1]));
+            }
+        }
+    }
+    return 0;
+#else
     float *sums = malloc(sizeof(float) * (size_t)(rows * nb));
     if (sums == NULL) return -2;
     block_sums(x, rows, k, sums);
@@ -54,49 +105,21 @@ int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *
         const uint8_t *wq = packed + n * (k / 2);
         const float *d = scales + n * nb;
         const float *m = mins + n * nb;
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_GROUP) {
-            int64_t rc = rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP;
-            float msum[ROW_GROUP] = {0.0f, 0.0f, 0.0f, 0.0f};
-#ifdef __AVX2__
-            __m256 acc[ROW_GROUP];
-            for (int rr = 0; rr < ROW_GROUP; rr++) acc[rr] = _mm256_setzero_ps();
-            const __m128i low_mask = _mm_set1_epi8(0x0F);
-            for (int64_t b = 0; b < nb; b++) {
-                __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + b * 16));
-                __m128i lo = _mm_and_si128(bytes, low_mask);
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
-                __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-                __m256 dv = _mm256_set1_ps(d[b]);
-                for (int64_t rr = 0; rr < rc; rr++) {
-                    const float *xp = x + (r0 + rr) * k + b * 32;
-                    __m256 s = _mm256_mul_ps(q0, _mm256_loadu_ps(xp));
-                    s = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xp + 8), s);
-                    s = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xp + 16), s);
-                    s = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xp + 24), s);
-                    acc[rr] = _mm256_fmadd_ps(dv, s, acc[rr]);
-                    msum[rr] += m[b] * sums[(r0 + rr) * nb + b];
-                }
-            }
-            for (int64_t rr = 0; rr < rc; rr++) y[(r0 + rr) * n_out + n] = hsum(acc[rr]) + msum[rr];
-#else
-            float acc[ROW_GROUP] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * k;
+            float acc = 0.0f, msum = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *block = wq + b * 16;
-                for (int64_t rr = 0; rr < rc; rr++) {
-                    const float *xp = x + (r0 + rr) * k + b * 32;
-                    float s = 0.0f;
-                    for (int j = 0; j < 16; j++) s += (float)(block[j] & 0x0F) * xp[j] + (float)(block[j] >> 4) * xp[j + 16];
-                    acc[rr] += d[b] * s;
-                    msum[rr] += m[b] * sums[(r0 + rr) * nb + b];
-                }
+                const float *xp = xr + b * 32;
+                float s = 0.0f;
+                for (int j = 0; j < 16; j++) s += (float)(block[j] & 0x0F) * xp[j] + (float)(block[j] >> 4) * xp[j + 16];
+                acc += d[b] * s;
+                msum += m[b] * sums[r * nb + b];
             }
-            for (int64_t rr = 0; rr < rc; rr++) y[(r0 + rr) * n_out + n] = acc[rr] + msum[rr];
-#endif
+            y[r * n_out + n] = acc + msum;
         }
     }
     free(sums);
     return 0;
+#endif
 }

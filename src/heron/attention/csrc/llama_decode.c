@@ -1,0 +1,134 @@
+/*
+ * A whole Llama decode step on the CPU in one call: every layer of a 4-bit
+ * (Q4_1-scheme) model for a batch of up to 16 sequences, one new token each.
+ *
+ * The torch path spends about half of a small model's decode step between its
+ * matrix products: ~20 small torch ops per layer (norms, RoPE, the K/V write,
+ * residual adds, SiLU) plus Python, each costing more in dispatch than in
+ * arithmetic. Here those are plain loops over a few thousand floats, and the
+ * matrix products and attention are the same C kernels the torch path calls
+ * (heron_q4_linear_f32, heron_paged_decode_attention_f32), so results match
+ * it to float32 rounding.
+ *
+ * Per layer, for hidden states h [B, hidden]:
+ *   x = rmsnorm(h) * w_in;  qkv = x Wqkv^T;  RoPE on q and k;  k, v -> cache slots
+ *   h += attention(q) Wo^T
+ *   x = rmsnorm(h) * w_post;  g, u = x Wgu^T;  h += (silu(g) * u) Wdown^T
+ * and at the end h = rmsnorm(h) * w_final, in place.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scales,
+                        const float *mins, float *y, int64_t n_out);
+int heron_paged_decode_attention_f32(float *out, const float *q, const float *kv_cache, const int64_t *block_table,
+                                     const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                                     int64_t max_blocks_per_seq, float scale, int64_t sliding_window);
+
+typedef struct {
+    const uint8_t *packed;  // [n, k / 2]
+    const float *scales;    // [n, k / 32]
+    const float *mins;      // [n, k / 32]
+} heron_q4_weight;
+
+typedef struct {
+    const float *input_norm;  // [hidden]
+    const float *post_norm;   // [hidden]
+    heron_q4_weight qkv;      // n = (heads + 2 kv_heads) * head_dim, k = hidden
+    heron_q4_weight o;        // n = hidden, k = heads * head_dim
+    heron_q4_weight gate_up;  // n = 2 intermediate, k = hidden
+    heron_q4_weight down;     // n = hidden, k = intermediate
+    float *kv_cache;          // [2, num_blocks, block_size, kv_heads, head_dim]
+    int64_t sliding_window;   // 0: none
+} heron_decoder_layer;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+} heron_llama_shape;
+
+static void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) sum += row[i] * row[i];
+        const float inverse = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[r * n + i] = weight[i] * (row[i] * inverse);
+    }
+}
+
+/* x * cos + rotate_half(x) * signed_sin, rotate_half(x) = (x2, x1) with the signs
+ * already in signed_sin (first half negative), as the torch path computes it. */
+static void rope(float *head, const float *cos, const float *signed_sin, int64_t dim) {
+    const int64_t half = dim / 2;
+    float rotated[512];
+    for (int64_t i = 0; i < half; i++) rotated[i] = head[i + half], rotated[i + half] = head[i];
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) head[i] = head[i] * cos[i] + rotated[i] * signed_sin[i];
+}
+
+static int linear(const heron_q4_weight *w, const float *x, int64_t rows, int64_t k, float *y, int64_t n) {
+    return heron_q4_linear_f32(x, rows, k, w->packed, w->scales, w->mins, y, n);
+}
+
+/* hidden [rows, shape.hidden]: the embeddings in, the final-normed states out.
+ * cos / signed_sin [rows, head_dim]; slots [rows]; block_table [rows, max_blocks]
+ * and seq_lens [rows] (context length including the new token), all int64. */
+int heron_llama_decode_q4(float *hidden, int64_t rows, const heron_decoder_layer *layers, int64_t num_layers,
+                          const float *final_norm, heron_llama_shape shape, const float *cos,
+                          const float *signed_sin, const int64_t *slots, const int64_t *block_table,
+                          int64_t max_blocks, const int64_t *seq_lens, int64_t block_size, int64_t num_blocks) {
+    const int64_t H = shape.hidden, D = shape.head_dim, I = shape.intermediate;
+    const int64_t q_size = shape.num_heads * D, kv_size = shape.num_kv_heads * D;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    if (D > 512 || D % 2 != 0) return -3;
+    const int64_t cache_half = num_blocks * block_size * kv_size;  // K, then V
+    float *normed = malloc(sizeof(float) * (size_t)(rows * H));
+    float *qkv = malloc(sizeof(float) * (size_t)(rows * qkv_size));
+    float *queries = malloc(sizeof(float) * (size_t)(rows * q_size));
+    float *attended = malloc(sizeof(float) * (size_t)(rows * q_size));
+    float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * I));
+    float *activated = malloc(sizeof(float) * (size_t)(rows * I));
+    float *update = malloc(sizeof(float) * (size_t)(rows * H));
+    int status = 0;
+    if (!normed || !qkv || !queries || !attended || !gate_up || !activated || !update) status = -2;
+    for (int64_t l = 0; l < num_layers && status == 0; l++) {
+        const heron_decoder_layer *layer = layers + l;
+        rms_norm(hidden, layer->input_norm, normed, rows, H, shape.eps);
+        if ((status = linear(&layer->qkv, normed, rows, H, qkv, qkv_size)) != 0) break;
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = qkv + r * qkv_size;
+            for (int64_t h = 0; h < shape.num_heads + shape.num_kv_heads; h++)
+                rope(row + h * D, cos + r * D, signed_sin + r * D, D);
+            memcpy(queries + r * q_size, row, sizeof(float) * (size_t)q_size);
+            float *key_slot = layer->kv_cache + slots[r] * kv_size;
+            memcpy(key_slot, row + q_size, sizeof(float) * (size_t)kv_size);
+            memcpy(key_slot + cache_half, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+        }
+        status = heron_paged_decode_attention_f32(attended, queries, layer->kv_cache, block_table, seq_lens, rows,
+                                                  shape.num_heads, shape.num_kv_heads, D, block_size, num_blocks,
+                                                  max_blocks, shape.scale, layer->sliding_window);
+        if (status != 0) break;
+        if ((status = linear(&layer->o, attended, rows, q_size, update, H)) != 0) break;
+        for (int64_t i = 0; i < rows * H; i++) hidden[i] += update[i];
+        rms_norm(hidden, layer->post_norm, normed, rows, H, shape.eps);
+        if ((status = linear(&layer->gate_up, normed, rows, H, gate_up, 2 * I)) != 0) break;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *gate = gate_up + r * 2 * I, *up = gate + I;
+            for (int64_t i = 0; i < I; i++) activated[r * I + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+        if ((status = linear(&layer->down, activated, rows, I, update, H)) != 0) break;
+        for (int64_t i = 0; i < rows * H; i++) hidden[i] += update[i];
+    }
+    if (status == 0) {
+        rms_norm(hidden, final_norm, normed, rows, H, shape.eps);
+        memcpy(hidden, normed, sizeof(float) * (size_t)(rows * H));
+    }
+    free(normed), free(qkv), free(queries), free(attended), free(gate_up), free(activated), free(update);
+    return status;
+}

@@ -1,0 +1,144 @@
+"""The native decode path of a 4-bit Llama on the CPU: one C call runs every
+layer of a decode step (``attention/csrc/llama_decode.c``).
+
+It serves steps where every request decodes one token and at most
+``INT4_KERNEL_MAX_ROWS`` of them run; prefill chunks and larger batches take the
+torch path. Both paths use the same 4-bit matrix and attention kernels, so they
+agree to float32 rounding. It is enabled for ``--quantization int4`` models whose
+layers it covers (no biases, no Q/K norms, SiLU, float32 KV cache);
+``HERON_DISABLE_NATIVE_DECODE=1`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+
+from heron.attention import cpu_kernels
+from heron.models.quantization import INT4_KERNEL_MAX_ROWS, Int4WeightOnlyLinear
+
+
+class _Q4Weight(ctypes.Structure):
+    _fields_ = [("packed", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Q4Weight),
+        ("o", _Q4Weight),
+        ("gate_up", _Q4Weight),
+        ("down", _Q4Weight),
+        ("kv_cache", ctypes.c_void_p),
+        ("sliding_window", ctypes.c_int64),
+    ]
+
+
+class _LlamaShape(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def _q4(linear: Any) -> _Q4Weight:
+    return _Q4Weight(linear.packed.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr())
+
+
+class NativeQ4Decoder:
+    """Holds the C view of a 4-bit LlamaForCausalLM (weight pointers; the tensors
+    stay owned by the model) and runs its decode steps."""
+
+    def __init__(self, model: Any, library: ctypes.CDLL) -> None:
+        self.model = model
+        self.function = library.heron_llama_decode_q4
+        self.function.restype = ctypes.c_int
+        self.function.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_DecoderLayer), ctypes.c_int64, ctypes.c_void_p,
+            _LlamaShape, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ]
+        first = model.layers[0]
+        attention = first.self_attn
+        self.shape = _LlamaShape(
+            hidden=int(model.config.hidden_size),
+            num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads,
+            head_dim=attention.head_dim,
+            intermediate=first.mlp.intermediate,
+            eps=first.input_layernorm.eps,
+            scale=attention.attn.spec.scale,
+        )
+        self.layers = (_DecoderLayer * len(model.layers))()
+        for entry, layer in zip(self.layers, model.layers):
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            entry.qkv = _q4(layer.self_attn.qkv_proj)
+            entry.o = _q4(layer.self_attn.o_proj)
+            entry.gate_up = _q4(layer.mlp.gate_up_proj)
+            entry.down = _q4(layer.mlp.down_proj)
+            entry.sliding_window = layer.self_attn.attn.spec.sliding_window or 0
+        self._bound_caches: list[int] = []
+
+    @staticmethod
+    def build(model: Any) -> NativeQ4Decoder | None:
+        """The decoder for ``model``, or None where the native path does not cover it."""
+        library = cpu_kernels.native_library()
+        if library is None or os.environ.get("HERON_DISABLE_NATIVE_DECODE") or not hasattr(model, "layers"):
+            return None
+        for layer in model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(linear, Int4WeightOnlyLinear) and linear.bias is None for linear in linears):
+                return None
+            if attention.qk_norm or attention.attn.spec.logits_soft_cap is not None or attention.head_dim > 512:
+                return None
+            if attention.num_heads // attention.num_kv_heads > 64:  # the attention kernel's group limit
+                return None
+        return NativeQ4Decoder(model, library)
+
+    def covers(self, num_tokens: int, metadata: Any) -> bool:
+        """Whether this step can run natively: a decode-only CPU step of few rows."""
+        return (
+            getattr(metadata, "all_decode", False)
+            and num_tokens <= INT4_KERNEL_MAX_ROWS
+            and metadata.decode_block_table is not None
+        )
+
+    def _bind_caches(self) -> None:
+        caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
+        pointers = [cache.data_ptr() for cache in caches]
+        if pointers != self._bound_caches:
+            for entry, cache in zip(self.layers, caches):
+                if cache.dtype != torch.float32 or not cache.is_contiguous():
+                    raise ValueError("the native decode path needs a contiguous float32 KV cache")
+                entry.kv_cache = cache.data_ptr()
+            self._bound_caches = pointers
+
+    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
+        """hidden: the embeddings ``[B, hidden]`` float32; returns the final-normed
+        hidden states (the same tensor, updated in place)."""
+        self._bind_caches()
+        hidden = hidden.contiguous()
+        cos, signed_sin = (table.reshape(hidden.shape[0], -1).contiguous() for table in rope)
+        slots = metadata.slot_mapping.contiguous()
+        block_table = metadata.decode_block_table.contiguous()
+        seq_lens = metadata.decode_seq_lens.contiguous()
+        kv_cache = self.model.layers[0].self_attn.attn.kv_cache
+        status = self.function(
+            hidden.data_ptr(), hidden.shape[0], self.layers, len(self.layers), self.model.norm.weight.data_ptr(),
+            self.shape, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), block_table.data_ptr(),
+            block_table.shape[1], seq_lens.data_ptr(), kv_cache.shape[2], kv_cache.shape[1],
+        )
+        if status != 0:
+            raise RuntimeError(f"native decode step failed (status {status})")
+        return hidden
