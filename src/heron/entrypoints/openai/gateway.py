@@ -92,6 +92,32 @@ class TokenBucketLimiter:
             self._buckets = {k: b for k, b in self._buckets.items() if now - b.updated < 3600}
 
 
+class GatewayMiddleware:
+    """API keys and the rate limit for ``/v1`` routes, as a plain ASGI middleware:
+    Starlette's ``@app.middleware("http")`` would pass every streamed chunk
+    through an extra task and memory stream, which costs CPU per token."""
+
+    def __init__(self, app: ASGIApp, keys: APIKeyChecker, limiter: TokenBucketLimiter | None) -> None:
+        self.app = app
+        self.keys = keys
+        self.limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            authorization = next(
+                (value.decode("latin-1") for name, value in scope.get("headers", ()) if name == b"authorization"), None
+            )
+            try:
+                key = self.keys.check(authorization)
+                if self.limiter is not None:
+                    client = scope.get("client")
+                    self.limiter.acquire(key or (client[0] if client else "anonymous"))
+            except APIError as exc:
+                await exc.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class BodySizeLimitMiddleware:
     """Reject request bodies over ``max_bytes`` with 413, by Content-Length or by
     counting a chunked body as it streams in."""

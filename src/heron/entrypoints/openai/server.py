@@ -24,7 +24,13 @@ from heron.config import EngineConfig
 from heron.engine.async_llm import AsyncLLM
 from heron.engine.input_processor import InvalidRequestError
 from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
-from heron.entrypoints.openai.gateway import APIKeyChecker, BodySizeLimitMiddleware, TokenBucketLimiter, collect_api_keys
+from heron.entrypoints.openai.gateway import (
+    APIKeyChecker,
+    BodySizeLimitMiddleware,
+    GatewayMiddleware,
+    TokenBucketLimiter,
+    collect_api_keys,
+)
 from heron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,17 +80,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="heron", version=__version__, lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-
-    @app.middleware("http")
-    async def gateway(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1"):
-            try:
-                key = keys.check(request.headers.get("authorization"))
-                if limiter is not None:
-                    limiter.acquire(key or (request.client.host if request.client else "anonymous"))
-            except APIError as exc:
-                return exc.response()
-        return await call_next(request)
+    app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter)  # outermost: before the body is read
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
