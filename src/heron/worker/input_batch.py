@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from heron.core.scheduler_output import NewRequestData
@@ -86,19 +87,19 @@ def build_sampling_metadata(
     temperature = (
         torch.zeros(0)
         if all_greedy
-        else _on_device([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
+        else on_device([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
     )
     metadata = SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=num_greedy == 0)
     sampled = [p for p in params if not p.is_greedy]
     if any(p.top_k > 0 for p in sampled):
         # (greedy rows take the argmax: 1 keeps them off the full-vocabulary path)
         top_k = [p.top_k if p.top_k > 0 else 1 if p.is_greedy else vocab_size for p in params]
-        metadata.top_k = _on_device(top_k, torch.int64, device)
+        metadata.top_k = on_device(top_k, torch.int64, device)
         metadata.max_top_k = max(top_k)
     if any(p.top_p < 1.0 for p in sampled):
-        metadata.top_p = _on_device([p.top_p for p in params], torch.float32, device)
+        metadata.top_p = on_device([p.top_p for p in params], torch.float32, device)
     if any(p.min_p > 0.0 for p in sampled):
-        metadata.min_p = _on_device([p.min_p for p in params], torch.float32, device)
+        metadata.min_p = on_device([p.min_p for p in params], torch.float32, device)
     for row, state in enumerate(states):
         generator = state.seeded_generator()
         if generator is not None and not state.sampling_params.is_greedy:
@@ -118,11 +119,11 @@ def _add_penalties(
         return
     metadata.output_token_ids = [state.output_token_ids() for state in states]
     if any(p.presence_penalty != 0.0 for p in params):
-        metadata.presence_penalties = _on_device([p.presence_penalty for p in params], torch.float32, device)
+        metadata.presence_penalties = on_device([p.presence_penalty for p in params], torch.float32, device)
     if any(p.frequency_penalty != 0.0 for p in params):
-        metadata.frequency_penalties = _on_device([p.frequency_penalty for p in params], torch.float32, device)
+        metadata.frequency_penalties = on_device([p.frequency_penalty for p in params], torch.float32, device)
     if any(p.repetition_penalty != 1.0 for p in params):
-        metadata.repetition_penalties = _on_device([p.repetition_penalty for p in params], torch.float32, device)
+        metadata.repetition_penalties = on_device([p.repetition_penalty for p in params], torch.float32, device)
         metadata.prompt_token_ids = [state.token_ids[: state.num_prompt_tokens] for state in states]
 
 
@@ -149,18 +150,21 @@ def _add_logit_bias_and_bans(
             ban_tokens.extend(sorted(banned))
     if bias_rows:
         metadata.logit_bias = (
-            _on_device(bias_rows, torch.int64, device),
-            _on_device(bias_tokens, torch.int64, device),
-            _on_device(bias_values, torch.float32, device),
+            on_device(bias_rows, torch.int64, device),
+            on_device(bias_tokens, torch.int64, device),
+            on_device(bias_values, torch.float32, device),
         )
     if ban_rows:
         metadata.banned_tokens = (
-            _on_device(ban_rows, torch.int64, device),
-            _on_device(ban_tokens, torch.int64, device),
+            on_device(ban_rows, torch.int64, device),
+            on_device(ban_tokens, torch.int64, device),
         )
 
 
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor. The copy does not wait for the device
-    (a blocking copy would, and stall async scheduling's overlap)."""
+def on_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list or a numpy array) as a device tensor. The copy does not
+    wait for the device: a blocking host-to-device copy waits for all queued
+    device work, which would stall async scheduling's overlap."""
+    if isinstance(values, np.ndarray):
+        return torch.from_numpy(values).to(device=device, dtype=dtype, non_blocking=True)
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -25,7 +25,7 @@ from heron.profiling import phase
 from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
-from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
+from heron.worker.input_batch import CachedRequestState, build_sampling_metadata, on_device
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
 from heron.worker.spec_verify import verify_drafts
@@ -236,12 +236,12 @@ class ModelRunner:
             with phase("sample"):
                 return self._sample(step, None, logits, structured, defer_output)
         with phase("forward"):
-            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+            input_ids = on_device(step.input_ids, torch.int64, self.device)
             if pending is not None:
                 input_ids.index_copy_(0, *pending)
             hidden = self.model(
                 input_ids,
-                torch.from_numpy(step.positions).to(self.device, non_blocking=True),
+                on_device(step.positions, torch.int64, self.device),
                 self.backend.build_metadata(step.layout),
             )
         with phase("sample"):
@@ -253,8 +253,8 @@ class ModelRunner:
         if not step.pending_positions:
             return None
         assert self._last_sampled is not None
-        rows = torch.tensor(step.pending_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        positions = torch.tensor(step.pending_positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = on_device(step.pending_rows, torch.int64, self.device)
+        positions = on_device(step.pending_positions, torch.int64, self.device)
         return positions, self._last_sampled.index_select(0, rows)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
@@ -308,7 +308,7 @@ class ModelRunner:
             seq_lens=num_computed + num_scheduled,
             block_table=block_table,
             # the graph runner stages its own copy of the host array
-            slot_mapping=torch.empty(0) if use_graph else torch.from_numpy(slot_mapping).to(self.device),
+            slot_mapping=torch.empty(0) if use_graph else on_device(slot_mapping, torch.int64, self.device),
             block_size=self.block_size,
             host_slot_mapping=slot_mapping,
         )
@@ -348,10 +348,10 @@ class ModelRunner:
                 if len(step.sample_rows) == len(states):
                     logits = decode_logits
                 else:
-                    logits = decode_logits[torch.tensor(step.sample_rows).to(self.device, non_blocking=True)]
+                    logits = decode_logits[on_device(step.sample_rows, torch.int64, self.device)]
             else:
                 assert hidden is not None
-                logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(index).to(self.device)))
+                logits = self.model.compute_logits(hidden.index_select(0, on_device(index, torch.int64, self.device)))
             if structured is not None:
                 position = {step.request_ids[row]: i for i, row in enumerate(step.sample_rows)}
                 members = [position[request_id] for request_id in structured.request_ids]
@@ -359,7 +359,7 @@ class ModelRunner:
             plain = [i for i, row in enumerate(step.sample_rows) if not step.drafts[row]]
             spec = [i for i, row in enumerate(step.sample_rows) if step.drafts[row]]
             if plain:
-                plain_logits = logits if not spec else logits[torch.from_numpy(offsets[plain]).to(self.device)]
+                plain_logits = logits if not spec else logits[on_device(offsets[plain], torch.int64, self.device)]
                 plain_states = [states[step.sample_rows[i]] for i in plain]
                 output = self.sampler(plain_logits, build_sampling_metadata(plain_states, self.vocab_size, self.device))
                 if defer_output:
@@ -375,7 +375,7 @@ class ModelRunner:
                 spec_rows = [step.sample_rows[i] for i in spec]
                 tokens, spec_logprobs = verify_drafts(
                     self.rejection_sampler,
-                    logits[torch.from_numpy(_logits_rows_of(offsets, spec)).to(self.device)],
+                    logits[on_device(_logits_rows_of(offsets, spec), torch.int64, self.device)],
                     [states[row] for row in spec_rows],
                     [step.drafts[row] for row in spec_rows],
                     self.vocab_size,
