@@ -70,13 +70,18 @@ class ServerProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples from /metrics, over label sets that include ``labels``."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+        response = httpx.get(f"{self.base_url}/metrics", timeout=5)
+        response.raise_for_status()
         wanted = [f'{key}="{value}"' for key, value in labels.items()]
         total = 0.0
-        for line in text.splitlines():
+        found = False
+        for line in response.text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
+                found = True
                 if all(item in line for item in wanted):
                     total += float(line.rsplit(" ", 1)[1])
+        if not found:  # a missing metric is a failure, never a silent zero
+            raise AssertionError(f"{name} is not in /metrics:\n{response.text[:2000]}")
         return total
 
     def stop(self) -> None:

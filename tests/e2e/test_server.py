@@ -156,12 +156,20 @@ def test_streaming_client_disconnect_frees_blocks(server):
             "ignore_eos": True}
     aborted_before = aborted_count(server)
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
-        seen = 0
+        assert response.status_code == 200
+        chunks = []
         for line in response.iter_lines():
-            seen += line.startswith("data: {")
-            if seen >= 3:
-                break
-        assert server.metric("heron:num_requests_running") == 1  # still generating while we hold it
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) >= 3:
+                    break
+        assert len(chunks) == 3 and all("choices" in chunk for chunk in chunks), chunks
+        # still generating while we hold it (the gauge follows the engine's step reports)
+        running = [server.metric("heron:num_requests_running")]
+        while running[-1] != 1 and len(running) < 20:
+            time.sleep(0.1)
+            running.append(server.metric("heron:num_requests_running"))
+        assert running[-1] == 1, (running, server.read_log()[-3000:])
     wait_idle(server, timeout=5.0)
     assert aborted_count(server) == aborted_before + 1
 
