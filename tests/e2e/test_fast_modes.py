@@ -22,20 +22,35 @@ def test_quantized_modes_keep_perplexity_and_agreement(fp32, method):
     result = compare(fp32, quantized)
     assert result["perplexity"] < result["reference_perplexity"] * 1.05
     assert result["top1_agreement"] > 0.9
-    [answer] = quantized.chat([{"role": "user", "content": "What is the capital of France?"}],
-                         SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    # (the chat answer's first token is a near-tie even in float32, "The" -1.88 vs "L" -1.97,
+    # so it is no test of a mode; a plain continuation is decided)
+    [answer] = quantized.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert "Paris" in answer.outputs[0].text
 
 
-def test_int8_output_does_not_depend_on_the_batch(fp32):
-    int8 = LLM(max_model_len=1024, num_kv_blocks=256, quantization="int8")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_output_does_not_depend_on_the_batch(method):
+    """The same function whatever the batch: int8 to bfloat16 rounding (same tokens);
+    int4 to its int8 rounding of activations, which float32 differences between the
+    small- and large-batch paths push across rounding boundaries now and then, so
+    it is compared while the tokens agree."""
+    llm = LLM(max_model_len=1024, num_kv_blocks=256, quantization=method)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompt = "The grey heron stands at the edge of"
-    [alone] = int8.generate(prompt, params, use_tqdm=False)
+    [alone] = llm.generate(prompt, params, use_tqdm=False)
     # the same prompt beside a long one: its first steps run the large-batch path
-    busy = int8.generate(["A scheduler decides, at every step, " * 20, prompt], params, use_tqdm=False)
-    assert busy[1].outputs[0].token_ids == alone.outputs[0].token_ids
-
+    busy = llm.generate(["A scheduler decides, at every step, " * 20, prompt], params, use_tqdm=False)
+    alone_out, busy_out = alone.outputs[0], busy[1].outputs[0]
+    if method == "int8":
+        assert busy_out.token_ids == alone_out.token_ids
+    agreed = 0
+    for token, busy_token, step, busy_step in zip(alone_out.token_ids, busy_out.token_ids, alone_out.logprobs,
+                                                  busy_out.logprobs):
+        assert abs(step[token].logprob - busy_step[token].logprob) < 0.15  # seen: up to 0.06
+        if token != busy_token:
+            break
+        agreed += 1
+    assert agreed >= 6
 
 def test_float32_is_unchanged_by_the_weight_cache(tmp_path, monkeypatch, fp32):
     monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path))

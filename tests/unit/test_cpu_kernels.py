@@ -35,7 +35,9 @@ def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window):
 
 @pytest.mark.parametrize("shape", [(960, 576), (64, 1536), (5, 32)])
 def test_int4_linear_matches_its_dequantized_weights(shape):
-    from heron.models.quantization import Int4WeightOnlyLinear
+    """The C kernel (up to 16 rows) and the torch path (17) both compute the
+    dequantized weights times the int8-rounded input, whatever the batch."""
+    from heron.models.quantization import Int4WeightOnlyLinear, round_activations_q8
 
     torch.manual_seed(0)
     out_features, in_features = shape
@@ -43,8 +45,28 @@ def test_int4_linear_matches_its_dequantized_weights(shape):
     assert layer._native, "the C kernel must build on this machine"
     for rows in (1, 2, 3, 4, 5, 9, 16, 17):
         x = torch.randn(rows, in_features)
-        expected = x @ layer.dequantized.T + layer.bias
-        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+        x[0, :32] = 0.0  # an all-zero block
+        x[-1, 5] = 40.0  # an outlier only moves its own block's scale
+        expected = round_activations_q8(x) @ layer.dequantized.T + layer.bias
+        got = layer(x)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        exact = x @ layer.dequantized.T + layer.bias
+        assert ((got - exact).norm() / exact.norm()).item() < 0.02  # 8-bit inputs: a small error
+
+
+def test_int8_rounding_of_activations():
+    from heron.models.quantization import _round_activations_q8_torch, round_activations_q8
+
+    x = torch.zeros(2, 64)
+    x[0, :16] = torch.linspace(-1.0, 1.0, 16)
+    x[0, 16:32] = torch.linspace(-0.01, 0.02, 16)  # its own scale: not flushed by the block beside it
+    x[1, 40] = 3.0
+    rounded = round_activations_q8(x)
+    assert torch.all((rounded[0, :16] - x[0, :16]).abs() <= 0.5 / 127 + 1e-7)
+    assert torch.all((rounded[0, 16:32] - x[0, 16:32]).abs() <= 0.5 * 0.02 / 127 + 1e-9)
+    assert torch.equal(rounded[0, 32:], x[0, 32:]) and torch.equal(rounded[1], x[1])  # zeros and the max are exact
+    big = torch.randn(37, 1536) * torch.rand(1536) * 5
+    assert torch.equal(round_activations_q8(big), _round_activations_q8_torch(big))  # C and torch agree bit for bit
 
 
 def test_int4_reproduces_q4_1_weights():

@@ -72,6 +72,9 @@ def native_library() -> ctypes.CDLL | None:
     q4 = library.heron_q4_linear_f32
     q4.restype = ctypes.c_int
     q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    rounding = library.heron_round_q8_f32
+    rounding.restype = ctypes.c_int
+    rounding.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return library
 
 
@@ -116,7 +119,7 @@ def q4_linear(
     scales: torch.Tensor,  # [n, k / 32] float32
     mins: torch.Tensor,  # [n, k / 32] float32
 ) -> torch.Tensor:
-    """``x @ W^T`` for 4-bit block-quantized ``W`` (see csrc/q4_linear.c)."""
+    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` (see csrc/q4_linear.c)."""
     library = native_library()
     assert library is not None
     rows, k = x.shape
@@ -126,4 +129,15 @@ def q4_linear(
     )
     if status != 0:
         raise RuntimeError(f"q4 linear failed (status {status})")
+    return out
+
+
+def round_q8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, k] float32 rounded to int8 in blocks of 16, as ``q4_linear`` rounds its input."""
+    library = native_library()
+    assert library is not None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if library.heron_round_q8_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()) != 0:
+        raise ValueError(f"rounding needs a multiple of 32 inputs, got {x.shape[1]}")
     return out

@@ -28,6 +28,7 @@ QUANTIZATION_METHODS = ("none", "int8", "int4")
 SMALL_BATCH_ROWS = 24
 INT4_BLOCK = 32
 INT4_KERNEL_MAX_ROWS = 16  # above this the dequantized float32 GEMM is faster
+INT4_ACTIVATION_BLOCK = 16  # inputs sharing one int8 scale
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -61,12 +62,32 @@ class Int8WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
 
 
+def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, k] rounded as the 4-bit kernel rounds it: symmetric int8 in
+    blocks of 16 along k (scale max|x| / 127, round half to even), back in float32."""
+    from heron.attention import cpu_kernels
+
+    if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.native_library() is not None:
+        return cpu_kernels.round_q8(x)
+    return _round_activations_q8_torch(x)
+
+
+def _round_activations_q8_torch(x: torch.Tensor) -> torch.Tensor:
+    blocks = x.reshape(x.shape[0], -1, INT4_ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
+
+
 class Int4WeightOnlyLinear(nn.Module):
-    """y = x @ (d * q + m)^T + b: 4-bit weights in blocks of 32 inputs, each with
-    a float scale ``d`` and minimum ``m`` (GGUF's Q4_1 scheme, so a Q4_1 file's
-    weights are reproduced exactly up to float rounding). Small batches (decode)
-    run heron's C kernel on the packed nibbles, an eighth of float32's bytes;
-    larger ones the float32 GEMM on the same weights, dequantized once."""
+    """y = Q8(x) @ (d * q + m)^T + b: 4-bit weights in blocks of 32 inputs, each
+    with a float scale ``d`` and minimum ``m`` (GGUF's Q4_1 scheme, so a Q4_1
+    file's weights are reproduced exactly up to float rounding), times the input
+    rounded to int8 in blocks of 16 (``round_activations_q8``; llama.cpp's Q4_1 x
+    Q8_1 dot products round in blocks of 32, which costs more perplexity here). Small batches (decode) run heron's C kernel on
+    the packed nibbles (integer dot products, an eighth of float32's weight bytes);
+    larger ones the float32 GEMM on the same weights, dequantized once, and the
+    same rounded inputs, so a request's numerics do not depend on its batch."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -98,7 +119,7 @@ class Int4WeightOnlyLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            out = torch.nn.functional.linear(rows.float(), self.dequantized, self.bias)
+            out = torch.nn.functional.linear(round_activations_q8(rows.float()), self.dequantized, self.bias)
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
