@@ -82,3 +82,21 @@ def test_int4_reproduces_q4_1_weights():
     weight = (q * d + m).reshape(8, 128)
     layer = Int4WeightOnlyLinear(weight)
     torch.testing.assert_close(layer.dequantized, weight, rtol=1e-5, atol=1e-6)
+
+
+def test_int8_head_matches_its_weights_and_rounded_inputs():
+    """The int4 mode's LM head: C kernel (up to 16 rows) and torch path agree."""
+    from heron.models.quantization import Int8WeightInt8InputLinear, round_activations_q8
+
+    torch.manual_seed(0)
+    weight = torch.randn(300, 96)
+    weight[7] *= 50  # scales are per output channel
+    head = Int8WeightInt8InputLinear(weight)
+    assert head._native
+    for rows in (1, 3, 4, 16, 17):
+        x = torch.randn(rows, 96)
+        x[0, 10] = -25.0
+        expected = round_activations_q8(x) @ head.dequantized.T
+        torch.testing.assert_close(head(x), expected, rtol=1e-4, atol=1e-3)
+        exact = x @ weight.T
+        assert ((head(x) - exact).norm() / exact.norm()).item() < 0.05  # row 0's outlier coarsens its block

@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "q4_linear.c", "llama_decode.c")
+_SOURCES = ("paged_attention.c", "lowbit_linear.c", "llama_decode.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _MAX_GROUP = 64  # the kernel's per-task arrays hold one GQA group
 
@@ -72,6 +72,9 @@ def native_library() -> ctypes.CDLL | None:
     q4 = library.heron_q4_linear_f32
     q4.restype = ctypes.c_int
     q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    q8 = library.heron_q8_linear_f32
+    q8.restype = ctypes.c_int
+    q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
     rounding = library.heron_round_q8_f32
     rounding.restype = ctypes.c_int
     rounding.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -119,7 +122,7 @@ def q4_linear(
     scales: torch.Tensor,  # [n, k / 32] float32
     mins: torch.Tensor,  # [n, k / 32] float32
 ) -> torch.Tensor:
-    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` (see csrc/q4_linear.c)."""
+    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` (see csrc/lowbit_linear.c)."""
     library = native_library()
     assert library is not None
     rows, k = x.shape
@@ -129,6 +132,24 @@ def q4_linear(
     )
     if status != 0:
         raise RuntimeError(f"q4 linear failed (status {status})")
+    return out
+
+
+def q8_linear(
+    x: torch.Tensor,  # [rows, k] float32, contiguous
+    weight: torch.Tensor,  # [n, k] int8
+    weight_scales: torch.Tensor,  # [n] float32
+) -> torch.Tensor:
+    """``Q8(x) @ (weight * weight_scales)^T`` (see csrc/lowbit_linear.c)."""
+    library = native_library()
+    assert library is not None
+    rows, k = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    status = library.heron_q8_linear_f32(
+        x.data_ptr(), rows, k, weight.data_ptr(), weight_scales.data_ptr(), out.data_ptr(), weight.shape[0]
+    )
+    if status != 0:
+        raise RuntimeError(f"q8 linear failed (status {status})")
     return out
 
 

@@ -1,5 +1,7 @@
 /*
- * 4-bit weight, 8-bit activation linear layer for small batches on the CPU.
+ * Low-bit linear layers for small batches on the CPU, with int8 activations:
+ * 4-bit weights (heron_q4_linear_f32, the int4 mode's layers) and int8 weights
+ * with one scale per output channel (heron_q8_linear_f32, the int4 mode's LM head).
  *
  * Weights are quantized in blocks of 32 along the input dimension, each block
  * with a float scale d and minimum m (GGUF's Q4_1 scheme): w = d * q + m with
@@ -193,6 +195,64 @@ int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *
         for (; r + 4 <= rows; r += 4) dot_rows4(wq, d, m, p + r * k, e + r * nb * 8, s + r * nb, k, nb, y + r * n_out + n, n_out);
 #endif
         for (; r < rows; r++) y[r * n_out + n] = dot_row(wq, d, m, p + r * k, e + r * nb * 8, s + r * nb, nb);
+    }
+    free(p), free(e), free(s);
+    return 0;
+}
+
+#ifdef __AVX2__
+/* sum_i w_i p_i of one block of int8 weights and activations, per lane half as
+ * block_dot: maddubs needs an unsigned operand, so |w| times p with w's sign */
+static inline __m256 signed_block_dot(__m256i w, const int8_t *p) {
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                         _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)p), w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+/* y [rows, n] = Q8(x) @ (w * scale)^T for w [n, k] int8 and scale [n] float;
+ * |w| <= 127, so maddubs's int16 pairs (at most 2 * 127 * 127) never saturate. */
+int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *weight, const float *weight_scales,
+                        float *y, int64_t n_out) {
+    if (k % 32 != 0) return -1;
+    const int64_t nb = k / 32;
+    int8_t *p = malloc((size_t)(rows * k));
+    float *e = malloc(sizeof(float) * (size_t)(rows * nb * 8));
+    float *s = malloc(sizeof(float) * (size_t)(rows * nb));
+    if (!p || !e || !s) {
+        free(p), free(e), free(s);
+        return -2;
+    }
+    quantize_rows(x, rows, k, p, e, s);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const int8_t *w = weight + n * k;
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *pr = p + r * k;
+            const float *er = e + r * nb * 8;
+            float total = 0.0f;
+#ifdef __AVX2__
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t b = 0;
+            for (; b + 2 <= nb; b += 2) {
+                a0 = _mm256_fmadd_ps(signed_block_dot(_mm256_loadu_si256((const __m256i *)(w + b * 32)), pr + b * 32),
+                                     _mm256_loadu_ps(er + b * 8), a0);
+                a1 = _mm256_fmadd_ps(signed_block_dot(_mm256_loadu_si256((const __m256i *)(w + b * 32 + 32)), pr + b * 32 + 32),
+                                     _mm256_loadu_ps(er + b * 8 + 8), a1);
+            }
+            if (b < nb)
+                a0 = _mm256_fmadd_ps(signed_block_dot(_mm256_loadu_si256((const __m256i *)(w + b * 32)), pr + b * 32),
+                                     _mm256_loadu_ps(er + b * 8), a0);
+            total = hsum(_mm256_add_ps(a0, a1));
+#else
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t low = 0, high = 0;
+                for (int j = 0; j < 16; j++) low += w[b * 32 + j] * pr[b * 32 + j], high += w[b * 32 + 16 + j] * pr[b * 32 + 16 + j];
+                total += er[b * 8] * (float)low + er[b * 8 + 4] * (float)high;
+            }
+#endif
+            y[r * n_out + n] = total * weight_scales[n];
+        }
     }
     free(p), free(e), free(s);
     return 0;
