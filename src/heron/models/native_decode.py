@@ -3,8 +3,10 @@ layer of a decode step (``attention/csrc/llama_decode.c``).
 
 It serves steps where every request decodes one token and at most
 ``INT4_KERNEL_MAX_ROWS`` of them run; prefill chunks and larger batches take the
-torch path. Both paths use the same 4-bit matrix and attention kernels, so they
-agree to float32 rounding. It is enabled for ``--quantization int4`` models whose
+torch path. Both paths use the same low-bit matrix and attention kernels and
+compute the same function; they differ by float32 rounding, which the int8
+rounding of layer inputs now and then turns into a rounding step (logprobs
+within about 0.01). It is enabled for ``--quantization int4`` models whose
 layers it covers (no biases, no Q/K norms, SiLU, float32 KV cache);
 ``HERON_DISABLE_NATIVE_DECODE=1`` turns it off.
 """

@@ -7,8 +7,9 @@
  * residual adds, SiLU) plus Python, each costing more in dispatch than in
  * arithmetic. Here those are plain loops over a few thousand floats, and the
  * matrix products and attention are the same C kernels the torch path calls
- * (heron_q4_linear_f32, heron_paged_decode_attention_f32), so results match
- * it to float32 rounding.
+ * (heron_q4_linear_f32, heron_paged_decode_attention_f32), so both compute one
+ * function; they differ by float32 rounding, which the int8 rounding of each
+ * linear layer's input now and then turns into one rounding step.
  *
  * Per layer, for hidden states h [B, hidden]:
  *   x = rmsnorm(h) * w_in;  qkv = x Wqkv^T;  RoPE on q and k;  k, v -> cache slots
