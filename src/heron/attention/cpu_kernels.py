@@ -116,6 +116,18 @@ def paged_decode_attention(
     return output
 
 
+def _lowbit_linear(function: str, x: torch.Tensor, n_out: int, *weight: torch.Tensor) -> torch.Tensor:
+    """Run one of csrc/lowbit_linear.c's kernels: (x, rows, k, *weight pointers, y, n)."""
+    library = native_library()
+    assert library is not None
+    rows, k = x.shape
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    status = getattr(library, function)(x.data_ptr(), rows, k, *(w.data_ptr() for w in weight), out.data_ptr(), n_out)
+    if status != 0:
+        raise RuntimeError(f"{function} failed (status {status})")
+    return out
+
+
 def q4_linear(
     x: torch.Tensor,  # [rows, k] float32, contiguous
     packed: torch.Tensor,  # [n, k / 2] uint8
@@ -123,16 +135,7 @@ def q4_linear(
     mins: torch.Tensor,  # [n, k / 32] float32
 ) -> torch.Tensor:
     """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` (see csrc/lowbit_linear.c)."""
-    library = native_library()
-    assert library is not None
-    rows, k = x.shape
-    out = torch.empty(rows, packed.shape[0], dtype=torch.float32)
-    status = library.heron_q4_linear_f32(
-        x.data_ptr(), rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(), packed.shape[0]
-    )
-    if status != 0:
-        raise RuntimeError(f"q4 linear failed (status {status})")
-    return out
+    return _lowbit_linear("heron_q4_linear_f32", x, packed.shape[0], packed, scales, mins)
 
 
 def q8_linear(
@@ -141,16 +144,7 @@ def q8_linear(
     weight_scales: torch.Tensor,  # [n] float32
 ) -> torch.Tensor:
     """``Q8(x) @ (weight * weight_scales)^T`` (see csrc/lowbit_linear.c)."""
-    library = native_library()
-    assert library is not None
-    rows, k = x.shape
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    status = library.heron_q8_linear_f32(
-        x.data_ptr(), rows, k, weight.data_ptr(), weight_scales.data_ptr(), out.data_ptr(), weight.shape[0]
-    )
-    if status != 0:
-        raise RuntimeError(f"q8 linear failed (status {status})")
-    return out
+    return _lowbit_linear("heron_q8_linear_f32", x, weight.shape[0], weight, weight_scales)
 
 
 def round_q8(x: torch.Tensor) -> torch.Tensor:

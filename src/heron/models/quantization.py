@@ -79,7 +79,33 @@ def _round_activations_q8_torch(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class _Int8InputLinear(nn.Module):
+    """y = Q8(x) @ dequantized^T + b for a subclass's low-bit weights: up to
+    ``INT4_KERNEL_MAX_ROWS`` rows run the subclass's C kernel (``_kernel``),
+    more the float32 GEMM on ``dequantized`` times the same rounded inputs."""
+
+    in_features: int
+    out_features: int
+    dequantized: torch.Tensor
+    bias: torch.Tensor | None
+    _native: bool
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float()
+        if self._native and rows.shape[0] <= INT4_KERNEL_MAX_ROWS:
+            out = self._kernel(rows.contiguous())
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = torch.nn.functional.linear(round_activations_q8(rows), self.dequantized, self.bias)
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
+class Int4WeightOnlyLinear(_Int8InputLinear):
     """y = Q8(x) @ (d * q + m)^T + b: 4-bit weights in blocks of 32 inputs, each
     with a float scale ``d`` and minimum ``m`` (GGUF's Q4_1 scheme, so a Q4_1
     file's weights are reproduced exactly up to float rounding), times the input
@@ -109,24 +135,16 @@ class Int4WeightOnlyLinear(nn.Module):
 
         self._native = native_library() is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if self._native and rows.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            from heron.attention.cpu_kernels import q4_linear
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        from heron.attention.cpu_kernels import q4_linear
 
-            out = q4_linear(rows.float().contiguous(), self.packed, self.scales, self.mins)
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = torch.nn.functional.linear(round_activations_q8(rows.float()), self.dequantized, self.bias)
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return q4_linear(rows, self.packed, self.scales, self.mins)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only (blocks of 32)"
 
 
-class Int8WeightInt8InputLinear(nn.Module):
+class Int8WeightInt8InputLinear(_Int8InputLinear):
     """The int4 mode's LM head: y = Q8(x) @ (q * scale)^T + b, int8 weights with
     one float scale per output channel, times the input rounded as the 4-bit
     layers round theirs. Small batches run heron's C kernel (integer dot
@@ -146,18 +164,10 @@ class Int8WeightInt8InputLinear(nn.Module):
 
         self._native = native_library() is not None and self.in_features % INT4_BLOCK == 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float()
-        if self._native and rows.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            from heron.attention.cpu_kernels import q8_linear
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        from heron.attention.cpu_kernels import q8_linear
 
-            out = q8_linear(rows.contiguous(), self.qweight, self.scales)
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = torch.nn.functional.linear(round_activations_q8(rows), self.dequantized, self.bias)
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return q8_linear(rows, self.qweight, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and inputs"

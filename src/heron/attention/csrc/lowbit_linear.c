@@ -96,6 +96,28 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *p, fl
     }
 }
 
+/* a batch of rows quantized by quantize_rows, in buffers the caller frees with release_input */
+typedef struct {
+    int8_t *p;
+    float *e, *s;
+} quantized_input;
+
+static void release_input(quantized_input *in) { free(in->p), free(in->e), free(in->s); }
+
+/* 0, or -2 when out of memory (nothing left allocated) */
+static int quantize_input(const float *x, int64_t rows, int64_t k, quantized_input *in) {
+    const int64_t nb = k / 32;
+    in->p = malloc((size_t)(rows * k));
+    in->e = malloc(sizeof(float) * (size_t)(rows * nb * 8));
+    in->s = malloc(sizeof(float) * (size_t)(rows * nb));
+    if (!in->p || !in->e || !in->s) {
+        release_input(in);
+        return -2;
+    }
+    quantize_rows(x, rows, k, in->p, in->e, in->s);
+    return 0;
+}
+
 static inline float min_term(const float *m, const float *s, int64_t nb) {
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
@@ -178,14 +200,10 @@ int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *
                         const float *mins, float *y, int64_t n_out) {
     if (k % 32 != 0) return -1;
     const int64_t nb = k / 32;
-    int8_t *p = malloc((size_t)(rows * k));
-    float *e = malloc(sizeof(float) * (size_t)(rows * nb * 8));
-    float *s = malloc(sizeof(float) * (size_t)(rows * nb));
-    if (!p || !e || !s) {
-        free(p), free(e), free(s);
-        return -2;
-    }
-    quantize_rows(x, rows, k, p, e, s);
+    quantized_input in;
+    if (quantize_input(x, rows, k, &in) != 0) return -2;
+    const int8_t *p = in.p;
+    const float *e = in.e, *s = in.s;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
         const uint8_t *wq = packed + n * (k / 2);
@@ -196,7 +214,7 @@ int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *
 #endif
         for (; r < rows; r++) y[r * n_out + n] = dot_row(wq, d, m, p + r * k, e + r * nb * 8, s + r * nb, nb);
     }
-    free(p), free(e), free(s);
+    release_input(&in);
     return 0;
 }
 
@@ -216,14 +234,10 @@ int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *w
                         float *y, int64_t n_out) {
     if (k % 32 != 0) return -1;
     const int64_t nb = k / 32;
-    int8_t *p = malloc((size_t)(rows * k));
-    float *e = malloc(sizeof(float) * (size_t)(rows * nb * 8));
-    float *s = malloc(sizeof(float) * (size_t)(rows * nb));
-    if (!p || !e || !s) {
-        free(p), free(e), free(s);
-        return -2;
-    }
-    quantize_rows(x, rows, k, p, e, s);
+    quantized_input in;
+    if (quantize_input(x, rows, k, &in) != 0) return -2;
+    const int8_t *p = in.p;
+    const float *e = in.e;  /* no minimum term: in.s is unused */
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
         const int8_t *w = weight + n * k;
@@ -254,7 +268,7 @@ int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *w
             y[r * n_out + n] = total * weight_scales[n];
         }
     }
-    free(p), free(e), free(s);
+    release_input(&in);
     return 0;
 }
 
