@@ -1,0 +1,56 @@
+"""Time heron's low-bit C kernels alone, as in BENCHMARKS.md's session-4 table:
+30 layers' worth of distinct 4-bit weights (the embedded model's shapes, too
+large for the cache, so DRAM-bound like a real step) at 1, 4 and 16 rows, and
+the int4 mode's LM head (49152 x 576) at one row against the bf16 int8 head.
+
+    python benchmarks/lowbit_kernel_time.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from heron.attention.cpu_kernels import q4_linear
+from heron.models.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+
+def best_ms(function, repeats: int = 7) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+    layers = [Int4WeightOnlyLinear(torch.randn(n, k) * 0.05) for n, k in shapes]
+    for rows in (1, 4, 16):
+        inputs = [torch.randn(rows, layer.in_features) for layer in layers]
+
+        def all_layers() -> None:
+            for layer, x in zip(layers, inputs):
+                q4_linear(x, layer.packed, layer.scales, layer.mins)
+
+        print(f"4-bit linears, 30 layers, {rows} rows: {best_ms(all_layers):.2f} ms")
+    del layers
+    weight = torch.randn(49152, 576) * 0.05
+    heads = [Int8WeightOnlyLinear]
+    try:
+        from heron.models.quantization import Int8WeightInt8InputLinear
+
+        heads.append(Int8WeightInt8InputLinear)
+    except ImportError:  # before session 4
+        pass
+    x = torch.randn(1, 576)
+    for cls in heads:
+        head = cls(weight)
+        print(f"LM head {cls.__name__}, 1 row: {best_ms(lambda: [head(x) for _ in range(20)]) / 20:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
