@@ -1,7 +1,6 @@
 """The native decode path of 4-bit models (one C call per decode step) computes
 what the torch path computes, in every batching situation (decodes beside
-prefill chunks fall back to torch, batches over 16 rows too, preemption, prefix
-hits, sliding windows).
+prefill chunks fall back to torch, preemption, prefix hits, sliding windows).
 
 Both paths round each linear layer's input to int8 (blocks of 16), so they are
 not bit-identical: float32 rounding differences in the norms or attention move
@@ -76,11 +75,11 @@ def test_native_decode_matches_the_torch_path(tiny_model_dir, family):
         assert compared >= 0.8 * len(prompts) * PARAMS.max_tokens, situation
 
 
-def test_batches_over_sixteen_rows_use_the_torch_path(tiny_model_dir):
+def test_decode_only_steps_of_any_size_run_natively(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama"), quantization="int4", max_model_len=128, num_kv_blocks=256)
     decoder = llm.engine.engine_core.model_runner.model.native_decoder
     assert decoder is not None
     metadata = type("Metadata", (), {"all_decode": True, "decode_block_table": object()})()
-    assert decoder.covers(16, metadata) and not decoder.covers(17, metadata)
+    assert decoder.covers(1, metadata) and decoder.covers(17, metadata) and decoder.covers(256, metadata)
     metadata.all_decode = False
     assert not decoder.covers(1, metadata)

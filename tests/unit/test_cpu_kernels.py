@@ -1,4 +1,4 @@
-"""heron's native CPU paged-decode kernel against the torch path."""
+"""heron's native CPU kernels (paged decode attention, low-bit linears) against torch."""
 
 from __future__ import annotations
 
@@ -33,25 +33,48 @@ def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (64, 1536), (5, 32)])
+@pytest.mark.parametrize("shape", [(960, 576), (64, 1536), (5, 32), (20, 64)])
 def test_int4_linear_matches_its_dequantized_weights(shape):
-    """The C kernel (up to 16 rows) and the torch path (17) both compute the
-    dequantized weights times the int8-rounded input, whatever the batch."""
+    """The C kernel computes the dequantized weights times the int8-rounded
+    input, at every batch size (row tiles of 4 and their remainders, panels of
+    64 rows), and a row's result does not depend on the rows beside it. Output
+    counts that are not a multiple of 8 are padded and cut."""
     from heron.models.quantization import Int4WeightOnlyLinear, round_activations_q8
 
     torch.manual_seed(0)
     out_features, in_features = shape
     layer = Int4WeightOnlyLinear(torch.randn(out_features, in_features) * 0.05, torch.randn(out_features))
     assert layer._native, "the C kernel must build on this machine"
-    for rows in (1, 2, 3, 4, 5, 9, 16, 17):
+    single = torch.randn(1, in_features)
+    alone = layer(single)
+    for rows in (1, 2, 3, 4, 5, 9, 16, 17, 70):
         x = torch.randn(rows, in_features)
         x[0, :32] = 0.0  # an all-zero block
         x[-1, 5] = 40.0  # an outlier only moves its own block's scale
         expected = round_activations_q8(x) @ layer.dequantized.T + layer.bias
         got = layer(x)
+        assert got.shape == (rows, out_features)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         exact = x @ layer.dequantized.T + layer.bias
         assert ((got - exact).norm() / exact.norm()).item() < 0.02  # 8-bit inputs: a small error
+        x[rows // 2] = single[0]
+        assert torch.equal(layer(x)[rows // 2], alone[0])  # batch-invariant, bit for bit
+
+
+def test_int4_column_tiles_round_trip():
+    """The column-tile layout holds each 4-bit value where the kernel reads it."""
+    from heron.models.quantization import _from_column_tiles, _to_column_tiles
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (16, 3, 32), generator=generator, dtype=torch.uint8)
+    scale, low = torch.rand(16, 3, generator=generator), torch.randn(16, 3, generator=generator)
+    tiles, scales, mins = _to_column_tiles(q, scale, low)
+    assert tiles.shape == (2, 3, 128) and scales.shape == (2, 3, 8)
+    # tile 1, block 2, column 5, input 16 h + 4 (2 nibble + j) + i = 16 + 4 * 3 + 1 (h = 1, nibble = 1, j = 1, i = 1)
+    assert tiles[1, 2, 64 + 32 + 4 * 5 + 1] >> 4 == q[8 + 5, 2, 29]
+    assert scales[1, 2, 5] == scale[13, 2] and mins[1, 2, 5] == low[13, 2]
+    back = _from_column_tiles(tiles, scales, mins)
+    assert torch.equal(back[0], q) and torch.equal(back[1], scale) and torch.equal(back[2], low)
 
 
 def test_int8_rounding_of_activations():
@@ -65,8 +88,10 @@ def test_int8_rounding_of_activations():
     assert torch.all((rounded[0, :16] - x[0, :16]).abs() <= 0.5 / 127 + 1e-7)
     assert torch.all((rounded[0, 16:32] - x[0, 16:32]).abs() <= 0.5 * 0.02 / 127 + 1e-9)
     assert torch.equal(rounded[0, 32:], x[0, 32:]) and torch.equal(rounded[1], x[1])  # zeros and the max are exact
-    big = torch.randn(37, 1536) * torch.rand(1536) * 5
-    assert torch.equal(round_activations_q8(big), _round_activations_q8_torch(big))  # C and torch agree bit for bit
+    for seed in range(20):  # some hold ties (x * 127 / amax = 19.5) that 127 * (1 / amax) would misround
+        generator = torch.Generator().manual_seed(seed)
+        big = torch.randn(37, 1536, generator=generator) * torch.rand(1536, generator=generator) * 5
+        assert torch.equal(round_activations_q8(big), _round_activations_q8_torch(big))  # C and torch agree bit for bit
 
 
 def test_int4_reproduces_q4_1_weights():
@@ -85,15 +110,15 @@ def test_int4_reproduces_q4_1_weights():
 
 
 def test_int8_head_matches_its_weights_and_rounded_inputs():
-    """The int4 mode's LM head: C kernel (up to 16 rows) and torch path agree."""
-    from heron.models.quantization import Int8WeightInt8InputLinear, round_activations_q8
+    """The int4 mode's LM head: C kernel (up to HEAD_KERNEL_MAX_ROWS rows) and torch path agree."""
+    from heron.models.quantization import HEAD_KERNEL_MAX_ROWS, Int8WeightInt8InputLinear, round_activations_q8
 
     torch.manual_seed(0)
     weight = torch.randn(300, 96)
     weight[7] *= 50  # scales are per output channel
     head = Int8WeightInt8InputLinear(weight)
     assert head._native
-    for rows in (1, 3, 4, 16, 17):
+    for rows in (1, 3, 4, 16, 17, HEAD_KERNEL_MAX_ROWS + 1):
         x = torch.randn(rows, 96)
         x[0, 10] = -25.0
         expected = round_activations_q8(x) @ head.dequantized.T

@@ -24,7 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "lowbit_linear.c", "llama_decode.c")
+_SOURCES = ("paged_attention.c", "lowbit_linear.c", "q4_tiled_linear.c", "llama_decode.c")
+_HEADERS = ("lowbit_input.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _MAX_GROUP = 64  # the kernel's per-task arrays hold one GQA group
 
@@ -44,8 +45,9 @@ def native_library() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: native CPU kernels disabled (slower torch fallbacks)")
         return None
     sources = [resources.files("heron.attention").joinpath("csrc", name) for name in _SOURCES]
+    headers = [resources.files("heron.attention").joinpath("csrc", name) for name in _HEADERS]
     digest = hashlib.sha256()
-    for source in sources:
+    for source in sources + headers:
         digest.update(source.read_bytes())
     digest.update(" ".join([compiler, *_FLAGS]).encode())
     target_dir = os.path.join(_cache_dir(), digest.hexdigest()[:16])
@@ -54,11 +56,12 @@ def native_library() -> ctypes.CDLL | None:
         os.makedirs(target_dir, exist_ok=True)
         with tempfile.TemporaryDirectory() as scratch:
             paths = []
-            for source in sources:
+            for source in sources + headers:
                 path = os.path.join(scratch, source.name)
                 with open(path, "wb") as handle:
                     handle.write(source.read_bytes())
-                paths.append(path)
+                if source in sources:
+                    paths.append(path)
             partial = os.path.join(scratch, "libheron_cpu.so")
             result = subprocess.run([compiler, *_FLAGS, *paths, "-o", partial, "-lm"], capture_output=True, text=True)
             if result.returncode != 0:
@@ -130,12 +133,12 @@ def _lowbit_linear(function: str, x: torch.Tensor, n_out: int, *weight: torch.Te
 
 def q4_linear(
     x: torch.Tensor,  # [rows, k] float32, contiguous
-    packed: torch.Tensor,  # [n, k / 2] uint8
-    scales: torch.Tensor,  # [n, k / 32] float32
-    mins: torch.Tensor,  # [n, k / 32] float32
+    tiles: torch.Tensor,  # [n / 8, k / 32, 128] uint8: 4-bit weights in column tiles
+    scales: torch.Tensor,  # [n / 8, k / 32, 8] float32
+    mins: torch.Tensor,  # [n / 8, k / 32, 8] float32
 ) -> torch.Tensor:
-    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` (see csrc/lowbit_linear.c)."""
-    return _lowbit_linear("heron_q4_linear_f32", x, packed.shape[0], packed, scales, mins)
+    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` in column tiles (see csrc/q4_tiled_linear.c)."""
+    return _lowbit_linear("heron_q4_linear_f32", x, tiles.shape[0] * 8, tiles, scales, mins)
 
 
 def q8_linear(

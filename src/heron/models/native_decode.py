@@ -1,9 +1,9 @@
 """The native decode path of a 4-bit Llama on the CPU: one C call runs every
 layer of a decode step (``attention/csrc/llama_decode.c``).
 
-It serves steps where every request decodes one token and at most
-``INT4_KERNEL_MAX_ROWS`` of them run; prefill chunks and larger batches take the
-torch path. Both paths use the same low-bit matrix and attention kernels and
+It serves steps where every request decodes one token (any number of them);
+steps with a prefill chunk take the torch path. Both paths use the same low-bit
+matrix and attention kernels and
 compute the same function; they differ by float32 rounding, which the int8
 rounding of layer inputs now and then turns into a rounding step (logprobs
 within about 0.01). It is enabled for ``--quantization int4`` models whose
@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from heron.attention import cpu_kernels
-from heron.models.quantization import INT4_KERNEL_MAX_ROWS, Int4WeightOnlyLinear
+from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear
 
 
 class _Q4Weight(ctypes.Structure):
-    _fields_ = [("packed", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+    _fields_ = [("tiles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -53,7 +53,7 @@ class _LlamaShape(ctypes.Structure):
 
 
 def _q4(linear: Any) -> _Q4Weight:
-    return _Q4Weight(linear.packed.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr())
+    return _Q4Weight(linear.tiles.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr())
 
 
 class NativeQ4Decoder:
@@ -100,7 +100,10 @@ class NativeQ4Decoder:
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(linear, Int4WeightOnlyLinear) and linear.bias is None for linear in linears):
+            if not all(
+                isinstance(linear, Int4WeightOnlyLinear) and linear.bias is None and linear.out_features % TILE_COLUMNS == 0
+                for linear in linears
+            ):
                 return None
             if attention.qk_norm or attention.attn.spec.logits_soft_cap is not None or attention.head_dim > 512:
                 return None
@@ -109,12 +112,8 @@ class NativeQ4Decoder:
         return NativeQ4Decoder(model, library)
 
     def covers(self, num_tokens: int, metadata: Any) -> bool:
-        """Whether this step can run natively: a decode-only CPU step of few rows."""
-        return (
-            getattr(metadata, "all_decode", False)
-            and num_tokens <= INT4_KERNEL_MAX_ROWS
-            and metadata.decode_block_table is not None
-        )
+        """Whether this step can run natively: a decode-only CPU step."""
+        return getattr(metadata, "all_decode", False) and metadata.decode_block_table is not None
 
     def _bind_caches(self) -> None:
         caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("none", "int8", "int4")
 SMALL_BATCH_ROWS = 24
 INT4_BLOCK = 32
-INT4_KERNEL_MAX_ROWS = 16  # above this the dequantized float32 GEMM is faster
+HEAD_KERNEL_MAX_ROWS = 64  # the int8 head's kernel; above this the float32 GEMM is faster
+TILE_COLUMNS = 8  # output columns per tile of the 4-bit kernel's weight layout
 INT4_ACTIVATION_BLOCK = 16  # inputs sharing one int8 scale
 
 
@@ -75,20 +76,27 @@ def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
 def _round_activations_q8_torch(x: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(x.shape[0], -1, INT4_ACTIVATION_BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division, as C's 127.0f / amax (``127.0 / amax`` is 127 * (1 / amax) in
+    # torch, an ulp off now and then, which moves a tie such as 19.5 across a rounding step)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
 
 
 class _Int8InputLinear(nn.Module):
     """y = Q8(x) @ dequantized^T + b for a subclass's low-bit weights: up to
-    ``INT4_KERNEL_MAX_ROWS`` rows run the subclass's C kernel (``_kernel``),
-    more the float32 GEMM on ``dequantized`` times the same rounded inputs."""
+    ``kernel_max_rows`` rows run the subclass's C kernel (``_kernel``), more (or
+    any, without the native library) the float32 GEMM on ``dequantized`` times
+    the same rounded inputs."""
 
     in_features: int
     out_features: int
-    dequantized: torch.Tensor
     bias: torch.Tensor | None
+    kernel_max_rows: int | None  # None: the kernel takes any batch
     _native: bool
+
+    @property
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -96,7 +104,7 @@ class _Int8InputLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        if self._native and rows.shape[0] <= INT4_KERNEL_MAX_ROWS:
+        if self._native and (self.kernel_max_rows is None or rows.shape[0] <= self.kernel_max_rows):
             out = self._kernel(rows.contiguous())
             if self.bias is not None:
                 out = out + self.bias
@@ -110,10 +118,17 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
     with a float scale ``d`` and minimum ``m`` (GGUF's Q4_1 scheme, so a Q4_1
     file's weights are reproduced exactly up to float rounding), times the input
     rounded to int8 in blocks of 16 (``round_activations_q8``; llama.cpp's Q4_1 x
-    Q8_1 dot products round in blocks of 32, which costs more perplexity here). Small batches (decode) run heron's C kernel on
-    the packed nibbles (integer dot products, an eighth of float32's weight bytes);
-    larger ones the float32 GEMM on the same weights, dequantized once, and the
-    same rounded inputs, so a request's numerics do not depend on its batch."""
+    Q8_1 dot products round in blocks of 32, which costs more perplexity here).
+
+    Every batch runs heron's C kernel (csrc/q4_tiled_linear.c: integer dot
+    products on the packed nibbles, an eighth of float32's weight bytes), so a
+    row's result does not depend on its batch. The weights are kept in that
+    kernel's column-tile layout: ``tiles`` [n / 8, k / 32, 128] uint8, ``scales``
+    and ``mins`` [n / 8, k / 32, 8] float32, with ``n`` padded to a multiple of 8.
+    Without the native library the float32 GEMM on the dequantized weights and
+    the same rounded inputs computes the same function."""
+
+    kernel_max_rows = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -124,32 +139,86 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
         scale = (blocks.amax(dim=2) - low) / 15.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = ((blocks - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-        self.packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_features, in_features // 2).contiguous()
-        self.scales = scale.contiguous()
-        self.mins = low.contiguous()
-        self.dequantized = (q.float() * scale[..., None] + low[..., None]).reshape(out_features, in_features)
+        padding = -out_features % TILE_COLUMNS  # zero columns: q = 0, m = 0
+        if padding:
+            q = torch.cat([q, q.new_zeros(padding, *q.shape[1:])])
+            scale = torch.cat([scale, scale.new_ones(padding, scale.shape[1])])
+            low = torch.cat([low, low.new_zeros(padding, low.shape[1])])
+        self.tiles, self.scales, self.mins = _to_column_tiles(q, scale, low)
         self.bias = None if bias is None else bias.detach().float()
         self.in_features = in_features
         self.out_features = out_features
         from heron.attention.cpu_kernels import native_library
 
         self._native = native_library() is not None
+        self._dequantized = None if self._native else self._dequantize()
+
+    @property
+    def dequantized(self) -> torch.Tensor:
+        """The weights as float32 ``[out, in]`` (kept only where the torch path needs them)."""
+        return self._dequantized if self._dequantized is not None else self._dequantize()
+
+    def _dequantize(self) -> torch.Tensor:
+        q, scale, low = _from_column_tiles(self.tiles, self.scales, self.mins)
+        weight = q.float() * scale[..., None] + low[..., None]
+        return weight.reshape(-1, self.in_features)[: self.out_features].contiguous()
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         from heron.attention.cpu_kernels import q4_linear
 
-        return q4_linear(rows, self.packed, self.scales, self.mins)
+        out = q4_linear(rows, self.tiles, self.scales, self.mins)
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only (blocks of 32)"
 
 
+# A block's input 16 h + 4 (2 * nibble + j) + i of column c sits in the nibble of byte
+# 64 h + 32 j + 4 c + i: from (tile, column, block, half, nibble, vector, input) order
+# to (tile, block, half, vector, column, input, nibble)
+_TILE_ORDER = (0, 2, 3, 5, 1, 6, 4)
+
+
+def _to_column_tiles(
+    q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit values ``q`` [n, k / 32, 32] and their block scales and minimums [n, k / 32]
+    (n a multiple of 8) in csrc/q4_tiled_linear.c's column-tile layout."""
+    n, nb, _ = q.shape
+    grouped = q.reshape(n // TILE_COLUMNS, TILE_COLUMNS, nb, 2, 2, 2, 4).permute(_TILE_ORDER)
+    tiles = (grouped[..., 0] | (grouped[..., 1] << 4)).reshape(n // TILE_COLUMNS, nb, 128).contiguous()
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(n // TILE_COLUMNS, TILE_COLUMNS, nb).transpose(1, 2).contiguous()
+
+    return tiles, per_tile(scale), per_tile(low)
+
+
+def _from_column_tiles(
+    tiles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``_to_column_tiles``."""
+    num_tiles, nb, _ = tiles.shape
+    grouped = torch.stack([tiles & 0x0F, tiles >> 4], dim=-1)
+    grouped = grouped.reshape(num_tiles, nb, 2, 2, TILE_COLUMNS, 4, 2)  # tile, block, half, vector, column, input, nibble
+    inverse = [_TILE_ORDER.index(axis) for axis in range(len(_TILE_ORDER))]
+    q = grouped.permute(inverse).reshape(num_tiles * TILE_COLUMNS, nb, 32)
+
+    def per_column(values: torch.Tensor) -> torch.Tensor:
+        return values.transpose(1, 2).reshape(num_tiles * TILE_COLUMNS, nb)
+
+    return q, per_column(scales), per_column(mins)
+
+
 class Int8WeightInt8InputLinear(_Int8InputLinear):
     """The int4 mode's LM head: y = Q8(x) @ (q * scale)^T + b, int8 weights with
     one float scale per output channel, times the input rounded as the 4-bit
-    layers round theirs. Small batches run heron's C kernel (integer dot
-    products, a quarter of float32's bytes); larger ones the float32 GEMM on the
-    same weights and rounded inputs."""
+    layers round theirs. Up to ``kernel_max_rows`` rows (logits are computed for
+    sampled positions only, so one per running request) run heron's C kernel
+    (integer dot products, a quarter of float32's bytes); more the float32 GEMM
+    on the same weights and rounded inputs, faster there."""
+
+    kernel_max_rows = HEAD_KERNEL_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -158,11 +227,15 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
         self.qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = scales.contiguous()
-        self.dequantized = self.qweight.float() * scales[:, None]
+        self._dequantized = self.qweight.float() * scales[:, None]
         self.bias = None if bias is None else bias.detach().float()
         from heron.attention.cpu_kernels import native_library
 
         self._native = native_library() is not None and self.in_features % INT4_BLOCK == 0
+
+    @property
+    def dequantized(self) -> torch.Tensor:
+        return self._dequantized
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         from heron.attention.cpu_kernels import q8_linear
@@ -205,5 +278,5 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Mo
 
         model.native_decoder = NativeQ4Decoder.build(model)
         if model.native_decoder is not None:
-            logger.info("decode steps of up to %d sequences run natively (one C call per step)", INT4_KERNEL_MAX_ROWS)
+            logger.info("decode steps run natively (one C call per step)")
     return model

@@ -1,6 +1,6 @@
 /*
  * A whole Llama decode step on the CPU in one call: every layer of a 4-bit
- * (Q4_1-scheme) model for a batch of up to 16 sequences, one new token each.
+ * (Q4_1-scheme) model for a batch of sequences, one new token each.
  *
  * The torch path spends about half of a small model's decode step between its
  * matrix products: ~20 small torch ops per layer (norms, RoPE, the K/V write,
@@ -29,10 +29,10 @@ int heron_paged_decode_attention_f32(float *out, const float *q, const float *kv
                                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
                                      int64_t max_blocks_per_seq, float scale, int64_t sliding_window);
 
-typedef struct {
-    const uint8_t *packed;  // [n, k / 2]
-    const float *scales;    // [n, k / 32]
-    const float *mins;      // [n, k / 32]
+typedef struct {  // column tiles, see q4_tiled_linear.c
+    const uint8_t *tiles;  // [n / 8, k / 32, 128]
+    const float *scales;   // [n / 8, k / 32, 8]
+    const float *mins;     // [n / 8, k / 32, 8]
 } heron_q4_weight;
 
 typedef struct {
@@ -74,7 +74,7 @@ static void rope(float *head, const float *cos, const float *signed_sin, int64_t
 }
 
 static int linear(const heron_q4_weight *w, const float *x, int64_t rows, int64_t k, float *y, int64_t n) {
-    return heron_q4_linear_f32(x, rows, k, w->packed, w->scales, w->mins, y, n);
+    return heron_q4_linear_f32(x, rows, k, w->tiles, w->scales, w->mins, y, n);
 }
 
 /* hidden [rows, shape.hidden]: the embeddings in, the final-normed states out.

@@ -1,38 +1,21 @@
 /*
- * Low-bit linear layers for small batches on the CPU, with int8 activations:
- * 4-bit weights (heron_q4_linear_f32, the int4 mode's layers) and int8 weights
- * with one scale per output channel (heron_q8_linear_f32, the int4 mode's LM head).
+ * The int8 inputs of heron's low-bit linear layers, and the int4 mode's LM head.
  *
- * Weights are quantized in blocks of 32 along the input dimension, each block
- * with a float scale d and minimum m (GGUF's Q4_1 scheme): w = d * q + m with
- * q in [0, 15]. A block's 32 nibbles take 16 bytes: byte j holds element j in
- * its low nibble and element j + 16 in its high nibble.
+ * Inputs are rounded per row in blocks of 16 (symmetric int8, scale
+ * e = max|x| / 127, round to nearest even): x ~ e * p (heron_quantize_input,
+ * used by every low-bit kernel; heron_round_q8_f32 returns e * p as floats for
+ * torch fallbacks, bit-identical to quantization.py's torch formula). Blocks
+ * of 16 rather than llama.cpp's 32 halve the inputs an outlier coarsens: on the
+ * embedded model perplexity 32.90 vs 33.13 with 32 (float inputs: 32.95).
  *
- * Activations are quantized per row in blocks of 16 (symmetric int8, scale
- * e = max|x| / 127, round to nearest even): x ~ e * p. Then per weight block,
- * with e0, e1 the scales of its two activation halves,
+ * heron_q8_linear_f32: int8 weights with one float scale per output channel
+ * (the int4 mode's LM head, often tied to the embedding and the most sensitive
+ * matrix) times those inputs, with integer dot products (AVX2 maddubs/madd; the
+ * sign trick makes the weight operand unsigned). The 4-bit layers' kernel is
+ * q4_tiled_linear.c.
  *
- *   sum_i w_i x_i ~ d (e0 sum_{i<16} q_i p_i + e1 sum_{i>=16} q_i p_i) + m (e0 sum_{i<16} p_i + e1 sum_{i>=16} p_i)
- *
- * The integer sums are exact (AVX2: maddubs u8 x s8 -> pairs in int16, at most
- * 2 * 15 * 127, no saturation; madd -> int32, lanes 0-3 holding the low half and
- * 4-7 the high half, so one vector of scales applies both). Blocks of 16 rather
- * than llama.cpp's 32 halve the inputs an outlier coarsens: on the embedded model
- * perplexity 32.90 vs 33.13 with 32 (float inputs: 32.95). The min term uses
- * the *quantized* block sum, so the layer computes exactly W x^ for the rounded
- * activations x^ = e * p (the weights' mean does not amplify the rounding
- * error): the relative error of an output is about 0.5%, far below the 4-bit
- * weights' own. heron's torch path computes the same function for larger
- * batches (activations rounded the same way, then the float32 GEMM), so a
- * request's numerics do not depend on the batch beyond float32 rounding.
- *
- * Why: float32 dequantization (convert, FMA) of every weight made the 4-bit
- * decode compute-bound at about half the DRAM bandwidth; the integer dot takes
- * a third of the instructions, and a batch-1 step now streams the weights at
- * close to the bandwidth.
- *
- * Output columns are split over OpenMP threads. Layouts (contiguous): x [rows, k] float, packed [n, k / 2]
- * uint8, scales and mins [n, k / 32] float, y [rows, n] float. k must be a multiple of 32.
+ * Output columns are split over OpenMP threads. Layouts (contiguous): x [rows, k]
+ * float, weights [n, k] int8, scales [n] float, y [rows, n] float; k a multiple of 32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,10 +24,12 @@
 #include <immintrin.h>
 #endif
 
+#include "lowbit_input.h"
+
 #define ACT_BLOCK 16 /* activations: one int8 scale per 16 inputs */
 
 /* x [rows, k] -> p [rows, k] int8; per 32-block: e [rows, nb, 8] (the low half's
- * scale four times, then the high half's: the lanes of block_dot's result) and
+ * scale four times, then the high half's: the lanes of signed_block_dot's result) and
  * s [rows, nb] (the block's rounded sum, e0 * sum p[0:16] + e1 * sum p[16:32]) */
 static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
     float block_sum = 0.0f;
@@ -96,33 +81,19 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *p, fl
     }
 }
 
-/* a batch of rows quantized by quantize_rows, in buffers the caller frees with release_input */
-typedef struct {
-    int8_t *p;
-    float *e, *s;
-} quantized_input;
+void heron_release_input(quantized_input *in) { free(in->p), free(in->e), free(in->s); }
 
-static void release_input(quantized_input *in) { free(in->p), free(in->e), free(in->s); }
-
-/* 0, or -2 when out of memory (nothing left allocated) */
-static int quantize_input(const float *x, int64_t rows, int64_t k, quantized_input *in) {
+int heron_quantize_input(const float *x, int64_t rows, int64_t k, quantized_input *in) {
     const int64_t nb = k / 32;
     in->p = malloc((size_t)(rows * k));
     in->e = malloc(sizeof(float) * (size_t)(rows * nb * 8));
     in->s = malloc(sizeof(float) * (size_t)(rows * nb));
     if (!in->p || !in->e || !in->s) {
-        release_input(in);
+        heron_release_input(in);
         return -2;
     }
     quantize_rows(x, rows, k, in->p, in->e, in->s);
     return 0;
-}
-
-static inline float min_term(const float *m, const float *s, int64_t nb) {
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t b = 0; b < nb; b++) total += m[b] * s[b];
-    return total;
 }
 
 #ifdef __AVX2__
@@ -134,93 +105,9 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* the block's 32 nibbles as bytes 0..31 in element order */
-static inline __m256i unpack_block(const uint8_t *wq) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)wq);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
-}
-
-/* sum_i q_i p_i of one block, as 8 partial int32 sums converted to float */
-static inline __m256 block_dot(__m256i w, const int8_t *p) {
-    __m256i pairs = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)p));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-/* one output column for one row; two accumulator chains so blocks overlap */
-static float dot_row(const uint8_t *wq, const float *d, const float *m, const int8_t *p, const float *e,
-                     const float *s, int64_t nb) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_mul_ps(block_dot(unpack_block(wq + b * 16), p + b * 32), _mm256_loadu_ps(e + b * 8)),
-                             _mm256_set1_ps(d[b]), a0);
-        a1 = _mm256_fmadd_ps(_mm256_mul_ps(block_dot(unpack_block(wq + b * 16 + 16), p + b * 32 + 32),
-                                           _mm256_loadu_ps(e + b * 8 + 8)),
-                             _mm256_set1_ps(d[b + 1]), a1);
-    }
-    if (b < nb)
-        a0 = _mm256_fmadd_ps(_mm256_mul_ps(block_dot(unpack_block(wq + b * 16), p + b * 32), _mm256_loadu_ps(e + b * 8)),
-                             _mm256_set1_ps(d[b]), a0);
-    return hsum(_mm256_add_ps(a0, a1)) + min_term(m, s, nb);
-}
-
-/* one output column for four rows: each block is unpacked once */
-static void dot_rows4(const uint8_t *wq, const float *d, const float *m, const int8_t *p, const float *e,
-                      const float *s, int64_t k, int64_t nb, float *y, int64_t y_stride) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i w = unpack_block(wq + b * 16);
-        const __m256 db = _mm256_set1_ps(d[b]);
-        a0 = _mm256_fmadd_ps(_mm256_mul_ps(block_dot(w, p + b * 32), _mm256_loadu_ps(e + b * 8)), db, a0);
-        a1 = _mm256_fmadd_ps(_mm256_mul_ps(block_dot(w, p + k + b * 32), _mm256_loadu_ps(e + (nb + b) * 8)), db, a1);
-        a2 = _mm256_fmadd_ps(_mm256_mul_ps(block_dot(w, p + 2 * k + b * 32), _mm256_loadu_ps(e + (2 * nb + b) * 8)), db, a2);
-        a3 = _mm256_fmadd_ps(_mm256_mul_ps(block_dot(w, p + 3 * k + b * 32), _mm256_loadu_ps(e + (3 * nb + b) * 8)), db, a3);
-    }
-    y[0] = hsum(a0) + min_term(m, s, nb);
-    y[y_stride] = hsum(a1) + min_term(m, s + nb, nb);
-    y[2 * y_stride] = hsum(a2) + min_term(m, s + 2 * nb, nb);
-    y[3 * y_stride] = hsum(a3) + min_term(m, s + 3 * nb, nb);
-}
-#else
-static float dot_row(const uint8_t *wq, const float *d, const float *m, const int8_t *p, const float *e,
-                     const float *s, int64_t nb) {
-    float total = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *block = wq + b * 16;
-        const int8_t *pb = p + b * 32;
-        int32_t low = 0, high = 0;
-        for (int j = 0; j < 16; j++) low += (block[j] & 0x0F) * pb[j], high += (block[j] >> 4) * pb[j + 16];
-        total += d[b] * (e[b * 8] * (float)low + e[b * 8 + 4] * (float)high);
-    }
-    return total + min_term(m, s, nb);
-}
-#endif
-
-int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scales,
-                        const float *mins, float *y, int64_t n_out) {
-    if (k % 32 != 0) return -1;
-    const int64_t nb = k / 32;
-    quantized_input in;
-    if (quantize_input(x, rows, k, &in) != 0) return -2;
-    const int8_t *p = in.p;
-    const float *e = in.e, *s = in.s;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < n_out; n++) {
-        const uint8_t *wq = packed + n * (k / 2);
-        const float *d = scales + n * nb, *m = mins + n * nb;
-        int64_t r = 0;
-#ifdef __AVX2__
-        for (; r + 4 <= rows; r += 4) dot_rows4(wq, d, m, p + r * k, e + r * nb * 8, s + r * nb, k, nb, y + r * n_out + n, n_out);
-#endif
-        for (; r < rows; r++) y[r * n_out + n] = dot_row(wq, d, m, p + r * k, e + r * nb * 8, s + r * nb, nb);
-    }
-    release_input(&in);
-    return 0;
-}
-
-#ifdef __AVX2__
-/* sum_i w_i p_i of one block of int8 weights and activations, per lane half as
- * block_dot: maddubs needs an unsigned operand, so |w| times p with w's sign */
+/* sum_i w_i p_i of one block of int8 weights and activations, as 8 int32 partial
+ * sums (lanes 0-3 the block's low half, 4-7 its high half, matching e's layout)
+ * converted to float: maddubs needs an unsigned operand, so |w| times p with w's sign */
 static inline __m256 signed_block_dot(__m256i w, const int8_t *p) {
     __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
                                          _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)p), w));
@@ -235,7 +122,7 @@ int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *w
     if (k % 32 != 0) return -1;
     const int64_t nb = k / 32;
     quantized_input in;
-    if (quantize_input(x, rows, k, &in) != 0) return -2;
+    if (heron_quantize_input(x, rows, k, &in) != 0) return -2;
     const int8_t *p = in.p;
     const float *e = in.e;  /* no minimum term: in.s is unused */
 #pragma omp parallel for schedule(static)
@@ -268,7 +155,7 @@ int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *w
             y[r * n_out + n] = total * weight_scales[n];
         }
     }
-    release_input(&in);
+    heron_release_input(&in);
     return 0;
 }
 
