@@ -1,7 +1,9 @@
 """Time heron's low-bit C kernels alone, as in BENCHMARKS.md's session-4 table:
 30 layers' worth of distinct 4-bit weights (the embedded model's shapes, too
-large for the cache, so DRAM-bound like a real step) at 1, 4 and 16 rows, and
-the int4 mode's LM head (49152 x 576) at one row against the bf16 int8 head.
+large for the cache, so DRAM-bound like a real step) at 1, 4, 16, 32 and 64 rows,
+and the int4 mode's LM head (49152 x 576) at one row against the bf16 int8 head.
+Works on the weight layout of any commit since session 4 (``packed`` before the
+column tiles of session 5, ``tiles`` since).
 
     python benchmarks/lowbit_kernel_time.py
 """
@@ -29,12 +31,17 @@ def main() -> None:
     torch.manual_seed(0)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
     layers = [Int4WeightOnlyLinear(torch.randn(n, k) * 0.05) for n, k in shapes]
-    for rows in (1, 4, 16):
+    for rows in (1, 4, 16, 32, 64):
         inputs = [torch.randn(rows, layer.in_features) for layer in layers]
 
         def all_layers() -> None:
             for layer, x in zip(layers, inputs):
-                q4_linear(x, layer.packed, layer.scales, layer.mins)
+                if hasattr(layer, "tiles"):
+                    q4_linear(x, layer.tiles, layer.scales, layer.mins)
+                elif x.shape[0] <= 16:  # session 4: the dot-product kernel up to 16 rows
+                    q4_linear(x, layer.packed, layer.scales, layer.mins)
+                else:  # and the float32 GEMM on rounded inputs above
+                    layer(x)
 
         print(f"4-bit linears, 30 layers, {rows} rows: {best_ms(all_layers):.2f} ms")
     del layers
