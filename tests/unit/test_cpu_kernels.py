@@ -14,11 +14,12 @@ pytestmark = pytest.mark.skipif(cpu_kernels.native_library() is None, reason="no
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window):
+@pytest.mark.parametrize("num_seqs", [7, 10])  # tasks per (sequence, KV head) below 8 sequences, per sequence above
+def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window, num_seqs):
     generator = torch.Generator().manual_seed(num_heads + (window or 0))
-    num_blocks, block_size, num_seqs = 64, 16, 7
+    num_blocks, block_size = 64, 16
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
-    seq_lens = torch.tensor([1, 15, 16, 17, 33, 100, 160], dtype=torch.int64)
+    seq_lens = torch.tensor([1, 15, 16, 17, 33, 100, 160, 2, 48, 159][:num_seqs], dtype=torch.int64)
     max_blocks = 10
     block_table = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(num_seqs)])
     query = torch.randn(num_seqs, num_heads, head_dim, generator=generator)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = ("paged_attention.c", "lowbit_linear.c", "q4_tiled_linear.c", "llama_decode.c")
 _HEADERS = ("lowbit_input.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_MAX_GROUP = 64  # the kernel's per-task arrays hold one GQA group
+_MAX_HEADS = 256  # the paged kernel's per-task arrays hold up to this many query heads
 
 
 def _cache_dir() -> str:
@@ -89,7 +89,7 @@ def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: int
         query.device.type == "cpu"
         and query.dtype == torch.float32
         and kv_cache.dtype == torch.float32
-        and group <= _MAX_GROUP
+        and query.shape[1] <= _MAX_HEADS
         and native_library() is not None
     )
 
