@@ -46,7 +46,7 @@ def test_int4_linear_matches_its_dequantized_weights(shape):
     out_features, in_features = shape
     layer = Int4WeightOnlyLinear(torch.randn(out_features, in_features) * 0.05, torch.randn(out_features))
     assert layer._native, "the C kernel must build on this machine"
-    single = torch.randn(1, in_features)
+    single = torch.randn(1, in_features, generator=torch.Generator().manual_seed(1))
     alone = layer(single)
     for rows in (1, 2, 3, 4, 5, 9, 16, 17, 70):
         x = torch.randn(rows, in_features)
@@ -111,18 +111,26 @@ def test_int4_reproduces_q4_1_weights():
 
 
 def test_int8_head_matches_its_weights_and_rounded_inputs():
-    """The int4 mode's LM head: C kernel (up to HEAD_KERNEL_MAX_ROWS rows) and torch path agree."""
-    from heron.models.quantization import HEAD_KERNEL_MAX_ROWS, Int8WeightInt8InputLinear, round_activations_q8
+    """The int4 mode's LM head: the C kernel computes its int8 weights times the
+    rounded inputs at every batch size, a row's result independent of its batch;
+    output counts not a multiple of 8 are padded and cut."""
+    from heron.models.quantization import Int8WeightInt8InputLinear, round_activations_q8
 
     torch.manual_seed(0)
     weight = torch.randn(300, 96)
     weight[7] *= 50  # scales are per output channel
     head = Int8WeightInt8InputLinear(weight)
     assert head._native
-    for rows in (1, 3, 4, 16, 17, HEAD_KERNEL_MAX_ROWS + 1):
+    single = torch.randn(1, 96, generator=torch.Generator().manual_seed(1))
+    alone = head(single)
+    for rows in (1, 3, 4, 16, 17, 70):
         x = torch.randn(rows, 96)
         x[0, 10] = -25.0
         expected = round_activations_q8(x) @ head.dequantized.T
         torch.testing.assert_close(head(x), expected, rtol=1e-4, atol=1e-3)
         exact = x @ weight.T
         assert ((head(x) - exact).norm() / exact.norm()).item() < 0.05  # row 0's outlier coarsens its block
+        x[rows // 2] = single[0]
+        assert torch.equal(head(x)[rows // 2], alone[0])  # batch-invariant, bit for bit
+    # the tiles hold the weights where the kernel reads them: dequantized is the weight to int8 precision
+    assert ((head.dequantized - weight).abs() <= weight.abs().amax(dim=1, keepdim=True) / 254 + 1e-6).all()

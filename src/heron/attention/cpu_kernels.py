@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "lowbit_linear.c", "q4_tiled_linear.c", "llama_decode.c")
+_SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_decode.c")
 _HEADERS = ("lowbit_input.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _MAX_HEADS = 256  # the paged kernel's per-task arrays hold up to this many query heads
@@ -120,7 +120,7 @@ def paged_decode_attention(
 
 
 def _lowbit_linear(function: str, x: torch.Tensor, n_out: int, *weight: torch.Tensor) -> torch.Tensor:
-    """Run one of csrc/lowbit_linear.c's kernels: (x, rows, k, *weight pointers, y, n)."""
+    """Run one of csrc/tiled_linear.c's kernels: (x, rows, k, *weight pointers, y, n)."""
     library = native_library()
     assert library is not None
     rows, k = x.shape
@@ -137,17 +137,17 @@ def q4_linear(
     scales: torch.Tensor,  # [n / 8, k / 32, 8] float32
     mins: torch.Tensor,  # [n / 8, k / 32, 8] float32
 ) -> torch.Tensor:
-    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` in column tiles (see csrc/q4_tiled_linear.c)."""
+    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` in column tiles (see csrc/tiled_linear.c)."""
     return _lowbit_linear("heron_q4_linear_f32", x, tiles.shape[0] * 8, tiles, scales, mins)
 
 
 def q8_linear(
     x: torch.Tensor,  # [rows, k] float32, contiguous
-    weight: torch.Tensor,  # [n, k] int8
-    weight_scales: torch.Tensor,  # [n] float32
+    tiles: torch.Tensor,  # [n / 8, k / 4, 32] int8: weights in column tiles
+    column_scales: torch.Tensor,  # [n] float32
 ) -> torch.Tensor:
-    """``Q8(x) @ (weight * weight_scales)^T`` (see csrc/lowbit_linear.c)."""
-    return _lowbit_linear("heron_q8_linear_f32", x, weight.shape[0], weight, weight_scales)
+    """``Q8(x) @ (W * column_scales)^T`` for int8 ``W`` in column tiles (see csrc/tiled_linear.c)."""
+    return _lowbit_linear("heron_q8_linear_f32", x, tiles.shape[0] * 8, tiles, column_scales)
 
 
 def round_q8(x: torch.Tensor) -> torch.Tensor:

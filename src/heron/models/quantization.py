@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("none", "int8", "int4")
 SMALL_BATCH_ROWS = 24
 INT4_BLOCK = 32
-HEAD_KERNEL_MAX_ROWS = 64  # the int8 head's kernel; above this the float32 GEMM is faster
 TILE_COLUMNS = 8  # output columns per tile of the 4-bit kernel's weight layout
 INT4_ACTIVATION_BLOCK = 16  # inputs sharing one int8 scale
 
@@ -83,15 +82,13 @@ def _round_activations_q8_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Int8InputLinear(nn.Module):
-    """y = Q8(x) @ dequantized^T + b for a subclass's low-bit weights: up to
-    ``kernel_max_rows`` rows run the subclass's C kernel (``_kernel``), more (or
-    any, without the native library) the float32 GEMM on ``dequantized`` times
-    the same rounded inputs."""
+    """y = Q8(x) @ dequantized^T + b for a subclass's low-bit weights: the
+    subclass's C kernel (``_kernel``) at every batch size, or without the native
+    library the float32 GEMM on ``dequantized`` times the same rounded inputs."""
 
     in_features: int
     out_features: int
     bias: torch.Tensor | None
-    kernel_max_rows: int | None  # None: the kernel takes any batch
     _native: bool
 
     @property
@@ -104,7 +101,7 @@ class _Int8InputLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        if self._native and (self.kernel_max_rows is None or rows.shape[0] <= self.kernel_max_rows):
+        if self._native:
             out = self._kernel(rows.contiguous())
             if self.bias is not None:
                 out = out + self.bias
@@ -120,15 +117,13 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
     rounded to int8 in blocks of 16 (``round_activations_q8``; llama.cpp's Q4_1 x
     Q8_1 dot products round in blocks of 32, which costs more perplexity here).
 
-    Every batch runs heron's C kernel (csrc/q4_tiled_linear.c: integer dot
+    Every batch runs heron's C kernel (csrc/tiled_linear.c: integer dot
     products on the packed nibbles, an eighth of float32's weight bytes), so a
     row's result does not depend on its batch. The weights are kept in that
     kernel's column-tile layout: ``tiles`` [n / 8, k / 32, 128] uint8, ``scales``
     and ``mins`` [n / 8, k / 32, 8] float32, with ``n`` padded to a multiple of 8.
     Without the native library the float32 GEMM on the dequantized weights and
     the same rounded inputs computes the same function."""
-
-    kernel_max_rows = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -183,7 +178,7 @@ def _to_column_tiles(
     q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit values ``q`` [n, k / 32, 32] and their block scales and minimums [n, k / 32]
-    (n a multiple of 8) in csrc/q4_tiled_linear.c's column-tile layout."""
+    (n a multiple of 8) in csrc/tiled_linear.c's column-tile layout."""
     n, nb, _ = q.shape
     grouped = q.reshape(n // TILE_COLUMNS, TILE_COLUMNS, nb, 2, 2, 2, 4).permute(_TILE_ORDER)
     tiles = (grouped[..., 0] | (grouped[..., 1] << 4)).reshape(n // TILE_COLUMNS, nb, 128).contiguous()
@@ -213,34 +208,44 @@ def _from_column_tiles(
 class Int8WeightInt8InputLinear(_Int8InputLinear):
     """The int4 mode's LM head: y = Q8(x) @ (q * scale)^T + b, int8 weights with
     one float scale per output channel, times the input rounded as the 4-bit
-    layers round theirs. Up to ``kernel_max_rows`` rows (logits are computed for
-    sampled positions only, so one per running request) run heron's C kernel
-    (integer dot products, a quarter of float32's bytes); more the float32 GEMM
-    on the same weights and rounded inputs, faster there."""
-
-    kernel_max_rows = HEAD_KERNEL_MAX_ROWS
+    layers round theirs, in heron's register-tiled C kernel at every batch size
+    (integer dot products, a quarter of float32's bytes). The weights are kept in
+    the kernel's column tiles: ``tiles`` [n / 8, k / 4, 32] int8 (8 columns x 4
+    inputs a vector), ``scales`` [n] float32, with ``n`` padded to a multiple of 8."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        padding = -self.out_features % TILE_COLUMNS
+        if padding:
+            qweight = torch.cat([qweight, qweight.new_zeros(padding, self.in_features)])
+            scales = torch.cat([scales, scales.new_ones(padding)])
+        k = self.in_features
+        self.tiles = qweight.reshape(-1, TILE_COLUMNS, k // 4, 4).transpose(1, 2).contiguous()
         self.scales = scales.contiguous()
-        self._dequantized = self.qweight.float() * scales[:, None]
         self.bias = None if bias is None else bias.detach().float()
         from heron.attention.cpu_kernels import native_library
 
         self._native = native_library() is not None and self.in_features % INT4_BLOCK == 0
+        self._dequantized = None if self._native else self._dequantize()
 
     @property
     def dequantized(self) -> torch.Tensor:
-        return self._dequantized
+        """The weights as float32 ``[out, in]`` (kept only where the torch path needs them)."""
+        return self._dequantized if self._dequantized is not None else self._dequantize()
+
+    def _dequantize(self) -> torch.Tensor:
+        qweight = self.tiles.transpose(1, 2).reshape(-1, self.in_features)
+        return (qweight.float() * self.scales[:, None])[: self.out_features].contiguous()
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         from heron.attention.cpu_kernels import q8_linear
 
-        return q8_linear(rows, self.qweight, self.scales)
+        out = q8_linear(rows, self.tiles, self.scales)
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and inputs"

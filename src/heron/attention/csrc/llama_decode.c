@@ -29,7 +29,7 @@ int heron_paged_decode_attention_f32(float *out, const float *q, const float *kv
                                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
                                      int64_t max_blocks_per_seq, float scale, int64_t sliding_window);
 
-typedef struct {  // column tiles, see q4_tiled_linear.c
+typedef struct {  // column tiles, see tiled_linear.c
     const uint8_t *tiles;  // [n / 8, k / 32, 128]
     const float *scales;   // [n / 8, k / 32, 8]
     const float *mins;     // [n / 8, k / 32, 8]

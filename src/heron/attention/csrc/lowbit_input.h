@@ -1,5 +1,5 @@
-/* A batch of float rows rounded to int8 in blocks of 16 (lowbit_linear.c):
- * the input of the low-bit kernels of lowbit_linear.c and lowbit_gemm.c. */
+/* A batch of float rows rounded to int8 in blocks of 16 (lowbit_input.c):
+ * the input of the low-bit kernels of tiled_linear.c. */
 #ifndef HERON_LOWBIT_INPUT_H
 #define HERON_LOWBIT_INPUT_H
 #include <stdint.h>

@@ -1,21 +1,14 @@
 /*
- * The int8 inputs of heron's low-bit linear layers, and the int4 mode's LM head.
+ * The int8 inputs of heron's low-bit linear layers (tiled_linear.c).
  *
  * Inputs are rounded per row in blocks of 16 (symmetric int8, scale
- * e = max|x| / 127, round to nearest even): x ~ e * p (heron_quantize_input,
- * used by every low-bit kernel; heron_round_q8_f32 returns e * p as floats for
- * torch fallbacks, bit-identical to quantization.py's torch formula). Blocks
- * of 16 rather than llama.cpp's 32 halve the inputs an outlier coarsens: on the
- * embedded model perplexity 32.90 vs 33.13 with 32 (float inputs: 32.95).
+ * e = max|x| / 127, round to nearest even): x ~ e * p (heron_quantize_input;
+ * heron_round_q8_f32 returns e * p as floats for the torch fallback,
+ * bit-identical to quantization.py's torch formula). Blocks of 16 rather than
+ * llama.cpp's 32 halve the inputs an outlier coarsens: on the embedded model
+ * perplexity 32.90 vs 33.13 with 32 (float inputs: 32.95).
  *
- * heron_q8_linear_f32: int8 weights with one float scale per output channel
- * (the int4 mode's LM head, often tied to the embedding and the most sensitive
- * matrix) times those inputs, with integer dot products (AVX2 maddubs/madd; the
- * sign trick makes the weight operand unsigned). The 4-bit layers' kernel is
- * q4_tiled_linear.c.
- *
- * Output columns are split over OpenMP threads. Layouts (contiguous): x [rows, k]
- * float, weights [n, k] int8, scales [n] float, y [rows, n] float; k a multiple of 32.
+ * Layouts (contiguous): x [rows, k] float, k a multiple of 32; see lowbit_input.h.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,7 +22,7 @@
 #define ACT_BLOCK 16 /* activations: one int8 scale per 16 inputs */
 
 /* x [rows, k] -> p [rows, k] int8; per 32-block: e [rows, nb, 8] (the low half's
- * scale four times, then the high half's: the lanes of signed_block_dot's result) and
+ * scale four times, then the high half's) and
  * s [rows, nb] (the block's rounded sum, e0 * sum p[0:16] + e1 * sum p[16:32]) */
 static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
     float block_sum = 0.0f;
@@ -93,69 +86,6 @@ int heron_quantize_input(const float *x, int64_t rows, int64_t k, quantized_inpu
         return -2;
     }
     quantize_rows(x, rows, k, in->p, in->e, in->s);
-    return 0;
-}
-
-#ifdef __AVX2__
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-
-/* sum_i w_i p_i of one block of int8 weights and activations, as 8 int32 partial
- * sums (lanes 0-3 the block's low half, 4-7 its high half, matching e's layout)
- * converted to float: maddubs needs an unsigned operand, so |w| times p with w's sign */
-static inline __m256 signed_block_dot(__m256i w, const int8_t *p) {
-    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
-                                         _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)p), w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-#endif
-
-/* y [rows, n] = Q8(x) @ (w * scale)^T for w [n, k] int8 and scale [n] float;
- * |w| <= 127, so maddubs's int16 pairs (at most 2 * 127 * 127) never saturate. */
-int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *weight, const float *weight_scales,
-                        float *y, int64_t n_out) {
-    if (k % 32 != 0) return -1;
-    const int64_t nb = k / 32;
-    quantized_input in;
-    if (heron_quantize_input(x, rows, k, &in) != 0) return -2;
-    const int8_t *p = in.p;
-    const float *e = in.e;  /* no minimum term: in.s is unused */
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < n_out; n++) {
-        const int8_t *w = weight + n * k;
-        for (int64_t r = 0; r < rows; r++) {
-            const int8_t *pr = p + r * k;
-            const float *er = e + r * nb * 8;
-            float total = 0.0f;
-#ifdef __AVX2__
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t b = 0;
-            for (; b + 2 <= nb; b += 2) {
-                a0 = _mm256_fmadd_ps(signed_block_dot(_mm256_loadu_si256((const __m256i *)(w + b * 32)), pr + b * 32),
-                                     _mm256_loadu_ps(er + b * 8), a0);
-                a1 = _mm256_fmadd_ps(signed_block_dot(_mm256_loadu_si256((const __m256i *)(w + b * 32 + 32)), pr + b * 32 + 32),
-                                     _mm256_loadu_ps(er + b * 8 + 8), a1);
-            }
-            if (b < nb)
-                a0 = _mm256_fmadd_ps(signed_block_dot(_mm256_loadu_si256((const __m256i *)(w + b * 32)), pr + b * 32),
-                                     _mm256_loadu_ps(er + b * 8), a0);
-            total = hsum(_mm256_add_ps(a0, a1));
-#else
-            for (int64_t b = 0; b < nb; b++) {
-                int32_t low = 0, high = 0;
-                for (int j = 0; j < 16; j++) low += w[b * 32 + j] * pr[b * 32 + j], high += w[b * 32 + 16 + j] * pr[b * 32 + 16 + j];
-                total += er[b * 8] * (float)low + er[b * 8 + 4] * (float)high;
-            }
-#endif
-            y[r * n_out + n] = total * weight_scales[n];
-        }
-    }
-    heron_release_input(&in);
     return 0;
 }
 
