@@ -134,3 +134,16 @@ def test_int8_head_matches_its_weights_and_rounded_inputs():
         assert torch.equal(head(x)[rows // 2], alone[0])  # batch-invariant, bit for bit
     # the tiles hold the weights where the kernel reads them: dequantized is the weight to int8 precision
     assert ((head.dequantized - weight).abs() <= weight.abs().amax(dim=1, keepdim=True) / 254 + 1e-6).all()
+
+
+def test_kernel_sources_ship_in_the_package():
+    """Every C source and header the kernel build reads is package data (a wheel
+    without a header would fail to compile and silently fall back to torch)."""
+    import fnmatch
+    import pathlib
+    import tomllib
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["heron.attention"]
+    for name in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
+        assert any(fnmatch.fnmatch(f"csrc/{name}", pattern) for pattern in patterns), name
