@@ -1,7 +1,7 @@
 """Time heron's low-bit C kernels alone, as in BENCHMARKS.md's session-4 table:
 30 layers' worth of distinct 4-bit weights (the embedded model's shapes, too
 large for the cache, so DRAM-bound like a real step) at 1, 4, 16, 32 and 64 rows,
-and the int4 mode's LM head (49152 x 576) at one row against the bf16 int8 head.
+and the int4 mode's LM head (49152 x 576) at 1 to 128 rows against the bf16 int8 head.
 Works on the weight layout of any commit since session 4 (``packed`` before the
 column tiles of session 5, ``tiles`` since).
 
@@ -53,10 +53,11 @@ def main() -> None:
         heads.append(Int8WeightInt8InputLinear)
     except ImportError:  # before session 4
         pass
-    x = torch.randn(1, 576)
     for cls in heads:
         head = cls(weight)
-        print(f"LM head {cls.__name__}, 1 row: {best_ms(lambda: [head(x) for _ in range(20)]) / 20:.2f} ms")
+        for rows in (1, 4, 8, 16, 32, 64, 128):
+            x = torch.randn(rows, 576)
+            print(f"LM head {cls.__name__}, {rows} rows: {best_ms(lambda: [head(x) for _ in range(5)]) / 5:.2f} ms")
 
 
 if __name__ == "__main__":
