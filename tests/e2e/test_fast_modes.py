@@ -30,10 +30,11 @@ def test_quantized_modes_keep_perplexity_and_agreement(fp32, method):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_output_does_not_depend_on_the_batch(method):
-    """The same function whatever the batch: int8 to bfloat16 rounding (same tokens);
-    int4 to its int8 rounding of activations, which float32 differences between the
-    small- and large-batch paths push across rounding boundaries now and then, so
-    it is compared while the tokens agree."""
+    """The same function whatever the batch: both modes' linear layers give a row
+    the same result in any batch, but prefill and decode attention (and int4's
+    native decode) differ by float32 rounding, which the int8 rounding of the next
+    layer's input turns into a rounding step now and then, so logprobs are
+    compared while the tokens agree (int8's tokens all agree on this prompt)."""
     llm = LLM(max_model_len=1024, num_kv_blocks=256, quantization=method)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompt = "The grey heron stands at the edge of"

@@ -1,4 +1,4 @@
-"""The native decode path of 4-bit models (one C call per decode step) computes
+"""The native decode path of low-bit models (int4, int8: one C call per decode step) computes
 what the torch path computes, in every batching situation (decodes beside
 prefill chunks fall back to torch, preemption, prefix hits, sliding windows).
 
@@ -17,7 +17,7 @@ import pytest
 
 from heron import LLM, SamplingParams
 from heron.attention import cpu_kernels
-from heron.models.native_decode import NativeQ4Decoder
+from heron.models.native_decode import NativeLowBitDecoder
 from tests.model.conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.native_library() is None, reason="needs a C compiler")
@@ -53,14 +53,17 @@ def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3-rope-untied", "mistral-sliding-window"])
-def test_native_decode_matches_the_torch_path(tiny_model_dir, family):
+@pytest.mark.parametrize(
+    "family, quantization",
+    [("llama", "int4"), ("llama3-rope-untied", "int4"), ("mistral-sliding-window", "int4"), ("llama", "int8")],
+)
+def test_native_decode_matches_the_torch_path(tiny_model_dir, family, quantization):
     directory = tiny_model_dir(family)
     prompts = random_prompts([5, 17, 33, 40, 9, 21], seed=11)
     for situation in (dict(num_kv_blocks=64), dict(num_kv_blocks=64, max_num_batched_tokens=24),
                       dict(num_kv_blocks=9, block_size=8, max_model_len=64)):
-        llm = LLM(directory, quantization="int4", **{"max_model_len": 128, **situation})
-        assert isinstance(llm.engine.engine_core.model_runner.model.native_decoder, NativeQ4Decoder)
+        llm = LLM(directory, quantization=quantization, **{"max_model_len": 128, **situation})
+        assert isinstance(llm.engine.engine_core.model_runner.model.native_decoder, NativeLowBitDecoder)
         torch_path = run(llm, prompts, native=False)
         native = run(llm, prompts, native=True)
         compared = 0

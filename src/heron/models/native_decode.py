@@ -1,13 +1,13 @@
-"""The native decode path of a 4-bit Llama on the CPU: one C call runs every
+"""The native decode path of a low-bit Llama on the CPU: one C call runs every
 layer of a decode step (``attention/csrc/llama_decode.c``).
 
 It serves steps where every request decodes one token (any number of them);
 steps with a prefill chunk take the torch path. Both paths use the same low-bit
-matrix and attention kernels and
-compute the same function; they differ by float32 rounding, which the int8
-rounding of layer inputs now and then turns into a rounding step (logprobs
-within about 0.01). It is enabled for ``--quantization int4`` models whose
-layers it covers (no biases, no Q/K norms, SiLU, float32 KV cache);
+matrix and attention kernels and compute the same function; they differ by
+float32 rounding, which the int8 rounding of layer inputs now and then turns
+into a rounding step (logprobs within about 0.01). It is enabled for
+``--quantization int4`` and ``int8`` models whose layers it covers (4-bit or
+int8 linears without biases, no Q/K norms, SiLU, float32 KV cache);
 ``HERON_DISABLE_NATIVE_DECODE=1`` turns it off.
 """
 
@@ -20,21 +20,21 @@ from typing import Any
 import torch
 
 from heron.attention import cpu_kernels
-from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear
+from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear, Int8WeightInt8InputLinear
 
 
-class _Q4Weight(ctypes.Structure):
-    _fields_ = [("tiles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+class _LowBitWeight(ctypes.Structure):
+    _fields_ = [("tiles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p), ("bits", ctypes.c_int64)]
 
 
 class _DecoderLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
-        ("qkv", _Q4Weight),
-        ("o", _Q4Weight),
-        ("gate_up", _Q4Weight),
-        ("down", _Q4Weight),
+        ("qkv", _LowBitWeight),
+        ("o", _LowBitWeight),
+        ("gate_up", _LowBitWeight),
+        ("down", _LowBitWeight),
         ("kv_cache", ctypes.c_void_p),
         ("sliding_window", ctypes.c_int64),
     ]
@@ -52,17 +52,19 @@ class _LlamaShape(ctypes.Structure):
     ]
 
 
-def _q4(linear: Any) -> _Q4Weight:
-    return _Q4Weight(linear.tiles.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr())
+def _lowbit(linear: Int4WeightOnlyLinear | Int8WeightInt8InputLinear) -> _LowBitWeight:
+    if isinstance(linear, Int4WeightOnlyLinear):
+        return _LowBitWeight(linear.tiles.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr(), 4)
+    return _LowBitWeight(linear.tiles.data_ptr(), linear.scales.data_ptr(), None, 8)
 
 
-class NativeQ4Decoder:
-    """Holds the C view of a 4-bit LlamaForCausalLM (weight pointers; the tensors
+class NativeLowBitDecoder:
+    """Holds the C view of a low-bit LlamaForCausalLM (weight pointers; the tensors
     stay owned by the model) and runs its decode steps."""
 
     def __init__(self, model: Any, library: ctypes.CDLL) -> None:
         self.model = model
-        self.function = library.heron_llama_decode_q4
+        self.function = library.heron_llama_decode_lowbit
         self.function.restype = ctypes.c_int
         self.function.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_DecoderLayer), ctypes.c_int64, ctypes.c_void_p,
@@ -84,15 +86,15 @@ class NativeQ4Decoder:
         for entry, layer in zip(self.layers, model.layers):
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            entry.qkv = _q4(layer.self_attn.qkv_proj)
-            entry.o = _q4(layer.self_attn.o_proj)
-            entry.gate_up = _q4(layer.mlp.gate_up_proj)
-            entry.down = _q4(layer.mlp.down_proj)
+            entry.qkv = _lowbit(layer.self_attn.qkv_proj)
+            entry.o = _lowbit(layer.self_attn.o_proj)
+            entry.gate_up = _lowbit(layer.mlp.gate_up_proj)
+            entry.down = _lowbit(layer.mlp.down_proj)
             entry.sliding_window = layer.self_attn.attn.spec.sliding_window or 0
         self._bound_caches: list[int] = []
 
     @staticmethod
-    def build(model: Any) -> NativeQ4Decoder | None:
+    def build(model: Any) -> NativeLowBitDecoder | None:
         """The decoder for ``model``, or None where the native path does not cover it."""
         library = cpu_kernels.native_library()
         if library is None or os.environ.get("HERON_DISABLE_NATIVE_DECODE") or not hasattr(model, "layers"):
@@ -101,7 +103,10 @@ class NativeQ4Decoder:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(
-                isinstance(linear, Int4WeightOnlyLinear) and linear.bias is None and linear.out_features % TILE_COLUMNS == 0
+                isinstance(linear, (Int4WeightOnlyLinear, Int8WeightInt8InputLinear))
+                and linear._native
+                and linear.bias is None
+                and linear.out_features % TILE_COLUMNS == 0
                 for linear in linears
             ):
                 return None
@@ -109,7 +114,7 @@ class NativeQ4Decoder:
                 return None
             if attention.num_heads > 256:  # the attention kernel's per-task limit
                 return None
-        return NativeQ4Decoder(model, library)
+        return NativeLowBitDecoder(model, library)
 
     def covers(self, num_tokens: int, metadata: Any) -> bool:
         """Whether this step can run natively: a decode-only CPU step."""

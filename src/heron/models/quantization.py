@@ -1,18 +1,25 @@
-"""Weight quantization for the CPU: ``int8`` (weight-only, per output channel).
+"""Weight quantization for the CPU: ``int8`` and ``int4``, both with int8 inputs.
 
-Every linear layer (and the LM head) keeps int8 weights with one float scale per
-output channel. Inputs are rounded to bfloat16 and the product accumulates in
-float32, rounded to bfloat16 on the way out: for up to ``SMALL_BATCH_ROWS`` rows (decode steps) torch's int8
-weight-only kernel reads a quarter of float32's bytes; for larger inputs
-(prefill) the int8 weights, dequantized once at load, go through the float32
-GEMM, which is compute-bound there anyway. Both paths compute the same function
-(bf16 inputs times the same int8 weights), so a request's output does not depend
-on what it is batched with beyond float32 rounding.
+Every linear layer's input is rounded to int8 in blocks of 16 (one scale each,
+``round_activations_q8``) and multiplied with integer dot products in heron's
+register-tiled C kernels (``attention/csrc/tiled_linear.c``), at every batch size,
+so a row's result does not depend on its batch.
 
-Measured on the embedded model (``heron bench quality --quantization int8``,
-BENCHMARKS.md): perplexity of the fixed text 33.3 vs 32.8 in float32, top-1
-agreement 95%. fbgemm's dynamic int8 (7-bit per-tensor activations on AVX2) was
-2x faster still but tripled perplexity, so it is not offered.
+* ``int8``: every linear layer and the LM head keep int8 weights with one float
+  scale per output channel (``Int8WeightInt8InputLinear``). On the embedded
+  model (``heron bench quality --quantization int8``, BENCHMARKS.md): perplexity
+  33.14 vs 32.85 in float32, top-1 agreement 95.6% (the embedded weights are
+  Q4_1 at heart, which per-channel int8 cannot hold exactly; ``int4`` can).
+* ``int4``: linear layers in GGUF's Q4_1 scheme (``Int4WeightOnlyLinear``), the
+  LM head in int8 as above: perplexity 32.80, top-1 agreement 96.5%.
+
+In both modes decode-only steps of a Llama-family model run natively
+(``native_decode``: one C call per step).
+
+Layers whose input size is not a multiple of 32 fall back to
+``Int8WeightOnlyLinear`` (bfloat16 inputs, torch's int8 weight-only kernel).
+fbgemm's dynamic int8 (7-bit per-tensor activations on AVX2) was 2x faster than
+float32 but tripled perplexity, so it is not offered.
 """
 
 from __future__ import annotations
@@ -32,7 +39,10 @@ INT4_ACTIVATION_BLOCK = 16  # inputs sharing one int8 scale
 
 
 class Int8WeightOnlyLinear(nn.Module):
-    """y = bf16(bf16(x) @ (q * scale)^T) + b, q int8 per output channel."""
+    """y = bf16(bf16(x) @ (q * scale)^T) + b, q int8 per output channel: the
+    fallback for layers whose input size is not a multiple of 32. Up to
+    ``SMALL_BATCH_ROWS`` rows run torch's int8 weight-only kernel; larger inputs
+    the float32 GEMM on the same weights, rounded the same way."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -206,9 +216,9 @@ def _from_column_tiles(
 
 
 class Int8WeightInt8InputLinear(_Int8InputLinear):
-    """The int4 mode's LM head: y = Q8(x) @ (q * scale)^T + b, int8 weights with
-    one float scale per output channel, times the input rounded as the 4-bit
-    layers round theirs, in heron's register-tiled C kernel at every batch size
+    """The int8 mode's layers and both modes' LM head: y = Q8(x) @ (q * scale)^T
+    + b, int8 weights with one float scale per output channel, times the input
+    rounded as the 4-bit layers round theirs, in heron's register-tiled C kernel at every batch size
     (integer dot products, a quarter of float32's bytes). The weights are kept in
     the kernel's column tiles: ``tiles`` [n / 8, k / 4, 32] int8 (8 columns x 4
     inputs a vector), ``scales`` [n] float32, with ``n`` padded to a multiple of 8."""
@@ -252,9 +262,10 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
 
 
 def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Module:
-    """Replace the model's linear layers (and its LM head) with quantized ones.
+    """Replace the model's linear layers (and its LM head) with quantized ones,
+    all with int8 inputs: ``int8`` weights per output channel everywhere;
     ``int4``: linear layers in 4-bit blocks, the LM head (often tied to the
-    embedding, and the most sensitive) in int8, all with int8 inputs."""
+    embedding, and the most sensitive) in int8."""
     if method in (None, "none"):
         return model
     if method not in QUANTIZATION_METHODS:
@@ -265,23 +276,25 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Mo
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                if method == "int4" and child.in_features % INT4_BLOCK == 0:
+                if child.in_features % INT4_BLOCK != 0:
+                    setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
+                elif method == "int4":
                     setattr(parent, name, Int4WeightOnlyLinear(child.weight, child.bias))
                 else:
-                    setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
+                    setattr(parent, name, Int8WeightInt8InputLinear(child.weight, child.bias))
                 count += 1
     set_head = getattr(model, "quantize_lm_head", None)
     if callable(set_head):
         set_head(
             lambda weight: Int8WeightInt8InputLinear(weight)
-            if method == "int4" and weight.shape[1] % INT4_BLOCK == 0
+            if weight.shape[1] % INT4_BLOCK == 0
             else Int8WeightOnlyLinear(weight)
         )
-    logger.info("quantized %d linear layers to %s (the LM head to int8), weight-only", count, method)
-    if method == "int4" and hasattr(model, "native_decoder"):
-        from heron.models.native_decode import NativeQ4Decoder
+    logger.info("quantized %d linear layers to %s (the LM head to int8), int8 inputs", count, method)
+    if hasattr(model, "native_decoder"):
+        from heron.models.native_decode import NativeLowBitDecoder
 
-        model.native_decoder = NativeQ4Decoder.build(model)
+        model.native_decoder = NativeLowBitDecoder.build(model)
         if model.native_decoder is not None:
             logger.info("decode steps run natively (one C call per step)")
     return model

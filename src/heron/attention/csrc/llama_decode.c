@@ -1,13 +1,14 @@
 /*
- * A whole Llama decode step on the CPU in one call: every layer of a 4-bit
- * (Q4_1-scheme) model for a batch of sequences, one new token each.
+ * A whole Llama decode step on the CPU in one call: every layer of a low-bit
+ * model (4-bit Q4_1-scheme or int8 linear layers, int8 inputs) for a batch of
+ * sequences, one new token each.
  *
  * The torch path spends about half of a small model's decode step between its
  * matrix products: ~20 small torch ops per layer (norms, RoPE, the K/V write,
  * residual adds, SiLU) plus Python, each costing more in dispatch than in
  * arithmetic. Here those are plain loops over a few thousand floats, and the
  * matrix products and attention are the same C kernels the torch path calls
- * (heron_q4_linear_f32, heron_paged_decode_attention_f32), so both compute one
+ * (heron_q4_linear_f32 / heron_q8_linear_f32, heron_paged_decode_attention_f32), so both compute one
  * function; they differ by float32 rounding, which the int8 rounding of each
  * linear layer's input now and then turns into one rounding step.
  *
@@ -22,26 +23,29 @@
 #include <stdlib.h>
 #include <string.h>
 
-int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scales,
+int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *tiles, const float *scales,
                         const float *mins, float *y, int64_t n_out);
+int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *tiles, const float *column_scales,
+                        float *y, int64_t n_out);
 int heron_paged_decode_attention_f32(float *out, const float *q, const float *kv_cache, const int64_t *block_table,
                                      const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
                                      int64_t max_blocks_per_seq, float scale, int64_t sliding_window);
 
-typedef struct {  // column tiles, see tiled_linear.c
-    const uint8_t *tiles;  // [n / 8, k / 32, 128]
-    const float *scales;   // [n / 8, k / 32, 8]
-    const float *mins;     // [n / 8, k / 32, 8]
-} heron_q4_weight;
+typedef struct {         // column tiles, see tiled_linear.c
+    const void *tiles;    // bits 4: [n / 8, k / 32, 128] uint8; bits 8: [n / 8, k / 4, 32] int8
+    const float *scales;  // bits 4: [n / 8, k / 32, 8]; bits 8: [n] (one per column)
+    const float *mins;    // bits 4: [n / 8, k / 32, 8]; bits 8: unused
+    int64_t bits;         // 4 or 8
+} heron_lowbit_weight;
 
 typedef struct {
     const float *input_norm;  // [hidden]
     const float *post_norm;   // [hidden]
-    heron_q4_weight qkv;      // n = (heads + 2 kv_heads) * head_dim, k = hidden
-    heron_q4_weight o;        // n = hidden, k = heads * head_dim
-    heron_q4_weight gate_up;  // n = 2 intermediate, k = hidden
-    heron_q4_weight down;     // n = hidden, k = intermediate
+    heron_lowbit_weight qkv;      // n = (heads + 2 kv_heads) * head_dim, k = hidden
+    heron_lowbit_weight o;        // n = hidden, k = heads * head_dim
+    heron_lowbit_weight gate_up;  // n = 2 intermediate, k = hidden
+    heron_lowbit_weight down;     // n = hidden, k = intermediate
     float *kv_cache;          // [2, num_blocks, block_size, kv_heads, head_dim]
     int64_t sliding_window;   // 0: none
 } heron_decoder_layer;
@@ -73,14 +77,15 @@ static void rope(float *head, const float *cos, const float *signed_sin, int64_t
     for (int64_t i = 0; i < dim; i++) head[i] = head[i] * cos[i] + rotated[i] * signed_sin[i];
 }
 
-static int linear(const heron_q4_weight *w, const float *x, int64_t rows, int64_t k, float *y, int64_t n) {
+static int linear(const heron_lowbit_weight *w, const float *x, int64_t rows, int64_t k, float *y, int64_t n) {
+    if (w->bits == 8) return heron_q8_linear_f32(x, rows, k, w->tiles, w->scales, y, n);
     return heron_q4_linear_f32(x, rows, k, w->tiles, w->scales, w->mins, y, n);
 }
 
 /* hidden [rows, shape.hidden]: the embeddings in, the final-normed states out.
  * cos / signed_sin [rows, head_dim]; slots [rows]; block_table [rows, max_blocks]
  * and seq_lens [rows] (context length including the new token), all int64. */
-int heron_llama_decode_q4(float *hidden, int64_t rows, const heron_decoder_layer *layers, int64_t num_layers,
+int heron_llama_decode_lowbit(float *hidden, int64_t rows, const heron_decoder_layer *layers, int64_t num_layers,
                           const float *final_norm, heron_llama_shape shape, const float *cos,
                           const float *signed_sin, const int64_t *slots, const int64_t *block_table,
                           int64_t max_blocks, const int64_t *seq_lens, int64_t block_size, int64_t num_blocks) {
