@@ -89,6 +89,11 @@ def test_int8_rounding_of_activations():
     assert torch.all((rounded[0, :16] - x[0, :16]).abs() <= 0.5 / 127 + 1e-7)
     assert torch.all((rounded[0, 16:32] - x[0, 16:32]).abs() <= 0.5 * 0.02 / 127 + 1e-9)
     assert torch.equal(rounded[0, 32:], x[0, 32:]) and torch.equal(rounded[1], x[1])  # zeros and the max are exact
+    tiny = torch.zeros(1, 32)
+    tiny[0, 3] = 1e-38  # 127 / 1e-38 overflows float32: such a block rounds to zeros, in C and torch alike
+    tiny[0, 20] = 0.5
+    for rounded in (round_activations_q8(tiny), _round_activations_q8_torch(tiny)):
+        assert torch.equal(rounded[0, :16], torch.zeros(16)) and rounded[0, 20] == 0.5
     for seed in range(20):  # some hold ties (x * 127 / amax = 19.5) that 127 * (1 / amax) would misround
         generator = torch.Generator().manual_seed(seed)
         big = torch.randn(37, 1536, generator=generator) * torch.rand(1536, generator=generator) * 5

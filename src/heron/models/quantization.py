@@ -36,6 +36,7 @@ SMALL_BATCH_ROWS = 24
 INT4_BLOCK = 32
 TILE_COLUMNS = 8  # output columns per tile of the 4-bit kernel's weight layout
 INT4_ACTIVATION_BLOCK = 16  # inputs sharing one int8 scale
+MIN_BLOCK_MAX = 1e-30  # input blocks with a smaller largest magnitude round to zeros (csrc/lowbit_input.c)
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -87,7 +88,8 @@ def _round_activations_q8_torch(x: torch.Tensor) -> torch.Tensor:
     amax = blocks.abs().amax(dim=2, keepdim=True)
     # a true division, as C's 127.0f / amax (``127.0 / amax`` is 127 * (1 / amax) in
     # torch, an ulp off now and then, which moves a tie such as 19.5 across a rounding step)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    # blocks under MIN_BLOCK_MAX round to zeros (127 / amax would overflow), as in C
+    inverse = torch.where(amax >= MIN_BLOCK_MAX, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
 
 

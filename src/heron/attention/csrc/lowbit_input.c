@@ -13,13 +13,16 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 #include "lowbit_input.h"
 
 #define ACT_BLOCK 16 /* activations: one int8 scale per 16 inputs */
+/* blocks whose largest magnitude is below this round to zeros: 127 / amax would
+ * overflow to inf near float's smallest normals (quantization.py uses the same bound) */
+#define MIN_BLOCK_MAX 1e-30f
 
 /* x [rows, k] -> p [rows, k] int8; per 32-block: e [rows, nb, 8] (the low half's
  * scale four times, then the high half's) and
@@ -31,14 +34,14 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
         int8_t *q = p + half * ACT_BLOCK;
         float amax = 0.0f;
         int total = 0;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
         const __m256 sign = _mm256_set1_ps(-0.0f);
         const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
         __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m256 inverse = _mm256_set1_ps(amax >= MIN_BLOCK_MAX ? 127.0f / amax : 0.0f);
         /* cvtps rounds to nearest even, as lrintf does in the default mode */
         const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inverse));
         const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inverse));
@@ -52,7 +55,7 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
         total = _mm_cvtsi128_si32(sum4);
 #else
         for (int i = 0; i < ACT_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
-        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float inverse = amax >= MIN_BLOCK_MAX ? 127.0f / amax : 0.0f;
         for (int i = 0; i < ACT_BLOCK; i++) {
             q[i] = (int8_t)lrintf(v[i] * inverse);
             total += q[i];

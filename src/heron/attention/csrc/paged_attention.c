@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -39,7 +39,7 @@ static inline void axpy(float *restrict y, float alpha, const float *restrict x,
     for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 /* e^x for x <= 0 (scores minus their maximum), 8 lanes: x = n ln2 + r with
  * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under
  * 2e-7, about libm's), times 2^n built in the exponent bits; below -87 it
@@ -68,7 +68,7 @@ static inline __m256 exp_nonpositive(__m256 x) {
 static float exp_and_sum(float *row, int64_t count, float maximum) {
     int64_t i = 0;
     float total = 0.0f;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     const __m256 shift = _mm256_set1_ps(maximum);
     __m256 sum = _mm256_setzero_ps();
     for (; i + 8 <= count; i += 8) {
@@ -119,6 +119,7 @@ int heron_paged_decode_attention_f32(
                 capacity = count * rows;
                 scores = (float *)malloc(sizeof(float) * capacity);
                 if (scores == NULL) {
+#pragma omp atomic write
                     failed = 1;
                     capacity = 0;
                     continue;

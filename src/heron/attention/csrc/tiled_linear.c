@@ -1,7 +1,8 @@
 /*
  * The int4 mode's linear layers on the CPU, for any number of rows, as
  * register-tiled kernels: heron_q4_linear_f32 for the 4-bit layers and
- * heron_q8_linear_f32 for the int8 LM head (at the end of this file).
+ * heron_q8_linear_f32 for int8 weights (the int8 mode's layers and both modes'
+ * LM head; at the end of this file).
  *
  * 4-bit layers: weights in GGUF's Q4_1 scheme (blocks of 32 inputs, w = d * q + m with q in
  * 0..15) times the input rounded to int8 in blocks of 16 (lowbit_input.h),
@@ -40,7 +41,7 @@
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -51,7 +52,7 @@
 #define PANEL_ROWS 64
 #define TILE_BLOCK_BYTES 128 /* one tile's 32 inputs x 8 columns, two nibbles a byte */
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 static inline __m256i broadcast4(const int8_t *p) {
     int32_t bytes;
     memcpy(&bytes, p, 4);
@@ -177,14 +178,14 @@ int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *
 }
 
 /*
- * The int8 LM head: int8 weights w (|w| <= 127) with one float scale per output
+ * int8 weights (the int8 mode's layers, both modes' LM head): w (|w| <= 127) with one float scale per output
  * column, times the same int8 inputs:  y[r, c] = scale[c] sum_b e_b P_b(r, c).
  * Layout: tiles of 8 columns, each 4 inputs a 32-byte vector (byte 4 c + i:
  * column c, input 4 g + i), [n / 8, k / 4, 32] int8. maddubs needs an unsigned
  * operand, so |w| times p with w's sign; its int16 pairs reach 2 * 127 * 127,
  * so each goes to int32 (madd) before the next is added.
  */
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void q8_tile_rows(int rm, const int8_t *tile, const float *column_scales,
                                                                const quantized_input *in, int64_t r0, int64_t k,
                                                                float *y, int64_t n_out) {
