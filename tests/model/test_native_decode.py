@@ -29,17 +29,18 @@ LOGPROB_TOLERANCE = 0.02  # seen: at most 0.008; a planted RoPE bug (keys not ro
 def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int], list[dict]]]:
     model = llm.engine.engine_core.model_runner.model
     decoder = model.native_decoder
-    calls = {"native": 0}
+    calls = {"native": 0, "rows": 0}
     if native:
         original = decoder.__call__
 
-        class Counting:  # counts the steps that really ran natively
+        class Counting:  # counts the steps that really ran natively, and their largest batch
             def covers(self, *args):
                 return decoder.covers(*args)
 
-            def __call__(self, *args):
+            def __call__(self, hidden, *args):
                 calls["native"] += 1
-                return original(*args)
+                calls["rows"] = max(calls["rows"], hidden.shape[0])
+                return original(hidden, *args)
 
         model.native_decoder = Counting()
     else:
@@ -50,6 +51,7 @@ def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int
         model.native_decoder = decoder
     if native:
         assert calls["native"] > 0
+        run.largest_native_batch = calls["rows"]
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
@@ -79,10 +81,32 @@ def test_native_decode_matches_the_torch_path(tiny_model_dir, family, quantizati
 
 
 def test_decode_only_steps_of_any_size_run_natively(tiny_model_dir):
+    """A batch of 20 decodes (more than the 4-row tiles and the 16 rows the native
+    path once stopped at) runs natively and matches the torch path; a step with a
+    prefill chunk does not run natively."""
     llm = LLM(tiny_model_dir("llama"), quantization="int4", max_model_len=128, num_kv_blocks=256)
     decoder = llm.engine.engine_core.model_runner.model.native_decoder
     assert decoder is not None
-    metadata = type("Metadata", (), {"all_decode": True, "decode_block_table": object()})()
-    assert decoder.covers(1, metadata) and decoder.covers(17, metadata) and decoder.covers(256, metadata)
-    metadata.all_decode = False
+    prompts = random_prompts([7 + 3 * i for i in range(20)], seed=5)
+    torch_path = run(llm, prompts, native=False)
+    native = run(llm, prompts, native=True)
+    assert run.largest_native_batch == 20
+    compared = 0
+    for (tokens, logprobs), (native_tokens, native_logprobs) in zip(torch_path, native):
+        for token, native_token, position, native_position in zip(tokens, native_tokens, logprobs, native_logprobs):
+            assert abs(native_position[token].logprob - position[token].logprob) < LOGPROB_TOLERANCE
+            compared += 1
+            if token != native_token:
+                break
+    assert compared >= 0.8 * len(prompts) * PARAMS.max_tokens
+    metadata = type("Metadata", (), {"all_decode": False, "decode_block_table": object()})()
     assert not decoder.covers(1, metadata)
+
+
+def test_bfloat16_models_keep_the_torch_path(tiny_model_dir):
+    """The native path is float32 only: a bf16 model quantizes without it and runs."""
+    for method in ("int8", "int4"):
+        llm = LLM(tiny_model_dir("llama"), quantization=method, dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
+        assert llm.engine.engine_core.model_runner.model.native_decoder is None
+        [output] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 4

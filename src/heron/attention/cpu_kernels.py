@@ -123,6 +123,7 @@ def _lowbit_linear(function: str, x: torch.Tensor, n_out: int, *weight: torch.Te
     """Run one of csrc/tiled_linear.c's kernels: (x, rows, k, *weight pointers, y, n)."""
     library = native_library()
     assert library is not None
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2, "the kernels take contiguous float32 rows"
     rows, k = x.shape
     out = torch.empty(rows, n_out, dtype=torch.float32)
     status = getattr(library, function)(x.data_ptr(), rows, k, *(w.data_ptr() for w in weight), out.data_ptr(), n_out)

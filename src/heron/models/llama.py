@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(hidden, float(config.rms_norm_eps))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, int(config.vocab_size), bias=False)
-        # set by quantize_model for 4-bit CPU models: runs decode steps in one C call
+        # set by quantize_model for low-bit (int4, int8) CPU models: runs decode steps in one C call
         self.native_decoder: Any = None
 
     def attention_layers(self) -> list[Attention]:

@@ -99,6 +99,13 @@ class NativeLowBitDecoder:
         library = cpu_kernels.native_library()
         if library is None or os.environ.get("HERON_DISABLE_NATIVE_DECODE") or not hasattr(model, "layers"):
             return None
+        # float32 throughout: the embeddings (hence the KV cache's dtype) and every norm
+        norms = [model.norm.weight] + [
+            weight for layer in model.layers
+            for weight in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        ]
+        if model.embed_tokens.weight.dtype != torch.float32 or any(w.dtype != torch.float32 for w in norms):
+            return None
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)

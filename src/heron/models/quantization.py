@@ -3,7 +3,9 @@
 Every linear layer's input is rounded to int8 in blocks of 16 (one scale each,
 ``round_activations_q8``) and multiplied with integer dot products in heron's
 register-tiled C kernels (``attention/csrc/tiled_linear.c``), at every batch size,
-so a row's result does not depend on its batch.
+so a row's result does not depend on its batch. (Without a C compiler the float32
+GEMM on the dequantized weights computes the same function, up to float32
+rounding that does depend on the batch.)
 
 * ``int8``: every linear layer and the LM head keep int8 weights with one float
   scale per output channel (``Int8WeightInt8InputLinear``). On the embedded
@@ -84,7 +86,7 @@ def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
 
 
 def _round_activations_q8_torch(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.reshape(x.shape[0], -1, INT4_ACTIVATION_BLOCK)
+    blocks = x.reshape(x.shape[0], x.shape[1] // INT4_ACTIVATION_BLOCK, INT4_ACTIVATION_BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     # a true division, as C's 127.0f / amax (``127.0 / amax`` is 127 * (1 / amax) in
     # torch, an ulp off now and then, which moves a tie such as 19.5 across a rounding step)
@@ -174,7 +176,7 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
         from heron.attention.cpu_kernels import q4_linear
 
         out = q4_linear(rows, self.tiles, self.scales, self.mins)
-        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only (blocks of 32)"
@@ -229,6 +231,8 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
         super().__init__()
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
+        if self.in_features % INT4_BLOCK != 0:
+            raise ValueError(f"int8 inputs need a multiple of {INT4_BLOCK} input features, got {self.in_features}")
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
         qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
         padding = -self.out_features % TILE_COLUMNS
@@ -241,7 +245,7 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
         self.bias = None if bias is None else bias.detach().float()
         from heron.attention.cpu_kernels import native_library
 
-        self._native = native_library() is not None and self.in_features % INT4_BLOCK == 0
+        self._native = native_library() is not None
         self._dequantized = None if self._native else self._dequantize()
 
     @property
@@ -257,7 +261,7 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
         from heron.attention.cpu_kernels import q8_linear
 
         out = q8_linear(rows, self.tiles, self.scales)
-        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and inputs"
