@@ -84,7 +84,7 @@ def native_library() -> ctypes.CDLL | None:
     return library
 
 
-def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: int) -> bool:
+def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32

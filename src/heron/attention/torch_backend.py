@@ -132,9 +132,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.store_kv(kv_cache, key, value, metadata.slot_mapping)
 
         if metadata.decode_token_index is not None:
-            group = layer.num_heads // num_kv_heads
             q = query if metadata.all_decode else query.index_select(0, metadata.decode_token_index)
-            if layer.logits_soft_cap is None and cpu_kernels.can_run_paged_decode(q, kv_cache, group):
+            if layer.logits_soft_cap is None and cpu_kernels.can_run_paged_decode(q, kv_cache):
                 attended = cpu_kernels.paged_decode_attention(
                     q, kv_cache, metadata.decode_block_table, metadata.decode_seq_lens, layer.scale, layer.sliding_window
                 )

@@ -104,12 +104,26 @@ class _Int8InputLinear(nn.Module):
     out_features: int
     bias: torch.Tensor | None
     _native: bool
+    _dequantized: torch.Tensor | None
+
+    def _use_native_kernel(self) -> None:
+        """Call at the end of ``__init__``: picks the kernel, or keeps the
+        dequantized weights the torch path needs without it."""
+        from heron.attention.cpu_kernels import native_library
+
+        self._native = native_library() is not None
+        self._dequantized = None if self._native else self._dequantize()
 
     @property
     def dequantized(self) -> torch.Tensor:
+        """The weights as float32 ``[out, in]`` (kept only where the torch path needs them)."""
+        return self._dequantized if self._dequantized is not None else self._dequantize()
+
+    def _dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        """The C kernel's output, ``[rows, n]`` with ``n`` padded to a multiple of 8."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +131,8 @@ class _Int8InputLinear(nn.Module):
         rows = x.reshape(-1, shape[-1]).float()
         if self._native:
             out = self._kernel(rows.contiguous())
+            if out.shape[1] != self.out_features:  # padding columns
+                out = out[:, : self.out_features].contiguous()
             if self.bias is not None:
                 out = out + self.bias
         else:
@@ -157,15 +173,7 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
         self.bias = None if bias is None else bias.detach().float()
         self.in_features = in_features
         self.out_features = out_features
-        from heron.attention.cpu_kernels import native_library
-
-        self._native = native_library() is not None
-        self._dequantized = None if self._native else self._dequantize()
-
-    @property
-    def dequantized(self) -> torch.Tensor:
-        """The weights as float32 ``[out, in]`` (kept only where the torch path needs them)."""
-        return self._dequantized if self._dequantized is not None else self._dequantize()
+        self._use_native_kernel()
 
     def _dequantize(self) -> torch.Tensor:
         q, scale, low = _from_column_tiles(self.tiles, self.scales, self.mins)
@@ -175,8 +183,7 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         from heron.attention.cpu_kernels import q4_linear
 
-        out = q4_linear(rows, self.tiles, self.scales, self.mins)
-        return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
+        return q4_linear(rows, self.tiles, self.scales, self.mins)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only (blocks of 32)"
@@ -243,15 +250,7 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
         self.tiles = qweight.reshape(-1, TILE_COLUMNS, k // 4, 4).transpose(1, 2).contiguous()
         self.scales = scales.contiguous()
         self.bias = None if bias is None else bias.detach().float()
-        from heron.attention.cpu_kernels import native_library
-
-        self._native = native_library() is not None
-        self._dequantized = None if self._native else self._dequantize()
-
-    @property
-    def dequantized(self) -> torch.Tensor:
-        """The weights as float32 ``[out, in]`` (kept only where the torch path needs them)."""
-        return self._dequantized if self._dequantized is not None else self._dequantize()
+        self._use_native_kernel()
 
     def _dequantize(self) -> torch.Tensor:
         qweight = self.tiles.transpose(1, 2).reshape(-1, self.in_features)
@@ -260,8 +259,7 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         from heron.attention.cpu_kernels import q8_linear
 
-        out = q8_linear(rows, self.tiles, self.scales)
-        return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
+        return q8_linear(rows, self.tiles, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and inputs"
