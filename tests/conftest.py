@@ -7,6 +7,12 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (tests/unit/
+# test_triton_kernels.py). It must be chosen before any kernel is defined, i.e.
+# before heron's Triton modules are imported; it changes nothing else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer():

@@ -9,15 +9,17 @@ import torch
 
 
 def word_tokenizer(vocab_size: int):
-    """A self-contained word-level tokenizer ("w0" .. "wN"), EOS = id 2."""
+    """A self-contained word-level tokenizer: ids 0, 1, 2 are <unk>, <s> and </s>
+    (EOS = id 2), the rest the words "w3" .. "wN". (Special tokens are matched
+    inside words, so they must not be prefixes of words: "w1" would split "w13".)"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", bos_token="w1", eos_token="w2")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(scope="session")

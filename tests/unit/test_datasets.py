@@ -18,6 +18,19 @@ def test_random_prompts_have_exact_token_lengths(embedded_tokenizer):
     assert [s.prompt for s in again] == [s.prompt for s in samples]
 
 
+def test_random_prompts_from_a_word_level_tokenizer():
+    """The GPU benchmarks' random-weight models use a word-level vocabulary
+    ("w3".."wN", no "Ġ" marker): its plain words build the prompts."""
+    from tests.gpu.conftest import word_tokenizer
+
+    tokenizer = word_tokenizer(512)
+    samples = random_dataset(tokenizer, num_prompts=6, input_len=40, output_len=8, range_ratio=0.5, seed=2)
+    for sample in samples:
+        ids = tokenizer.encode(sample.prompt, add_special_tokens=False)
+        assert len(ids) == sample.prompt_len and 20 <= sample.prompt_len <= 60
+        assert not set(ids) & {0, 1, 2}  # never the unknown, BOS or EOS token
+
+
 def test_random_prefix_and_prefix_repetition_share_prefixes(embedded_tokenizer):
     samples = random_dataset(embedded_tokenizer, 5, 20, 8, prefix_len=40, seed=1)
     prefix_tokens = [embedded_tokenizer.encode(s.prompt, add_special_tokens=False)[:40] for s in samples]

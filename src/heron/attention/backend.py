@@ -73,6 +73,10 @@ class AttentionLayerSpec:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # True when attention reads this step's K/V from the cache (never from the
+    # key/value arguments): the model may then write them there itself, fused
+    # with RoPE, and call ``attend_cached``
+    attends_from_cache: bool = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -102,6 +106,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Store key/value into the cache, then return the attention output,
         ``[num_tokens, num_heads, head_dim]``."""
+
+    def attend_cached(
+        self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        """Attention output of ``query`` when this step's K/V are already in
+        ``kv_cache`` (backends with ``attends_from_cache`` only)."""
+        raise NotImplementedError(f"the {self.name} backend attends over the key/value it is given")
 
 
 def get_attention_backend(

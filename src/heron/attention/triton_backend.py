@@ -15,6 +15,7 @@ their slots with ``index_copy_`` before the kernel runs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,9 @@ except ImportError:  # CPU-only installs: the backend is simply unavailable
 
 
 def triton_available() -> bool:
-    return triton is not None and torch.cuda.is_available()
+    """Triton is installed and something can run its kernels: a CUDA device, or
+    Triton's CPU interpreter (``TRITON_INTERPRET=1``; how the CPU tests run them)."""
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -148,10 +151,11 @@ def plan_work(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndar
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    attends_from_cache = True
 
     def __init__(self, num_queries_per_kv: int) -> None:
         if not triton_available():
-            raise RuntimeError("the triton attention backend needs triton and a CUDA device")
+            raise RuntimeError("the triton attention backend needs triton and a CUDA device (or TRITON_INTERPRET=1)")
         self.group = num_queries_per_kv
 
     def block_q(self, max_query_len: int) -> int:
@@ -188,10 +192,14 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.store_kv(kv_cache, key, value, metadata.slot_mapping)
+        return self.attend_cached(layer, query, kv_cache, metadata)
+
+    def attend_cached(
+        self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata
+    ) -> torch.Tensor:
         output = torch.empty_like(query)
-        paged_attention(output, query, key_cache, value_cache, metadata, layer)
+        paged_attention(output, query, kv_cache[0], kv_cache[1], metadata, layer)
         return output
 
 

@@ -2,8 +2,9 @@
 prefix-repetition (many prompts sharing long prefixes).
 
 Random prompts are built from whole-word vocabulary tokens ("Ġword" in byte-level
-BPE, "▁word" in SentencePiece), which re-tokenize to themselves, and every prompt
-is checked (and trimmed or padded) until it encodes to exactly the length asked.
+BPE, "▁word" in SentencePiece, plain words in a word-level vocabulary), which
+re-tokenize to themselves, and every prompt is checked (and trimmed or padded)
+until it encodes to exactly the length asked.
 """
 
 from __future__ import annotations
@@ -36,8 +37,22 @@ class WordTokens:
             if body.isascii() and body.isalpha() and body.islower():
                 words.append(token_id)
         if len(words) < 100:
+            words = self._word_level_tokens(vocab, special)
+        if len(words) < 100:
             raise ValueError("the tokenizer has too few whole-word tokens to build random prompts")
         self.word_ids = sorted(words)
+
+    def _word_level_tokens(self, vocab: dict[str, int], special: set[int]) -> list[int]:
+        """A word-level tokenizer's plain alphanumeric tokens (it splits on
+        spaces, so a token is a word without any marker), if a sample of them
+        decodes and re-encodes to itself."""
+        words = [
+            token_id
+            for token, token_id in vocab.items()
+            if token_id not in special and len(token) >= 2 and token.isascii() and token.isalnum()
+        ]
+        sample = sorted(words)[:: max(1, len(words) // 64)][:64]
+        return words if sample and self.encode(self.tokenizer.decode(sample)) == sample else []
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

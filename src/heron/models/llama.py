@@ -24,8 +24,9 @@ from heron.attention.backend import AttentionLayerSpec
 from heron.loader.arch_config import sliding_window_of_layer
 from heron.loader.model_config import head_dim_of, rope_parameters
 from heron.models.layers.attention import Attention
+from heron.models.layers.fused import fused_kernels_for
 from heron.models.layers.norm import RMSNorm
-from heron.models.layers.rotary import RotaryEmbedding, apply_rotary
+from heron.models.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -60,17 +61,8 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_and_k = qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
-            q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q_and_k = apply_rotary(q_and_k, *rope)  # one pass over Q and K together
-        q = q_and_k[:, : self.num_heads].reshape(num_tokens, self.q_size)
-        k = q_and_k[:, self.num_heads :].reshape(num_tokens, self.kv_size)
-        out = self.attn(q, k, qkv[:, self.q_size + self.kv_size :], metadata)
-        return self.o_proj(out)
+        qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
+        return self.o_proj(self.attn(self.qkv_proj(hidden), rope, metadata, qk_norm))
 
 
 class LlamaMLP(nn.Module):
@@ -86,7 +78,11 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported by the native Llama model")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = fused_kernels_for(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -99,9 +95,24 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(int(config.hidden_size), eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block over a residual stream kept apart from the block outputs:
+        takes the previous block's output and the residual before it (None for the
+        first layer, whose input is the embedding) and returns this block's output
+        and the residual, so each norm can add the two in the same kernel."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,9 +147,12 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.tables(positions, hidden.dtype)
         if self.native_decoder is not None and self.native_decoder.covers(hidden.shape[0], metadata):
             return self.native_decoder(hidden, rope, metadata)
+        residual = None
         for layer in self.layers:
-            hidden = layer(rope, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, metadata)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding

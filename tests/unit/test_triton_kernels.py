@@ -1,0 +1,149 @@
+"""heron's Triton kernels against the torch code they replace, on whatever can
+run them: a CUDA device when present, otherwise Triton's CPU interpreter (set up
+by tests/conftest.py), so CI checks the kernels' logic without a GPU.
+
+The interpreter rounds float32 -> bfloat16 by truncation where a GPU rounds to
+nearest, so bfloat16 results are compared within a few bfloat16 ulps; float16
+and float32 must agree to the last bits (float32: up to fused multiply-adds).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heron.attention.backend import AttentionLayerSpec
+from heron.attention.torch_backend import TorchAttentionBackend
+from heron.models.layers.attention import split_and_rotate
+from heron.models.layers.norm import RMSNorm
+from heron.models.layers.rotary import RotaryEmbedding
+
+triton = pytest.importorskip("triton")
+triton_ops = pytest.importorskip("heron.models.layers.triton_ops")
+
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = "cpu"
+else:
+    pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 2e-2}[got.dtype]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def random(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * scale).to(dtype).to(DEVICE)
+
+
+def torch_rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The module's torch path (the kernel is what it calls on CUDA)."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+    return norm.weight * normed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 1000])
+def test_rms_norm_with_and_without_residual(dtype, hidden):
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE, dtype)
+    norm.weight.data = 1 + random((hidden,), dtype, seed=1, scale=0.1)
+    x, residual = random((7, hidden), dtype, seed=2), random((7, hidden), dtype, seed=3)
+    out, no_residual = triton_ops.rms_norm(x, norm.weight, norm.eps)
+    assert no_residual is None
+    assert_close(out, torch_rms_norm(norm, x))
+    out, summed = triton_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    assert summed is not None
+    assert_close(summed, x + residual)
+    assert_close(out, torch_rms_norm(norm, x + residual))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [128, 1000, 2500])
+def test_silu_and_mul(dtype, width):
+    gate_up = random((5, 2 * width), dtype, seed=4, scale=3.0)
+    gate, up = gate_up.split(width, dim=-1)
+    assert_close(triton_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+    assert triton_ops.silu_and_mul(gate_up[:0]).shape == (0, width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, qk_norm",
+    [(4, 2, 64, False), (9, 3, 64, False), (8, 2, 128, False), (4, 4, 80, False), (4, 2, 32, True)],
+)
+def test_rotate_and_store_matches_torch_path(dtype, num_heads, num_kv_heads, head_dim, qk_norm):
+    num_tokens, block_size, num_blocks = 9, 16, 6
+    spec = AttentionLayerSpec(0, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+    rotary = RotaryEmbedding(head_dim, 256, {"rope_theta": 10000.0}).to(DEVICE)
+    positions = torch.tensor([0, 1, 15, 16, 17, 40, 99, 200, 255], device=DEVICE)
+    rope = rotary.tables(positions, dtype)
+    qkv = random((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype, seed=5)
+    norms = None
+    if qk_norm:
+        norms = (RMSNorm(head_dim, 1e-6).to(DEVICE, dtype), RMSNorm(head_dim, 1e-6).to(DEVICE, dtype))
+        norms[0].weight.data = 1 + random((head_dim,), dtype, seed=6, scale=0.2)
+        norms[1].weight.data = 1 + random((head_dim,), dtype, seed=7, scale=0.2)
+    slots = torch.tensor([5, 90, 17, 0, 33, 60, 61, 2, 95], device=DEVICE)
+    kv_cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
+
+    query = triton_ops.rotate_and_store(
+        qkv, *rope, kv_cache, slots, num_heads, num_kv_heads, head_dim,
+        None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps),
+    )
+    with torch.device(DEVICE):
+        expected_q, expected_k, expected_v = split_and_rotate(qkv, rope, spec, norms)
+    assert_close(query, expected_q)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    assert_close(flat[0][slots], expected_k)
+    assert torch.equal(flat[1][slots], expected_v)  # values are copied untouched
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert not flat[:, untouched].any()
+
+
+def test_rotate_and_store_takes_no_tokens():
+    kv_cache = torch.zeros((2, 2, 16, 2, 64), device=DEVICE)
+    empty = torch.empty((0, 4 * 64 + 2 * 2 * 64), device=DEVICE)
+    tables = torch.empty((0, 1, 64), device=DEVICE)
+    query = triton_ops.rotate_and_store(empty, tables, tables, kv_cache, torch.empty(0, dtype=torch.int64, device=DEVICE), 4, 2, 64)
+    assert query.shape == (0, 4, 64) and not kv_cache.any()
+
+
+# the interpreter's tl.dot multiplies bfloat16 operands as their raw bits: bfloat16
+# attention is checked on CUDA only (tests/gpu/test_triton_attention.py)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("case", [([1, 1, 1], [5, 16, 31]), ([7, 1, 20], [0, 40, 17])])
+def test_paged_attention_kernel_matches_torch_backend(dtype, case):
+    """The attention kernel over decodes, fresh prefills and chunks with cached
+    context (the GPU suite covers many more shapes, windows and soft-capping)."""
+    from heron.attention.triton_backend import TritonAttentionBackend
+    from tests.gpu.test_triton_attention import make_batch
+
+    query_lens, context_lens = case
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    layout, cache, generator = make_batch(query_lens, context_lens, num_kv_heads, head_dim, dtype, DEVICE, seed=3)
+    spec = AttentionLayerSpec(0, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+    tokens = layout.num_tokens
+    query, key, value = (
+        torch.randn((tokens, heads, head_dim), generator=generator).to(dtype).to(DEVICE)
+        for heads in (num_heads, num_kv_heads, num_kv_heads)
+    )
+    reference_cache = cache.float()
+    backend = TritonAttentionBackend(num_heads // num_kv_heads)
+    got = backend.forward(spec, query, key, value, cache, backend.build_metadata(layout))
+    torch_backend = TorchAttentionBackend()
+    expected = torch_backend.forward(
+        spec, query.float(), key.float(), value.float(), reference_cache, torch_backend.build_metadata(layout)
+    )
+    error = (got.float() - expected).norm() / expected.norm()
+    assert error < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], f"relative error {error:.2e}"
