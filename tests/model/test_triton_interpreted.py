@@ -1,6 +1,7 @@
 """The Triton attention backend end to end on the CPU, in Triton's interpreter
-(tests/conftest.py turns it on where no GPU is present): the fused RoPE +
-cache-write kernel and the paged attention kernel inside the real engine, with
+(tests/conftest.py turns it on where no GPU is present): every fused kernel
+(add + RMSNorm, Q/K norm + RoPE + cache write, SiLU * up) and the paged
+attention kernel inside the real engine, as on CUDA, with
 chunked prefill mixed with decodes, prefix-cache hits and preemption. Greedy
 tokens must be identical to transformers (float32), as on a GPU
 (tests/gpu/test_gpu_model.py checks the compiled kernels and CUDA graphs)."""
@@ -32,7 +33,12 @@ NEW_TOKENS = 10
         ("mistral-sliding-window", dict(num_kv_blocks=9)),  # too few blocks: preemption
     ],
 )
-def test_triton_backend_greedy_matches_transformers(tiny_model_dir, family, settings):
+def test_triton_backend_greedy_matches_transformers(tiny_model_dir, family, settings, monkeypatch):
+    # on CUDA every norm and SiLU goes through the fused kernels too: do so here
+    from heron.models.layers import triton_ops
+
+    for module in ("heron.models.layers.norm", "heron.models.llama"):
+        monkeypatch.setattr(f"{module}.fused_kernels_for", lambda x: triton_ops)
     directory = tiny_model_dir(family)
     llm = LLM(directory, dtype="float32", max_model_len=128, attention_backend="triton", **settings)
     assert llm.engine.engine_core.model_runner.backend.attends_from_cache
