@@ -2,9 +2,12 @@
 run them: a CUDA device when present, otherwise Triton's CPU interpreter (set up
 by tests/conftest.py), so CI checks the kernels' logic without a GPU.
 
-The interpreter rounds float32 -> bfloat16 by truncation where a GPU rounds to
-nearest, so bfloat16 results are compared within a few bfloat16 ulps; float16
-and float32 must agree to the last bits (float32: up to fused multiply-adds).
+The kernels must round where the torch code rounds, so in float16 (and in
+bfloat16 on CUDA) at most 0.5% of elements differ from it, each by one
+ulp; a kernel that skipped one of the torch code's roundings
+differs in percents of its elements. The interpreter rounds float32 ->
+bfloat16 by truncation where a GPU rounds to nearest, so there bfloat16 is
+only checked to be close; float32 agrees within a few ulps.
 """
 
 from __future__ import annotations
@@ -36,8 +39,16 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.dtype == expected.dtype and got.shape == expected.shape
-    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 2e-2}[got.dtype]
-    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    dtype = got.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    elif dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter truncates
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    else:
+        ulp = torch.finfo(dtype).eps  # relative spacing of 1.0; at most one ulp of any value
+        torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=ulp * 1e-2)
+        mismatched = int((got != expected).sum())
+        assert mismatched <= max(1, got.numel() // 200), f"{mismatched} of {got.numel()} elements differ from the torch path"
 
 
 def random(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -70,7 +81,7 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [128, 1000, 2500])
 def test_silu_and_mul(dtype, width):
-    gate_up = random((5, 2 * width), dtype, seed=4, scale=3.0)
+    gate_up = random((16, 2 * width), dtype, seed=4, scale=3.0)
     gate, up = gate_up.split(width, dim=-1)
     assert_close(triton_ops.silu_and_mul(gate_up), F.silu(gate) * up)
     assert triton_ops.silu_and_mul(gate_up[:0]).shape == (0, width)

@@ -38,8 +38,9 @@ class Attention(nn.Module):
         assert self.backend is not None and self.kv_cache is not None, "KV cache not bound"
         spec = self.spec
         num_tokens = qkv.shape[0]
-        kernels = triton_kernels() if self.backend.attends_from_cache else None
-        if kernels is not None and not torch.compiler.is_compiling():
+        fused = self.backend.attends_from_cache and not torch.compiler.is_compiling()
+        kernels = triton_kernels() if fused else None
+        if kernels is not None:
             # one kernel rotates Q and K and writes K/V into the cache; the backend
             # then reads this step's K/V from the cache like the rest of the context
             query = kernels.rotate_and_store(
@@ -50,6 +51,7 @@ class Attention(nn.Module):
                 spec.num_heads,
                 spec.num_kv_heads,
                 spec.head_dim,
+                # Q and K norms of a layer share the model's rms_norm_eps
                 None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps),
             )
             output = self.backend.attend_cached(spec, query, self.kv_cache, metadata)

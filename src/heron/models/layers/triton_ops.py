@@ -14,10 +14,13 @@ with three per layer:
   ~10 (slicing copies, rotary, two cache writes);
 - ``silu_and_mul``: SiLU(gate) * up from the fused gate/up projection.
 
-Each kernel rounds where the torch code it replaces rounds (e.g. a bf16
-``x + residual`` is rounded to bf16 before the norm reads it, the normalized
-row is rounded before the weight multiplies it), so results match the torch
-path up to the last-bit differences of fused multiply-adds and reduction order.
+Each kernel rounds to the activation dtype where the torch code it replaces
+rounds (a bf16 ``x + residual`` before the norm reads it, the normalized row
+before the weight multiplies it, ``x * cos`` before the rotated half is added,
+``silu(gate)`` before ``up`` multiplies it), and divides as IEEE does, so
+float16/bfloat16 results match the torch path but for rare one-ulp flips, and
+float32 ones within a few ulps: reduction order, fused multiply-adds and the
+GPU's approximate ``rsqrt``/``exp`` (torch's CUDA ``rsqrt`` is approximate too).
 The wrappers run wherever Triton can: on CUDA devices, and on the CPU under
 Triton's interpreter (``TRITON_INTERPRET=1``, how the CPU tests check them).
 ``fused.py`` decides when the model calls them.
@@ -33,7 +36,7 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
+    stride_x, stride_r, stride_o, stride_ro, hidden, inv_hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -46,7 +49,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=valid)
     x32 = x.to(tl.float32)
-    variance = tl.sum(x32 * x32, axis=0) / hidden
+    variance = tl.sum(x32 * x32, axis=0) * inv_hidden  # a mean as torch takes it: sum * (1 / n)
     normed = (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=valid, other=0.0)
     out = weight.to(tl.float32) * normed.to(tl.float32)
@@ -74,7 +77,7 @@ def _rotate_and_store_kernel(
     x1 = tl.load(row + dims, mask=valid, other=0.0).to(tl.float32)
     x2 = tl.load(row + half + dims, mask=valid, other=0.0).to(tl.float32)
     if HAS_QK_NORM:  # RMSNorm over the head (Qwen3), rounded as the torch module rounds
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * (1.0 / HEAD_DIM) + eps)
         if head < NUM_HEADS:
             w1 = tl.load(q_norm_ptr + dims, mask=valid, other=0.0).to(tl.float32)
             w2 = tl.load(q_norm_ptr + half + dims, mask=valid, other=0.0).to(tl.float32)
@@ -115,7 +118,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, width, BLOCK: tl.co
     valid = cols < width
     gate = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + cols, mask=valid, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    activated = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (activated * up).to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -145,7 +148,7 @@ def rms_norm(
         residual_out if residual_out is not None else out,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0) if residual_out is not None else 0,
-        hidden, eps,
+        hidden, 1.0 / hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps_for(block),
     )
     return out, residual_out
