@@ -1,6 +1,9 @@
 """Where a decode step's time goes on the GPU: host phases vs device time.
 
-    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--no-async-scheduling]
+    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--no-async-scheduling] [--kernels]
+
+``--kernels`` also lists the GPU kernels of a step (CUPTI sees inside CUDA
+graphs): how many run per step and which take the device's time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ def main() -> None:
     parser.add_argument("--model-dir", default="/tmp/llama-1b-random")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--kernels", action="store_true", help="also profile the device kernels of a step")
     args = parser.parse_args()
     build_model(args.model_dir)
     llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
@@ -45,8 +49,25 @@ def main() -> None:
         table = {e.key: e.cpu_time_total / 30 / 1000 for e in prof.key_averages() if e.key in names}
         print(f"batch {batch}: {per_step:.2f} ms per LLMEngine.step; host ms per phase: "
               + ", ".join(f"{k} {table.get(k, 0):.2f}" for k in names), flush=True)
+        if args.kernels:
+            print_kernels(engine, batch)
         for index in range(batch):
             engine.abort_request(f"p{batch}-{index}")
+
+
+def print_kernels(engine, batch: int, steps: int = 20, top: int = 15) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    launches = sum(e.count for e in kernels) / steps
+    device_ms = sum(e.device_time_total for e in kernels) / steps / 1000
+    print(f"batch {batch}: {launches:.0f} kernels per step, {device_ms:.2f} ms of kernel time per step")
+    for e in kernels[:top]:
+        print(f"  {e.device_time_total / steps / 1000:7.3f} ms  {e.count / steps:6.1f}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":
