@@ -53,19 +53,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (32, 8, 128), (16, 2, 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kernel_matches_torch_backend(cuda, case, num_heads, num_kv_heads, head_dim, dtype):
+def check_against_torch_backend(device, query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """The Triton backend's output and cache writes against the torch backend's
+    (float32) on one ragged batch."""
     from heron.attention.triton_backend import TritonAttentionBackend
 
-    query_lens, context_lens = CASES[case]
-    layout, cache, generator = make_batch(query_lens, context_lens, num_kv_heads, head_dim, dtype, cuda, seed=case)
+    layout, cache, generator = make_batch(query_lens, context_lens, num_kv_heads, head_dim, dtype, device, seed=seed)
     spec = AttentionLayerSpec(0, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
     tokens = layout.num_tokens
-    query = torch.randn((tokens, num_heads, head_dim), generator=generator).to(dtype).to(cuda)
-    key = torch.randn((tokens, num_kv_heads, head_dim), generator=generator).to(dtype).to(cuda)
-    value = torch.randn((tokens, num_kv_heads, head_dim), generator=generator).to(dtype).to(cuda)
+    query = torch.randn((tokens, num_heads, head_dim), generator=generator).to(dtype).to(device)
+    key = torch.randn((tokens, num_kv_heads, head_dim), generator=generator).to(dtype).to(device)
+    value = torch.randn((tokens, num_kv_heads, head_dim), generator=generator).to(dtype).to(device)
     reference_cache = cache.float()  # a float32 copy, written by the reference path
     triton_backend = TritonAttentionBackend(num_heads // num_kv_heads)
     got = triton_backend.forward(spec, query, key, value, cache, triton_backend.build_metadata(layout))
@@ -80,19 +78,30 @@ def test_kernel_matches_torch_backend(cuda, case, num_heads, num_kv_heads, head_
     assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("window, softcap", [(24, None), (None, 30.0), (7, 5.0)])
-def test_sliding_window_and_softcap(cuda, window, softcap):
+def check_window_and_softcap(device, window, softcap):
     from heron.attention.triton_backend import TritonAttentionBackend
 
-    layout, cache, generator = make_batch([1, 40, 9], [70, 0, 33], 2, 64, torch.float32, cuda, seed=9)
+    layout, cache, generator = make_batch([1, 40, 9], [70, 0, 33], 2, 64, torch.float32, device, seed=9)
     spec = AttentionLayerSpec(0, 8, 2, 64, 0.125, sliding_window=window, logits_soft_cap=softcap)
     tokens = layout.num_tokens
-    query = torch.randn((tokens, 8, 64), generator=generator).to(cuda) * 3
-    key = torch.randn((tokens, 2, 64), generator=generator).to(cuda)
-    value = torch.randn((tokens, 2, 64), generator=generator).to(cuda)
+    query = torch.randn((tokens, 8, 64), generator=generator).to(device) * 3
+    key = torch.randn((tokens, 2, 64), generator=generator).to(device)
+    value = torch.randn((tokens, 2, 64), generator=generator).to(device)
     reference_cache = cache.clone()
     triton_backend = TritonAttentionBackend(4)
     got = triton_backend.forward(spec, query, key, value, cache, triton_backend.build_metadata(layout))
     torch_backend = TorchAttentionBackend()
     expected = torch_backend.forward(spec, query, key, value, reference_cache, torch_backend.build_metadata(layout))
     assert ((got - expected).norm() / expected.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (32, 8, 128), (16, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_matches_torch_backend(cuda, case, num_heads, num_kv_heads, head_dim, dtype):
+    check_against_torch_backend(cuda, *CASES[case], num_heads, num_kv_heads, head_dim, dtype, seed=case)
+
+
+@pytest.mark.parametrize("window, softcap", [(24, None), (None, 30.0), (7, 5.0)])
+def test_sliding_window_and_softcap(cuda, window, softcap):
+    check_window_and_softcap(cuda, window, softcap)

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from heron.attention.backend import AttentionLayerSpec
-from heron.attention.torch_backend import TorchAttentionBackend
 from heron.models.layers.attention import split_and_rotate
 from heron.models.layers.norm import RMSNorm
 from heron.models.layers.rotary import RotaryEmbedding
@@ -131,30 +130,18 @@ def test_rotate_and_store_takes_no_tokens():
 
 
 # the interpreter's tl.dot multiplies bfloat16 operands as their raw bits: bfloat16
-# attention is checked on CUDA only (tests/gpu/test_triton_attention.py)
+# attention is checked on CUDA only (tests/gpu/test_triton_attention.py, many more shapes)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("case", [([1, 1, 1], [5, 16, 31]), ([7, 1, 20], [0, 40, 17])])
 def test_paged_attention_kernel_matches_torch_backend(dtype, case):
-    """The attention kernel over decodes, fresh prefills and chunks with cached
-    context (the GPU suite covers many more shapes, windows and soft-capping)."""
-    from heron.attention.triton_backend import TritonAttentionBackend
-    from tests.gpu.test_triton_attention import make_batch
+    """The attention kernel over decodes, fresh prefills and chunks with cached context."""
+    from tests.gpu.test_triton_attention import check_against_torch_backend
 
-    query_lens, context_lens = case
-    num_heads, num_kv_heads, head_dim = 6, 2, 64
-    layout, cache, generator = make_batch(query_lens, context_lens, num_kv_heads, head_dim, dtype, DEVICE, seed=3)
-    spec = AttentionLayerSpec(0, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
-    tokens = layout.num_tokens
-    query, key, value = (
-        torch.randn((tokens, heads, head_dim), generator=generator).to(dtype).to(DEVICE)
-        for heads in (num_heads, num_kv_heads, num_kv_heads)
-    )
-    reference_cache = cache.float()
-    backend = TritonAttentionBackend(num_heads // num_kv_heads)
-    got = backend.forward(spec, query, key, value, cache, backend.build_metadata(layout))
-    torch_backend = TorchAttentionBackend()
-    expected = torch_backend.forward(
-        spec, query.float(), key.float(), value.float(), reference_cache, torch_backend.build_metadata(layout)
-    )
-    error = (got.float() - expected).norm() / expected.norm()
-    assert error < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], f"relative error {error:.2e}"
+    check_against_torch_backend(DEVICE, *case, 6, 2, 64, dtype, seed=3)
+
+
+@pytest.mark.parametrize("window, softcap", [(24, None), (7, 5.0)])
+def test_paged_attention_kernel_window_and_softcap(window, softcap):
+    from tests.gpu.test_triton_attention import check_window_and_softcap
+
+    check_window_and_softcap(DEVICE, window, softcap)
