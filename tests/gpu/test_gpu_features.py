@@ -3,8 +3,10 @@ speculative decoding (n-gram and draft model), structured output, async
 scheduling and ``torch.compile`` — greedy float32 output token-identical to
 transformers, constrained output valid.
 
-``HERON_TEST_DEVICE=cpu`` runs these on the CPU (torch backend, no graphs) to
-check the tests themselves where no GPU is present."""
+``HERON_TEST_DEVICE=cpu`` runs these on the CPU (no graphs) to check the tests
+themselves where no GPU is present: with the torch attention backend, or with
+``HERON_TEST_ATTENTION_BACKEND=triton`` with heron's Triton kernels in Triton's
+CPU interpreter."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.gpu.conftest import byte_level_tokenizer, word_tokenizer
 pytestmark = pytest.mark.gpu
 
 DEVICE = os.environ.get("HERON_TEST_DEVICE", "cuda")
+ATTENTION_BACKEND = os.environ.get("HERON_TEST_ATTENTION_BACKEND", "auto")
 VOCAB = 512
 NEW_TOKENS = 16
 
@@ -78,7 +81,8 @@ def looping_prompts(reference) -> list[list[int]]:
 
 
 def _llm(directory: str, **kwargs) -> LLM:
-    return LLM(directory, dtype="float32", device=DEVICE, **{"max_model_len": 256, **kwargs})
+    return LLM(directory, dtype="float32", device=DEVICE, attention_backend=ATTENTION_BACKEND,
+               **{"max_model_len": 256, **kwargs})
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
