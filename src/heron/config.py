@@ -223,7 +223,7 @@ class EngineConfig:
         tokenizer: str | None = None,
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
@@ -272,6 +272,10 @@ class EngineConfig:
                 f"max_model_len={max_model_len} is larger than the model's maximum "
                 f"context length ({model_max_len})"
             )
+        if max_num_seqs is None:
+            # a GPU step reads the weights once for the whole batch: wide batches are
+            # nearly free there (vLLM's default is 256 too); a CPU step's cost grows with it
+            max_num_seqs = 256 if resolved_device.type == "cuda" else 64
         if max_num_batched_tokens is None:
             # Serving on a CPU: the budget bounds how long running decodes wait behind
             # a new prompt; a 512-token step takes about a second and keeps 95% of the

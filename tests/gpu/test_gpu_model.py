@@ -79,3 +79,10 @@ def test_bf16_agrees_on_first_tokens(tiny_llama):
         assert first in top_bf16 and abs(top_bf16[first] - a.outputs[0].logprobs[0][first].logprob) < 0.1
         if top_fp32[0].logprob - top_fp32[1].logprob > 0.1:  # a clear winner must win in bf16 too
             assert b.outputs[0].token_ids[0] == first
+
+
+def test_cuda_defaults(tiny_llama):
+    from heron.config import EngineConfig
+
+    config = EngineConfig.create(tiny_llama, device="cuda", usage="serve")
+    assert config.scheduler.max_num_seqs == 256 and config.scheduler.max_num_batched_tokens == 2048

@@ -30,7 +30,7 @@ class LLM:
         tokenizer: str | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,

@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None, help="model name reported by the API")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per step (default: 256 on CUDA, 64 on CPU)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
