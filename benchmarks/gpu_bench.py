@@ -6,7 +6,8 @@ Measures, on the device it runs on:
 * the HBM floor of one decode step: weight bytes / measured device copy bandwidth;
 * decode inter-token latency at batch 1 and 64, with CUDA graphs (async
   scheduling on, the default, and off) and eager; and at batch 64 with
-  top-k/top-p sampling (a host sync in the sampler would show here);
+  top-k/top-p sampling (a host sync in the sampler would show here), and at
+  batch 1 after a 1,700-token prompt (how attention scales with context);
 * offline throughput (256 requests, input 128-1024, output 128-512, ignore_eos)
   for heron and for Hugging Face transformers (its continuous-batching
   ``generate_batch`` when present, else length-sorted padded batches).
@@ -222,6 +223,8 @@ def main() -> None:
         save()
         if mode == "cuda_graphs":
             report["itl_batch64_ms_sampled"] = decode_itl(llm, 64, temperature=0.8, top_p=0.95, top_k=50) * 1000
+            # a long context at batch 1: the attention grid is (sequences x KV heads), 8 programs here
+            report["itl_batch1_ctx1700_ms"] = decode_itl(llm, 1, prompt_len=1700, steps=128) * 1000
         if mode.startswith("cuda_graphs"):
             report[f"heron_throughput_{mode}"] = heron_throughput(llm)
             save()
