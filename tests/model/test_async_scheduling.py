@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from heron import LLM, SamplingParams
+from heron.worker.input_batch import PendingInputIds
 from tests.model.conftest import load_reference, random_prompts, reference_greedy
 
 NEW_TOKENS = 12
@@ -29,14 +30,26 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     dict(num_kv_blocks=64, max_num_batched_tokens=24),  # chunked prefill mixed with decodes
     dict(num_kv_blocks=12, block_size=8, max_model_len=96),  # too small: preemption
 ])
-def test_greedy_matches_transformers(llama, situation):
+def test_greedy_matches_transformers(llama, situation, monkeypatch):
     directory, prompts, expected = llama
     llm = LLM(directory, dtype="float32", **{"max_model_len": 128, **situation}, async_scheduling=True)
     core = llm.engine.engine_core
     assert core.async_scheduling
+    written = {"in order": 0, "indexed": 0}  # how the in-flight step's tokens reached the inputs
+    write_into = PendingInputIds.write_into
+
+    def counting_write_into(pending, input_ids):
+        written["in order" if pending.positions is None else "indexed"] += 1
+        write_into(pending, input_ids)
+
+    monkeypatch.setattr(PendingInputIds, "write_into", counting_write_into)
     for _ in range(2):  # the second round starts from prefix-cache hits
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
+    # steady decoding takes the shortcut; decodes mixed with prompt chunks take the index path
+    assert written["in order"] > 0
+    if "max_num_batched_tokens" in situation:
+        assert written["indexed"] > 0
     if "block_size" in situation:
         assert core.scheduler.num_preemptions > 0
     # a stop found a step late leaks no token; max_tokens is exact

@@ -20,6 +20,7 @@ import torch
 
 from heron.attention.backend import BatchLayout
 from heron.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
+from heron.worker.input_batch import PendingInputIds
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +115,10 @@ class DecodeGraphRunner:
         layout: BatchLayout,
         input_ids: np.ndarray,
         positions: np.ndarray,
-        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pending: PendingInputIds | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` of a decode-only batch of ``B`` requests;
-        ``pending`` = (rows, token ids on the device) overrides those input ids."""
+        ``pending`` (token ids on the device) overrides some of those input ids."""
         num_reqs = layout.num_reqs
         bucket = self.bucket_for(num_reqs)
         assert bucket is not None
@@ -139,7 +140,7 @@ class DecodeGraphRunner:
         device_rows = self._device_staging.view(5, -1)
         self.input_ids[:bucket].copy_(device_rows[0, :bucket])
         if pending is not None:
-            self.input_ids.index_copy_(0, *pending)
+            pending.write_into(self.input_ids)
         self.positions[:bucket].copy_(device_rows[1, :bucket])
         self.slot_mapping[:bucket].copy_(device_rows[2, :bucket])
         self.seq_lens[:bucket].copy_(device_rows[3, :bucket])

@@ -161,6 +161,23 @@ def _add_logit_bias_and_bans(
         )
 
 
+@dataclass(frozen=True)
+class PendingInputIds:
+    """Input ids sampled by the step still in flight, on the device (async
+    scheduling): ``token_ids[i]`` goes to flat position ``positions[i]``, or to
+    position ``i`` when ``positions`` is None: the common case of a decode batch in
+    the same order as the step before, which needs no index copied to the device."""
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        if self.positions is None:
+            input_ids[: self.token_ids.shape[0]].copy_(self.token_ids)
+        else:
+            input_ids.index_copy_(0, self.positions, self.token_ids)
+
+
 def on_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values (a list or a numpy array) as a device tensor. The copy does not
     wait for the device: a blocking host-to-device copy waits for all queued

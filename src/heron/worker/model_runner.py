@@ -25,7 +25,7 @@ from heron.profiling import phase
 from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
-from heron.worker.input_batch import CachedRequestState, build_sampling_metadata, on_device
+from heron.worker.input_batch import CachedRequestState, PendingInputIds, build_sampling_metadata, on_device
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
 from heron.worker.spec_verify import verify_drafts
@@ -238,7 +238,7 @@ class ModelRunner:
         with phase("forward"):
             input_ids = on_device(step.input_ids, torch.int64, self.device)
             if pending is not None:
-                input_ids.index_copy_(0, *pending)
+                pending.write_into(input_ids)
             hidden = self.model(
                 input_ids,
                 on_device(step.positions, torch.int64, self.device),
@@ -247,15 +247,18 @@ class ModelRunner:
         with phase("sample"):
             return self._sample(step, hidden, None, structured, defer_output)
 
-    def _pending_token_ids(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(flat positions, token ids) of the input ids sampled by the step in
-        flight, all on the device: no wait for that step."""
+    def _pending_token_ids(self, step: StepInputs) -> PendingInputIds | None:
+        """The input ids sampled by the step in flight, with their flat positions,
+        all on the device: no wait for that step."""
         if not step.pending_positions:
             return None
         assert self._last_sampled is not None
+        count = len(step.pending_rows)
+        if step.pending_rows == step.pending_positions == list(range(count)):
+            return PendingInputIds(self._last_sampled[:count])  # the same decodes, in the same order
         rows = on_device(step.pending_rows, torch.int64, self.device)
         positions = on_device(step.pending_positions, torch.int64, self.device)
-        return positions, self._last_sampled.index_select(0, rows)
+        return PendingInputIds(self._last_sampled.index_select(0, rows), positions)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         request_ids = list(scheduler_output.num_scheduled_tokens)
