@@ -9,8 +9,10 @@ across the group. It walks the request's pages through the block table in tiles
 of ``TILE_N`` keys, with an online softmax (flash-attention style) in float32.
 
 The work list (which request and which query tile each program takes) is built
-on the host once per step; every layer reuses it. K/V of the step are written into
-their slots with ``index_copy_`` before the kernel runs.
+on the host once per step; every layer reuses it. The kernel reads this step's
+K/V from the cache too: the model writes them there first, fused with RoPE
+(``models/layers/triton_ops.rotate_and_store``), or ``forward`` stores them with
+``index_copy_`` (torch.compile, callers with ready K/V).
 """
 
 from __future__ import annotations
