@@ -8,6 +8,8 @@ Measures, on the device it runs on:
   scheduling on, the default, and off) and eager; and at batch 64 with
   top-k/top-p sampling (a host sync in the sampler would show here), and at
   batch 1 after a 1,700-token prompt (how attention scales with context);
+* batch 1 at both context lengths without split-KV decode attention
+  (``HERON_ATTENTION_MAX_KV_SPLITS=1``), as a ratio;
 * offline throughput (256 requests, input 128-1024, output 128-512, ignore_eos)
   for heron and for Hugging Face transformers (its continuous-batching
   ``generate_batch`` when present, else length-sorted padded batches).
@@ -189,8 +191,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--hf-time-limit", type=float, default=150.0)
     parser.add_argument("--hf-only", action="store_true", help="measure transformers only")
-    parser.add_argument("--modes", default="cuda_graphs,cuda_graphs_sync,eager",
-                        help="comma-separated: cuda_graphs (async scheduling), cuda_graphs_sync, eager")
+    parser.add_argument("--modes", default="cuda_graphs,cuda_graphs_sync,eager,no_split_kv",
+                        help="comma-separated: cuda_graphs (async scheduling), cuda_graphs_sync, eager, "
+                             "no_split_kv (cuda_graphs without split-KV decode attention: batch 1 only)")
     args = parser.parse_args()
     report: dict = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -215,10 +218,20 @@ def main() -> None:
         "cuda_graphs": dict(enforce_eager=False, async_scheduling=True),  # the CUDA default
         "cuda_graphs_sync": dict(enforce_eager=False, async_scheduling=False),
         "eager": dict(enforce_eager=True, async_scheduling=True),
+        "no_split_kv": dict(enforce_eager=False, async_scheduling=True),
     }
     for mode in args.modes.split(","):
+        if mode == "no_split_kv":
+            os.environ["HERON_ATTENTION_MAX_KV_SPLITS"] = "1"
         llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=256, **modes[mode])
+        os.environ.pop("HERON_ATTENTION_MAX_KV_SPLITS", None)
         report[f"itl_batch1_ms_{mode}"] = decode_itl(llm, 1) * 1000
+        if mode == "no_split_kv":  # split-KV only changes decode steps of few sequences
+            report["itl_batch1_ctx1700_ms_no_split_kv"] = decode_itl(llm, 1, prompt_len=1700, steps=128) * 1000
+            save()
+            del llm
+            torch.cuda.empty_cache()
+            continue
         report[f"itl_batch64_ms_{mode}"] = decode_itl(llm, 64) * 1000
         save()
         if mode == "cuda_graphs":
@@ -231,6 +244,13 @@ def main() -> None:
         del llm
         torch.cuda.empty_cache()
     report["heron_throughput"] = report.get("heron_throughput_cuda_graphs")
+    split_kv_pairs = {  # case -> (ITL with split-KV decode, without)
+        "batch1": ("itl_batch1_ms_cuda_graphs", "itl_batch1_ms_no_split_kv"),
+        "batch1_ctx1700": ("itl_batch1_ctx1700_ms", "itl_batch1_ctx1700_ms_no_split_kv"),
+    }
+    for case, (split, unsplit) in split_kv_pairs.items():
+        if report.get(split) and report.get(unsplit):
+            report[f"split_kv_speedup_{case}"] = report[unsplit] / report[split]
     for batch in (1, 64):
         graphs = report.get(f"itl_batch{batch}_ms_cuda_graphs")
         if graphs and f"itl_batch{batch}_ms_eager" in report:

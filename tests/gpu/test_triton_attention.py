@@ -1,7 +1,8 @@
 """The Triton paged-attention kernel against the torch backend (itself checked
 against transformers) over ragged mixed batches: prefill chunks with and without
 cached context, decodes, block boundaries, GQA groups, head sizes, dtypes,
-sliding windows and soft-capping."""
+sliding windows and soft-capping; and split-KV decode (keys split into spans
+whose outputs a second kernel merges)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,19 @@ CASES = [
 ]
 
 
-def check_against_torch_backend(device, query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype, seed):
+def triton_metadata(backend, layout, kv_splits: int):
+    """The backend's metadata, splitting decode-only batches' keys into exactly
+    ``kv_splits`` spans whatever the device's size (1: never split)."""
+    metadata = backend.build_metadata(layout)
+    if kv_splits > 1:
+        assert metadata.max_kv_splits == kv_splits, "split-KV applies to decode-only batches"
+        metadata.num_sms = 1 << 30
+    return metadata
+
+
+def check_against_torch_backend(
+    device, query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype, seed, kv_splits=1
+):
     """The Triton backend's output and cache writes against the torch backend's
     (float32) on one ragged batch."""
     from heron.attention.triton_backend import TritonAttentionBackend
@@ -65,8 +78,8 @@ def check_against_torch_backend(device, query_lens, context_lens, num_heads, num
     key = torch.randn((tokens, num_kv_heads, head_dim), generator=generator).to(dtype).to(device)
     value = torch.randn((tokens, num_kv_heads, head_dim), generator=generator).to(dtype).to(device)
     reference_cache = cache.float()  # a float32 copy, written by the reference path
-    triton_backend = TritonAttentionBackend(num_heads // num_kv_heads)
-    got = triton_backend.forward(spec, query, key, value, cache, triton_backend.build_metadata(layout))
+    triton_backend = TritonAttentionBackend(num_heads // num_kv_heads, max_kv_splits=kv_splits)
+    got = triton_backend.forward(spec, query, key, value, cache, triton_metadata(triton_backend, layout, kv_splits))
     torch_backend = TorchAttentionBackend()
     expected = torch_backend.forward(spec, query.float(), key.float(), value.float(), reference_cache,
                                      torch_backend.build_metadata(layout))
@@ -78,18 +91,18 @@ def check_against_torch_backend(device, query_lens, context_lens, num_heads, num
     assert torch.isfinite(got).all()
 
 
-def check_window_and_softcap(device, window, softcap):
+def check_window_and_softcap(device, window, softcap, query_lens=(1, 40, 9), context_lens=(70, 0, 33), kv_splits=1):
     from heron.attention.triton_backend import TritonAttentionBackend
 
-    layout, cache, generator = make_batch([1, 40, 9], [70, 0, 33], 2, 64, torch.float32, device, seed=9)
+    layout, cache, generator = make_batch(query_lens, context_lens, 2, 64, torch.float32, device, seed=9)
     spec = AttentionLayerSpec(0, 8, 2, 64, 0.125, sliding_window=window, logits_soft_cap=softcap)
     tokens = layout.num_tokens
     query = torch.randn((tokens, 8, 64), generator=generator).to(device) * 3
     key = torch.randn((tokens, 2, 64), generator=generator).to(device)
     value = torch.randn((tokens, 2, 64), generator=generator).to(device)
     reference_cache = cache.clone()
-    triton_backend = TritonAttentionBackend(4)
-    got = triton_backend.forward(spec, query, key, value, cache, triton_backend.build_metadata(layout))
+    triton_backend = TritonAttentionBackend(4, max_kv_splits=kv_splits)
+    got = triton_backend.forward(spec, query, key, value, cache, triton_metadata(triton_backend, layout, kv_splits))
     torch_backend = TorchAttentionBackend()
     expected = torch_backend.forward(spec, query, key, value, reference_cache, torch_backend.build_metadata(layout))
     assert ((got - expected).norm() / expected.norm()) < 1e-5
@@ -105,3 +118,21 @@ def test_kernel_matches_torch_backend(cuda, case, num_heads, num_kv_heads, head_
 @pytest.mark.parametrize("window, softcap", [(24, None), (None, 30.0), (7, 5.0)])
 def test_sliding_window_and_softcap(cuda, window, softcap):
     check_window_and_softcap(cuda, window, softcap)
+
+
+# decodes whose keys span many tiles, a few tiles, or less than one (empty spans)
+SPLIT_CASES = [([1, 1, 1, 1], [5, 16, 31, 200]), ([1, 1], [1000, 64 * 16 + 3])]
+
+
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+@pytest.mark.parametrize("kv_splits", [2, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(32, 8, 64), (16, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_kv_decode_matches_torch_backend(cuda, case, kv_splits, num_heads, num_kv_heads, head_dim, dtype):
+    check_against_torch_backend(cuda, *SPLIT_CASES[case], num_heads, num_kv_heads, head_dim, dtype, seed=case,
+                                kv_splits=kv_splits)
+
+
+@pytest.mark.parametrize("window, softcap", [(24, None), (300, 5.0)])
+def test_split_kv_decode_window_and_softcap(cuda, window, softcap):
+    check_window_and_softcap(cuda, window, softcap, query_lens=(1, 1, 1), context_lens=(70, 900, 5), kv_splits=4)

@@ -1,7 +1,7 @@
 """The Triton attention backend end to end on the CPU, in Triton's interpreter
 (tests/conftest.py turns it on where no GPU is present): every fused kernel
 (add + RMSNorm, Q/K norm + RoPE + cache write, SiLU * up) and the paged
-attention kernel inside the real engine, as on CUDA, with
+attention kernel (split-KV decode included) inside the real engine, as on CUDA, with
 chunked prefill mixed with decodes, prefix-cache hits and preemption. Greedy
 tokens must be identical to transformers (float32), as on a GPU
 (tests/gpu/test_gpu_model.py checks the compiled kernels and CUDA graphs)."""
@@ -37,8 +37,18 @@ def test_triton_backend_greedy_matches_transformers(tiny_model_dir, family, sett
     # on CUDA every norm and SiLU goes through the fused kernels too: do so here
     from heron.models.layers import triton_ops
 
+    from heron.attention import triton_backend
+
     for module in ("heron.models.layers.norm", "heron.models.llama"):
         monkeypatch.setattr(f"{module}.fused_kernels_for", lambda x: triton_ops)
+    splits_used = []  # decode-only steps of few requests split their keys (the interpreter's stand-in device is small)
+    real_choose_kv_splits = triton_backend.choose_kv_splits
+
+    def choose_kv_splits(*args: int) -> int:
+        splits_used.append(real_choose_kv_splits(*args))
+        return splits_used[-1]
+
+    monkeypatch.setattr(triton_backend, "choose_kv_splits", choose_kv_splits)
     directory = tiny_model_dir(family)
     llm = LLM(directory, dtype="float32", max_model_len=128, attention_backend="triton", **settings)
     assert llm.engine.engine_core.model_runner.backend.attends_from_cache
@@ -56,3 +66,4 @@ def test_triton_backend_greedy_matches_transformers(tiny_model_dir, family, sett
         assert [output.outputs[0].token_ids for output in again] == expected[1:3]
         assert all(output.num_cached_tokens > 0 for output in again)
     scheduler.kv_cache_manager.check_integrity()
+    assert max(splits_used) > 1 and min(splits_used) == 1

@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("triton")
 
 INDEX_POINTERS = {"slot_ptr": "i64", "block_table_ptr": "i32", "seq_lens_ptr": "i32",
-                  "query_start_loc_ptr": "i32", "work_seq_ptr": "i32", "work_q_ptr": "i32"}
+                  "query_start_loc_ptr": "i32", "work_seq_ptr": "i32", "work_q_ptr": "i32",
+                  "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32"}
 FLOAT_SCALARS = {"eps", "inv_hidden", "scale", "softcap"}
 
 
@@ -54,12 +55,15 @@ def main() -> None:
             compile_for_hopper(triton_ops._rotate_and_store_kernel, dtype, 1, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
                                HEAD_DIM=head_dim, HALF_PADDED=1 << (head_dim // 2 - 1).bit_length(), HAS_QK_NORM=qk_norm)
         compile_for_hopper(triton_ops._silu_and_mul_kernel, dtype, triton_ops._warps_for(1024), BLOCK=1024)
-        for group, head_dim, block_q in ((4, 64, 4), (4, 128, 16), (1, 64, 64)):
+        for group, head_dim, block_q, splits in ((4, 64, 4, 1), (4, 128, 16, 1), (1, 64, 64, 1), (4, 64, 4, 16)):
             compile_for_hopper(
                 triton_backend._paged_attention_kernel, dtype, 4, GROUP=group, BLOCK_SIZE=16, HEAD_DIM=head_dim,
                 HEAD_DIM_PADDED=head_dim, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * group), TILE_N=64,
-                USE_SOFTCAP=False, USE_WINDOW=True, IEEE=dtype == "fp32",
+                USE_SOFTCAP=False, USE_WINDOW=True, IEEE=dtype == "fp32", NUM_SPLITS=splits,
             )
+        for splits, head_dim in ((2, 64), (16, 128), (16, 80)):
+            compile_for_hopper(triton_backend._merge_kv_splits_kernel, dtype, 1, NUM_SPLITS=splits,
+                               HEAD_DIM=head_dim, HEAD_DIM_PADDED=1 << (head_dim - 1).bit_length())
     print("compiled")
 
 

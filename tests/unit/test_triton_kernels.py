@@ -145,3 +145,29 @@ def test_paged_attention_kernel_window_and_softcap(window, softcap):
     from tests.gpu.test_triton_attention import check_window_and_softcap
 
     check_window_and_softcap(DEVICE, window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_splits", [2, 16])
+def test_split_kv_decode_matches_torch_backend(dtype, kv_splits):
+    """Decodes with their keys split into spans: long contexts, short ones
+    (empty spans), and a span ending mid-block."""
+    from tests.gpu.test_triton_attention import check_against_torch_backend
+
+    check_against_torch_backend(DEVICE, [1, 1, 1], [5, 300, 64 * 3 + 7], 6, 2, 64, dtype, seed=4, kv_splits=kv_splits)
+
+
+def test_split_kv_decode_window_and_softcap():
+    from tests.gpu.test_triton_attention import check_window_and_softcap
+
+    check_window_and_softcap(DEVICE, 100, 5.0, query_lens=(1, 1, 1), context_lens=(70, 400, 5), kv_splits=4)
+
+
+def test_kv_splits_fill_one_wave():
+    from heron.attention.triton_backend import choose_kv_splits
+
+    assert choose_kv_splits(8, 132, 16) == 16  # Llama-3.2-1B, batch 1, on an H100
+    assert choose_kv_splits(64, 132, 16) == 2
+    assert choose_kv_splits(128, 132, 16) == 1  # already fills the device
+    assert choose_kv_splits(8, 132, 1) == 1  # turned off
+    assert choose_kv_splits(8, 132, 4) == 4

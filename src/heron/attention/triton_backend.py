@@ -8,6 +8,15 @@ of the KV head's group) pairs, so grouped-query attention shares each K/V load
 across the group. It walks the request's pages through the block table in tiles
 of ``TILE_N`` keys, with an online softmax (flash-attention style) in float32.
 
+Split-KV decode ("flash decoding"): a decode-only step with few sequences gives
+the kernel few programs (sequences x KV heads: 8 for Llama-3.2-1B at batch 1),
+so a long context is walked by a handful of SMs while the rest idle. There the
+keys are split into up to ``max_kv_splits`` contiguous spans, one program each;
+every program writes its span's normalised output and log-sum-exp in float32,
+and a second kernel merges the spans. The number of splits depends only on the
+batch's shape (not on its lengths), so a CUDA graph captured for a batch bucket
+stays valid; a span of a short sequence may be empty, and then adds nothing.
+
 The work list (which request and which query tile each program takes) is built
 on the host once per step; every layer reuses it. The kernel reads this step's
 K/V from the cache too: the model writes them there first, fused with RoPE
@@ -45,14 +54,17 @@ if triton is not None:
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         block_table_ptr, seq_lens_ptr, query_start_loc_ptr, work_seq_ptr, work_q_ptr,
+        partial_out_ptr, partial_lse_ptr,
         scale, softcap, sliding_window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
-        # BLOCK_M >= BLOCK_Q * GROUP rows (a power of two); the extra rows are masked
+        # BLOCK_M >= BLOCK_Q * GROUP rows (a power of two); the extra rows are masked.
+        # NUM_SPLITS > 1: program (work, kv head, split) covers one span of the keys and
+        # writes partial_out[token, head, split, :] (normalised) and partial_lse[token, head, split]
         work = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq = tl.load(work_seq_ptr + work)
@@ -85,6 +97,11 @@ if triton is not None:
         if USE_WINDOW:
             kv_start = tl.maximum(0, context_len + q_tile - sliding_window + 1)
             kv_start = (kv_start // TILE_N) * TILE_N
+        if NUM_SPLITS > 1:  # this program's span: whole tiles, so spans never share a tile
+            split = tl.program_id(2)
+            span = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+            kv_start = kv_start + split * span
+            kv_end = tl.minimum(kv_end, kv_start + span)
         for start_n in range(kv_start, kv_end, TILE_N):
             offs_n = start_n + tl.arange(0, TILE_N)
             n_valid = offs_n < kv_end
@@ -124,11 +141,41 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + (q_start + q_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None] & dim_valid[None, :],
-        )
+        if NUM_SPLITS > 1:
+            num_heads = tl.num_programs(1) * GROUP
+            partial = ((q_start + q_index) * num_heads + head) * NUM_SPLITS + tl.program_id(2)
+            tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc,
+                     mask=row_valid[:, None] & dim_valid[None, :])
+            # an empty span (or one the mask hides entirely) weighs nothing in the merge
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+            tl.store(partial_lse_ptr + partial, lse, mask=row_valid)
+        else:
+            tl.store(
+                out_ptr + (q_start + q_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=row_valid[:, None] & dim_valid[None, :],
+            )
+
+    @triton.jit
+    def _merge_kv_splits_kernel(
+        out_ptr, partial_out_ptr, partial_lse_ptr, stride_ot, stride_oh,
+        NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    ):
+        """out[token, head] = the spans' outputs weighted by their softmax mass."""
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        partial = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+        lse = tl.load(partial_lse_ptr + partial)
+        top = tl.max(lse, 0)
+        weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty spans: 0
+        dims = tl.arange(0, HEAD_DIM_PADDED)
+        dim_valid = dims < HEAD_DIM
+        spans = tl.load(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], mask=dim_valid[None, :],
+                        other=0.0)
+        total = tl.sum(weight, 0)
+        merged = tl.sum(spans * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty),
+                 mask=dim_valid)
 
 
 @dataclass
@@ -141,6 +188,34 @@ class TritonAttentionMetadata:
     work_q: torch.Tensor  # [W] int32: first query index of the tile
     block_q: int  # query tokens per tile (per program)
     block_size: int
+    max_kv_splits: int = 1  # > 1 only for decode-only steps (see choose_kv_splits)
+    num_sms: int = 1  # programs the device runs at once, about: its SM count
+
+
+DEFAULT_MAX_KV_SPLITS = 16
+INTERPRETER_SMS = 8  # a small stand-in device, so the interpreted tests split at small batches
+
+
+def choose_kv_splits(programs: int, num_sms: int, max_kv_splits: int) -> int:
+    """Spans per decode's keys: the largest power of two (at most ``max_kv_splits``)
+    for which the split grid still fits in one wave of ``num_sms`` programs; 1 when
+    the unsplit grid already fills half the device."""
+    splits = 1
+    while splits * 2 <= max_kv_splits and programs * splits * 2 <= num_sms:
+        splits *= 2
+    return splits
+
+
+def max_kv_splits_setting() -> int:
+    """``HERON_ATTENTION_MAX_KV_SPLITS`` (1 turns split-KV decode off)."""
+    raw = os.environ.get("HERON_ATTENTION_MAX_KV_SPLITS", str(DEFAULT_MAX_KV_SPLITS))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"HERON_ATTENTION_MAX_KV_SPLITS must be a power of two >= 1, got {raw!r}")
+    return value
 
 
 def plan_work(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,10 +230,20 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     attends_from_cache = True
 
-    def __init__(self, num_queries_per_kv: int) -> None:
+    def __init__(self, num_queries_per_kv: int, max_kv_splits: int | None = None) -> None:
         if not triton_available():
             raise RuntimeError("the triton attention backend needs triton and a CUDA device (or TRITON_INTERPRET=1)")
         self.group = num_queries_per_kv
+        self.max_kv_splits = max_kv_splits_setting() if max_kv_splits is None else max_kv_splits
+        self._num_sms: dict[torch.device, int] = {}
+
+    def num_sms(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            self._num_sms[device] = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda" else INTERPRETER_SMS
+            )
+        return self._num_sms[device]
 
     def block_q(self, max_query_len: int) -> int:
         """Query tokens per program: 16 rows for decodes (tl.dot's minimum), 64 for prefill."""
@@ -168,7 +253,8 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> TritonAttentionMetadata:
         device = layout.slot_mapping.device
         query_lens = layout.query_lens
-        block_q = self.block_q(int(query_lens.max()))
+        max_query_len = int(query_lens.max())
+        block_q = self.block_q(max_query_len)
         work_seq, work_q = plan_work(query_lens, block_q)
 
         def to_device(array: np.ndarray) -> torch.Tensor:
@@ -183,6 +269,8 @@ class TritonAttentionBackend(AttentionBackend):
             work_q=to_device(work_q),
             block_q=block_q,
             block_size=layout.block_size,
+            max_kv_splits=self.max_kv_splits if max_query_len == 1 else 1,
+            num_sms=self.num_sms(device),
         )
 
     def forward(
@@ -216,10 +304,20 @@ def paged_attention(
     """output[T, H, D] = attention of query[T, H, D] over the paged cache."""
     group = layer.num_heads // layer.num_kv_heads
     head_dim = layer.head_dim
-    grid = (metadata.work_seq.shape[0], layer.num_kv_heads)
-    _paged_attention_kernel[grid](
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    num_work = metadata.work_seq.shape[0]
+    splits = 1
+    if not torch.compiler.is_compiling():  # (compile keeps batch sizes symbolic: a split count would guard on them)
+        splits = choose_kv_splits(num_work * layer.num_kv_heads, metadata.num_sms, metadata.max_kv_splits)
+    partial_out = partial_lse = output  # unused without splits
+    if splits > 1:
+        tokens = query.shape[0]
+        partial_out = torch.empty((tokens, layer.num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((tokens, layer.num_heads, splits), dtype=torch.float32, device=query.device)
+    _paged_attention_kernel[(num_work, layer.num_kv_heads, splits)](
         output, query, key_cache, value_cache,
         metadata.block_table, metadata.seq_lens, metadata.query_start_loc, metadata.work_seq, metadata.work_q,
+        partial_out, partial_lse,
         layer.scale, layer.logits_soft_cap or 0.0, layer.sliding_window or 0,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -228,12 +326,18 @@ def paged_attention(
         GROUP=group,
         BLOCK_SIZE=metadata.block_size,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_Q=metadata.block_q,
         BLOCK_M=max(16, triton.next_power_of_2(metadata.block_q * group)),
         TILE_N=64,
         USE_SOFTCAP=layer.logits_soft_cap is not None,
         USE_WINDOW=layer.sliding_window is not None,
         IEEE=query.dtype == torch.float32,
+        NUM_SPLITS=splits,
         num_warps=4,
     )
+    if splits > 1:
+        _merge_kv_splits_kernel[(query.shape[0], layer.num_heads)](
+            output, partial_out, partial_lse, output.stride(0), output.stride(1),
+            NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, num_warps=1,
+        )

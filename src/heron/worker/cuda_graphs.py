@@ -83,6 +83,8 @@ class DecodeGraphRunner:
             work_q=self.work_q[:bucket],
             block_q=self.backend.block_q(1),
             block_size=self.block_size,
+            max_kv_splits=self.backend.max_kv_splits,
+            num_sms=self.backend.num_sms(self.input_ids.device),
         )
 
     def _forward(self, bucket: int) -> torch.Tensor:
