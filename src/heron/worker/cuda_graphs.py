@@ -50,28 +50,35 @@ class DecodeGraphRunner:
         self.backend = backend
         self.block_size = block_size
         self.buckets = graph_buckets(max_num_seqs)
-        size = self.buckets[-1]
-        int32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), scratch_slot, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros((size, max_blocks_per_seq), **int32)
-        self.seq_lens = torch.zeros(size, **int32)
-        self.query_start_loc = torch.arange(size + 1, **int32)
-        self.work_seq = torch.full((size,), -1, **int32)
-        self.work_q = torch.zeros(size, **int32)
         self.scratch_slot = scratch_slot
+        size = self.buckets[-1]
+        self.size = size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # The graphs' inputs are views of two device tensors, each filled by one
+        # host-to-device copy per step from pinned staging of the same layout: int64
+        # rows (input ids, positions, slots) and int32 ones (seq lens, work list,
+        # then the block table)
+        self._device_ids = torch.zeros(3 * size, dtype=torch.int64, device=device)
+        self._device_meta = torch.zeros(2 * size + size * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._device_ids.view(3, size)
+        self.seq_lens, self.work_seq = self._device_meta[: 2 * size].view(2, size)
+        self.block_table = self._device_meta[2 * size :].view(size, max_blocks_per_seq)
+        self.slot_mapping.fill_(scratch_slot)
+        self.work_seq.fill_(-1)
+        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.work_q = torch.zeros(size, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # pinned staging per step: ids, positions, slots, seq lens, work list; and the
-        # block table. Two sets, alternating: with async scheduling the host fills
-        # step N+1's while step N's copy may still be queued (step N-1's has run:
-        # the host waited for its output)
-        self._staging = [torch.empty(5 * size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._staging_blocks = [
-            torch.empty((size, max_blocks_per_seq), dtype=torch.int32, pin_memory=True) for _ in range(2)
+        # two staging sets, alternating: with async scheduling the host fills step
+        # N+1's while step N's copy may still be queued (step N-1's has run: the
+        # host waited for its output). Zeroed: a padded row's id and position are
+        # whatever an earlier step left there, always valid indices
+        pin = device.type == "cuda"
+        self._staging = [
+            (torch.zeros(3 * size, dtype=torch.int64, pin_memory=pin),
+             torch.zeros(self._device_meta.shape[0], dtype=torch.int32, pin_memory=pin))
+            for _ in range(2)
         ]
         self._next_staging = 0
-        self._device_staging = torch.empty(5 * size, dtype=torch.int64, device=device)
 
     def _metadata(self, bucket: int) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
@@ -112,6 +119,39 @@ class DecodeGraphRunner:
     def bucket_for(self, num_reqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_reqs), None)
 
+    def stage(
+        self,
+        layout: BatchLayout,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        pending: PendingInputIds | None = None,
+    ) -> int:
+        """Fill the graphs' inputs for a decode-only batch (two host-to-device
+        copies, plus the pending ids' device copy) and return its bucket."""
+        num_reqs = layout.num_reqs
+        bucket = self.bucket_for(num_reqs)
+        assert bucket is not None
+        size = self.size
+        staging_ids, staging_meta = self._staging[self._next_staging]
+        self._next_staging ^= 1
+        ids = staging_ids.numpy().reshape(3, size)
+        ids[0, :num_reqs] = input_ids
+        ids[1, :num_reqs] = positions
+        ids[2, :num_reqs] = layout.host_slot_mapping
+        ids[2, num_reqs:bucket] = self.scratch_slot  # padded rows write their K/V there
+        meta = staging_meta.numpy()
+        meta[:num_reqs] = layout.seq_lens
+        meta[size : size + bucket] = -1  # padded rows attend to nothing
+        meta[size : size + num_reqs] = np.arange(num_reqs)
+        width = layout.block_table.shape[1]
+        meta[2 * size :].reshape(size, self.max_blocks_per_seq)[:num_reqs, :width] = layout.block_table
+        self._device_ids.copy_(staging_ids, non_blocking=True)
+        used = 2 * size + num_reqs * self.max_blocks_per_seq
+        self._device_meta[:used].copy_(staging_meta[:used], non_blocking=True)
+        if pending is not None:
+            pending.write_into(self.input_ids)
+        return bucket
+
     def run(
         self,
         layout: BatchLayout,
@@ -121,32 +161,7 @@ class DecodeGraphRunner:
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` of a decode-only batch of ``B`` requests;
         ``pending`` (token ids on the device) overrides some of those input ids."""
-        num_reqs = layout.num_reqs
-        bucket = self.bucket_for(num_reqs)
-        assert bucket is not None
-        staging, staging_blocks = self._staging[self._next_staging], self._staging_blocks[self._next_staging]
-        self._next_staging ^= 1
-        # stage every per-row input in pinned memory, then two copies to the device
-        staged = staging.numpy().reshape(5, -1)
-        staged[0, :num_reqs] = input_ids
-        staged[1, :num_reqs] = positions
-        staged[2, :num_reqs] = layout.host_slot_mapping
-        staged[2, num_reqs:bucket] = self.scratch_slot
-        staged[3, :num_reqs] = layout.seq_lens
-        staged[4, :bucket] = -1
-        staged[4, :num_reqs] = np.arange(num_reqs)
-        width = layout.block_table.shape[1]
-        staging_blocks.numpy()[:num_reqs, :width] = layout.block_table
-        self._device_staging.copy_(staging, non_blocking=True)
-        self.block_table[:num_reqs].copy_(staging_blocks[:num_reqs], non_blocking=True)
-        device_rows = self._device_staging.view(5, -1)
-        self.input_ids[:bucket].copy_(device_rows[0, :bucket])
-        if pending is not None:
-            pending.write_into(self.input_ids)
-        self.positions[:bucket].copy_(device_rows[1, :bucket])
-        self.slot_mapping[:bucket].copy_(device_rows[2, :bucket])
-        self.seq_lens[:bucket].copy_(device_rows[3, :bucket])
-        self.work_seq[:bucket].copy_(device_rows[4, :bucket])
+        bucket = self.stage(layout, input_ids, positions, pending)
         graph, logits = self.graphs[bucket]
         graph.replay()
-        return logits[:num_reqs]
+        return logits[: layout.num_reqs]
