@@ -58,6 +58,8 @@ class StepInputs:
         last token, preceded by one per draft it verifies), and the offsets of
         each sample row's logits rows in that list (``[len(sample_rows) + 1]``)."""
         sample_rows = np.asarray(self.sample_rows, dtype=np.int64)
+        if not any(self.drafts):  # one logits row per sample row, its last token
+            return self.query_start_loc[1:][sample_rows] - 1, np.arange(len(sample_rows) + 1, dtype=np.int64)
         counts = np.fromiter((len(self.drafts[row]) + 1 for row in self.sample_rows), dtype=np.int64, count=len(sample_rows))
         offsets = np.zeros(len(sample_rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
@@ -346,14 +348,15 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
         if step.sample_rows:
-            index, offsets = step.logits_rows()
             if decode_logits is not None:  # one token per request: no drafts
+                offsets = np.arange(len(step.sample_rows) + 1, dtype=np.int64)
                 if len(step.sample_rows) == len(states):
                     logits = decode_logits
                 else:
                     logits = decode_logits[on_device(step.sample_rows, torch.int64, self.device)]
             else:
                 assert hidden is not None
+                index, offsets = step.logits_rows()
                 logits = self.model.compute_logits(hidden.index_select(0, on_device(index, torch.int64, self.device)))
             if structured is not None:
                 position = {step.request_ids[row]: i for i, row in enumerate(step.sample_rows)}
