@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from heron import LLM, SamplingParams  # noqa: E402
+from heron.sampling_params import RequestOutputKind  # noqa: E402
 from tests.gpu.conftest import word_tokenizer  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -52,7 +53,9 @@ def main() -> None:
     llm = LLM(args.model_dir, dtype="float32", max_model_len=4096, max_num_seqs=max(args.batch),
               async_scheduling=args.async_scheduling)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 100, ignore_eos=True)
+    # as LLM.generate asks (the server asks DELTA or FINAL_ONLY too)
+    params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 100, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     prompt = list(range(3, 131))  # 128 tokens
     for batch in args.batch:
         for index in range(batch):

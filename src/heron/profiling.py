@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -19,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 def _profiler_enabled() -> bool:
-    return torch.autograd.profiler._is_profiler_enabled
+    # the C++ state: true for torch.profiler.profile, emit_nvtx and on-demand traces alike
+    return torch._C._autograd._profiler_enabled()
 
 
 _NVTX: bool | None = None  # CUDA present: mark phases as NVTX ranges (decided on first use)

@@ -55,11 +55,16 @@ def main() -> None:
             compile_for_hopper(triton_ops._rotate_and_store_kernel, dtype, 1, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
                                HEAD_DIM=head_dim, HALF_PADDED=1 << (head_dim // 2 - 1).bit_length(), HAS_QK_NORM=qk_norm)
         compile_for_hopper(triton_ops._silu_and_mul_kernel, dtype, triton_ops._warps_for(1024), BLOCK=1024)
-        for group, head_dim, block_q, splits in ((4, 64, 4, 1), (4, 128, 16, 1), (1, 64, 64, 1), (4, 64, 4, 16)):
+        # (group, head dim, query tokens per program, splits, window): prefill tiles, and
+        # decode tiles (16 // group tokens) with and without split-KV
+        for group, head_dim, block_q, splits, window in (
+            (4, 64, 4, 1, True), (4, 128, 16, 1, True), (1, 64, 64, 1, True),
+            (4, 64, 4, 16, True), (4, 64, 4, 16, False), (1, 128, 16, 2, False), (8, 128, 2, 8, False),
+        ):
             compile_for_hopper(
                 triton_backend._paged_attention_kernel, dtype, 4, GROUP=group, BLOCK_SIZE=16, HEAD_DIM=head_dim,
                 HEAD_DIM_PADDED=head_dim, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * group), TILE_N=64,
-                USE_SOFTCAP=False, USE_WINDOW=True, IEEE=dtype == "fp32", NUM_SPLITS=splits,
+                USE_SOFTCAP=False, USE_WINDOW=window, IEEE=dtype == "fp32", NUM_SPLITS=splits,
             )
         for splits, head_dim in ((2, 64), (16, 128), (16, 80)):
             compile_for_hopper(triton_backend._merge_kv_splits_kernel, dtype, 1, NUM_SPLITS=splits,

@@ -171,3 +171,34 @@ def test_kv_splits_fill_one_wave():
     assert choose_kv_splits(128, 132, 16) == 1  # already fills the device
     assert choose_kv_splits(8, 132, 1) == 1  # turned off
     assert choose_kv_splits(8, 132, 4) == 4
+
+
+def test_split_kv_decode_padded_rows_are_zero_and_harmless():
+    """A CUDA graph pads decode batches to a bucket with rows that have no
+    sequence (work item -1): they come out 0, and the real rows are unchanged."""
+    import dataclasses
+
+    from heron.attention.triton_backend import TritonAttentionBackend, paged_attention
+    from tests.gpu.test_triton_attention import make_batch
+
+    layout, cache, generator = make_batch([1, 1, 1], [40, 200, 7], 2, 64, torch.float32, DEVICE, seed=5)
+    spec = AttentionLayerSpec(0, 6, 2, 64, 0.125)
+    query = torch.randn((3, 6, 64), generator=generator).to(DEVICE)
+    backend = TritonAttentionBackend(3, max_kv_splits=4)
+    metadata = dataclasses.replace(backend.build_metadata(layout), num_sms=1 << 30)
+    expected = torch.empty_like(query)
+    paged_attention(expected, query, cache[0], cache[1], metadata, spec)
+
+    def pad(tensor: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([tensor, torch.full_like(tensor[:1], value)])
+
+    padded = dataclasses.replace(
+        metadata, work_seq=pad(metadata.work_seq, -1), work_q=pad(metadata.work_q, 0),
+        seq_lens=pad(metadata.seq_lens, 0), block_table=pad(metadata.block_table, 0),
+        query_start_loc=pad(metadata.query_start_loc, 4),
+    )
+    padded_query = torch.cat([query, torch.full_like(query[:1], float("nan"))])
+    got = torch.full_like(padded_query, float("nan"))
+    paged_attention(got, padded_query, cache[0], cache[1], padded, spec)
+    assert torch.equal(got[:3], expected)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))

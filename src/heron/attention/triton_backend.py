@@ -158,18 +158,23 @@ if triton is not None:
 
     @triton.jit
     def _merge_kv_splits_kernel(
-        out_ptr, partial_out_ptr, partial_lse_ptr, stride_ot, stride_oh,
+        out_ptr, partial_out_ptr, partial_lse_ptr, work_seq_ptr, stride_ot, stride_oh,
         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     ):
-        """out[token, head] = the spans' outputs weighted by their softmax mass."""
+        """out[token, head] = the spans' outputs weighted by their softmax mass.
+        Decode-only: token ``i`` is work item ``i``; a padded one (no sequence) gets 0."""
         token = tl.program_id(0)
         head = tl.program_id(1)
+        dims = tl.arange(0, HEAD_DIM_PADDED)
+        dim_valid = dims < HEAD_DIM
+        if tl.load(work_seq_ptr + token) < 0:  # its spans were never written
+            tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+                     tl.zeros([HEAD_DIM_PADDED], tl.float32).to(out_ptr.dtype.element_ty), mask=dim_valid)
+            return
         partial = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
         lse = tl.load(partial_lse_ptr + partial)
         top = tl.max(lse, 0)
         weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty spans: 0
-        dims = tl.arange(0, HEAD_DIM_PADDED)
-        dim_valid = dims < HEAD_DIM
         spans = tl.load(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], mask=dim_valid[None, :],
                         other=0.0)
         total = tl.sum(weight, 0)
@@ -338,6 +343,6 @@ def paged_attention(
     )
     if splits > 1:
         _merge_kv_splits_kernel[(query.shape[0], layer.num_heads)](
-            output, partial_out, partial_lse, output.stride(0), output.stride(1),
+            output, partial_out, partial_lse, metadata.work_seq, output.stride(0), output.stride(1),
             NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, num_warps=1,
         )
