@@ -26,6 +26,7 @@ from heron.config import EngineConfig
 from heron.engine.core import EngineCore
 from heron.engine.core_output import EngineCoreOutputs
 from heron.engine.serialization import MessageKind, decode_request, encode_outputs, pack, unpack
+from heron.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         output_socket.close()
         context.term()
         os._exit(1)
+    freeze_startup_objects("engine core")
     proc = EngineCoreProc(engine, context, input_address, output_socket)
     proc.run()
 

@@ -23,6 +23,7 @@ from heron import __version__
 from heron.config import EngineConfig
 from heron.engine.async_llm import AsyncLLM
 from heron.engine.input_processor import InvalidRequestError
+from heron.gc_freeze import freeze_startup_objects
 from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
@@ -75,6 +76,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
         engine._ensure_started()
+        freeze_startup_objects("API server")
         yield
         engine.shutdown()
 
