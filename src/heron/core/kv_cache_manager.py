@@ -107,6 +107,15 @@ class KVCacheManager:
         ones (plus prefix hits given by ``get_computed_blocks``). Returns the newly
         allocated blocks, or None, changing nothing, when the pool is short."""
         request_id = request.request_id
+        if new_computed_blocks is None and num_new_computed_tokens == 0 and request_id in self.req_to_blocks:
+            # the common decode step: the tokens fit the blocks it owns and fill
+            # none that needs caching (what the general path below would conclude)
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if cdiv(num_tokens + num_lookahead_tokens, self.block_size) <= len(self.req_to_blocks[request_id]) and (
+                not self.enable_caching
+                or min(num_tokens, request.num_tokens) // self.block_size <= self.num_cached_blocks.get(request_id, 0)
+            ):
+                return KVCacheBlocks()
         owned = self.req_to_blocks.setdefault(request_id, [])
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
