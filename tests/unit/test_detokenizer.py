@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from heron.engine.detokenizer import IncrementalDetokenizer
+from heron.engine.detokenizer import IncrementalDetokenizer, StreamingDetokenizer, make_detokenizer
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -15,15 +15,25 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(params=[IncrementalDetokenizer, StreamingDetokenizer])
+def detokenizer_class(request, monkeypatch):
+    """Every test runs on both implementations (``stream`` builds the current one)."""
+    monkeypatch.setattr(f"{__name__}.DETOKENIZER", request.param)
+    return request.param
+
+
+DETOKENIZER = IncrementalDetokenizer
+
+
 def stream(tokenizer, prompt_ids, ids, skip_special_tokens=True):
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    detok = DETOKENIZER(tokenizer, prompt_ids, skip_special_tokens)
     pieces = [detok.push(token_id) for token_id in ids]
     pieces.append(detok.flush())
     return pieces
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_byte_level_pieces_concatenate_and_never_split_characters(embedded_tokenizer, text):
+def test_byte_level_pieces_concatenate_and_never_split_characters(detokenizer_class, embedded_tokenizer, text):
     tok = embedded_tokenizer
     prompt = tok.encode("Say something:")
     ids = tok.encode(text)
@@ -36,7 +46,7 @@ def test_byte_level_pieces_concatenate_and_never_split_characters(embedded_token
         assert "" in pieces[:-1]
 
 
-def test_special_tokens_are_skipped_or_kept(embedded_tokenizer):
+def test_special_tokens_are_skipped_or_kept(detokenizer_class, embedded_tokenizer):
     tok = embedded_tokenizer
     ids = tok.encode("Hi<|im_end|>")
     assert "".join(stream(tok, [], ids)) == "Hi"
@@ -54,7 +64,7 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
-def test_byte_fallback_tokens_wait_for_the_whole_character():
+def test_byte_fallback_tokens_wait_for_the_whole_character(detokenizer_class):
     tok = byte_fallback_tokenizer()
     ids = [tok.convert_tokens_to_ids(t) for t in ["▁a", "<0xC3>", "<0xA9>", "▁b", "<0xF0>", "<0x9F>", "<0xA6>", "<0x9C>", "c"]]
     pieces = stream(tok, [], ids)
@@ -63,8 +73,69 @@ def test_byte_fallback_tokens_wait_for_the_whole_character():
     assert pieces[1] == "" and pieces[4:7] == ["", "", ""]
 
 
-def test_a_dangling_partial_character_is_flushed_at_the_end():
+def test_a_dangling_partial_character_is_flushed_at_the_end(detokenizer_class):
     tok = byte_fallback_tokenizer()
     ids = [tok.convert_tokens_to_ids(t) for t in ["▁a", "<0xC3>"]]
     pieces = stream(tok, [], ids)
     assert pieces[1] == "" and pieces[-1] == "\ufffd"
+
+
+def test_both_implementations_emit_the_same_pieces(embedded_tokenizer):
+    tok = embedded_tokenizer
+    prompt = tok.encode("Say something:")
+    for text in TEXTS:
+        ids = tok.encode(text)
+        pieces = {}
+        for cls in (IncrementalDetokenizer, StreamingDetokenizer):
+            detok = cls(tok, prompt, True)
+            pieces[cls] = [detok.push(token_id) for token_id in ids] + [detok.flush()]
+        assert pieces[IncrementalDetokenizer] == pieces[StreamingDetokenizer], text
+
+
+def test_fast_tokenizers_get_the_streaming_detokenizer(embedded_tokenizer):
+    assert isinstance(make_detokenizer(embedded_tokenizer, [], True), StreamingDetokenizer)
+
+    class SlowTokenizer:  # decode only, no Rust backend
+        def decode(self, ids, skip_special_tokens=True):
+            return embedded_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    assert isinstance(make_detokenizer(SlowTokenizer(), [], True), IncrementalDetokenizer)
+
+
+class FailingStream:
+    """A DecodeStream that raises from its ``fail_at``-th step on."""
+
+    def __init__(self, stream, fail_at: int) -> None:
+        self.stream, self.fail_at, self.calls = stream, fail_at, 0
+
+    def step(self, backend, token_id):
+        self.calls += 1
+        if self.calls > self.fail_at:
+            raise Exception("InvalidPrefix")
+        return self.stream.step(backend, token_id)
+
+
+@pytest.mark.parametrize("fail_at", [0, 3, 7])
+def test_a_failing_stream_hands_over_without_losing_text(embedded_tokenizer, fail_at):
+    """Should DecodeStream raise mid-stream (a decoder whose text is not
+    prefix-stable), the Python detokenizer takes over from the text already out."""
+    tok = embedded_tokenizer
+    ids = tok.encode(TEXTS[1])  # multi-token characters: the failure may come mid-character
+    detok = StreamingDetokenizer(tok, tok.encode("Say something:"), True)
+    detok._stream = FailingStream(detok._stream, fail_at)
+    pieces = [detok.push(token_id) for token_id in ids] + [detok.flush()]
+    assert "".join(pieces) == TEXTS[1]
+    assert detok._fallback is not None
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4])
+def test_the_hand_over_keeps_word_spaces(fail_at):
+    """A tokenizer that strips the text's leading space decodes a word token
+    alone without its space: the hand-over must decode after the emitted tokens."""
+    tok = byte_fallback_tokenizer()
+    tokens = ["▁a", "▁b", "<0xC3>", "<0xA9>", "▁b", "c"]
+    ids = [tok.convert_tokens_to_ids(t) for t in tokens]
+    detok = StreamingDetokenizer(tok, [], True)
+    detok._stream = FailingStream(detok._stream, fail_at)
+    pieces = [detok.push(token_id) for token_id in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids) == "a bé bc"

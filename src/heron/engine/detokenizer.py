@@ -7,11 +7,23 @@ newest tokens add to the window's decoded text once it no longer ends in U+FFFD,
 so the concatenation of its pieces equals the final text. Decoding a window that
 starts a few tokens back (at first, in the prompt) keeps word-initial spaces right
 for tokenizers that strip a leading space.
+
+``StreamingDetokenizer`` runs the same window algorithm inside the Rust
+``tokenizers`` library (``DecodeStream``): one call per token instead of two
+decodes from Python, about a third of the host time (it runs for every token
+of every request). ``make_detokenizer`` picks it for fast tokenizers; should a
+tokenizer's decoder ever make it fail (text that is not a prefix of the longer
+text), it hands over to ``IncrementalDetokenizer`` mid-stream, losing nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers older than 0.21
+    DecodeStream = None
 
 _REPLACEMENT_CHAR = "\ufffd"
 _INITIAL_CONTEXT_TOKENS = 5
@@ -56,3 +68,59 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return new_text
+
+
+class StreamingDetokenizer:
+    """``IncrementalDetokenizer``'s contract on ``tokenizers.decoders.DecodeStream``."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        assert DecodeStream is not None
+        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        for token_id in context:  # the prompt's text is not ours to emit
+            self._stream.step(self._backend, token_id)
+        self._emitted_tail = context  # the newest tokens whose text is out: context for a hand-over
+        self._pending: list[int] = []  # tokens pushed since the last emitted text
+        self._fallback: IncrementalDetokenizer | None = None
+
+    def push(self, token_id: int) -> str:
+        if self._fallback is not None:
+            return self._fallback.push(token_id)
+        try:
+            text = self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 (the decoder broke the stream's prefix rule, or an unknown id)
+            return self._hand_over(token_id)
+        self._pending.append(token_id)
+        if text is None:  # a character still split, or a skipped special token
+            return ""
+        self._emitted_tail = (self._emitted_tail + self._pending)[-_INITIAL_CONTEXT_TOKENS:]
+        self._pending = []
+        return text
+
+    def flush(self) -> str:
+        if self._fallback is not None:
+            return self._fallback.flush()
+        if not self._pending:
+            return ""
+        decode = self._backend.decode
+        prefix = decode(self._emitted_tail, skip_special_tokens=self._skip_special_tokens)
+        full = decode(self._emitted_tail + self._pending, skip_special_tokens=self._skip_special_tokens)
+        self._emitted_tail, self._pending = (self._emitted_tail + self._pending)[-_INITIAL_CONTEXT_TOKENS:], []
+        return full[len(prefix) :]
+
+    def _hand_over(self, token_id: int) -> str:
+        """Continue in Python from the text emitted so far."""
+        self._fallback = IncrementalDetokenizer(self._tokenizer, self._emitted_tail, self._skip_special_tokens)
+        return "".join(self._fallback.push(pending) for pending in [*self._pending, token_id])
+
+
+def make_detokenizer(
+    tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True
+) -> IncrementalDetokenizer | StreamingDetokenizer:
+    """The Rust-backed detokenizer for fast tokenizers, the Python one otherwise."""
+    if DecodeStream is not None and getattr(tokenizer, "backend_tokenizer", None) is not None:
+        return StreamingDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)

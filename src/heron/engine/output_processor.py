@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from heron.engine.core_output import EngineCoreOutput
-from heron.engine.detokenizer import IncrementalDetokenizer
+from heron.engine.detokenizer import make_detokenizer
 from heron.engine.input_processor import ProcessedPrompt, child_request_id
 from heron.engine.stop_strings import StopStringMatcher
 from heron.metrics.stats import IterationStats, RequestTimes
@@ -57,7 +57,7 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, prompt.token_ids, params.skip_special_tokens)
+            make_detokenizer(tokenizer, prompt.token_ids, params.skip_special_tokens)
             if params.detokenize
             else None
         )
