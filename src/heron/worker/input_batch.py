@@ -35,6 +35,7 @@ class CachedRequestState:
     # tokens sampled by steps still in flight (async scheduling): on the device,
     # not yet in ``token_ids``
     num_pending_tokens: int = 0
+    block_row: int = -1  # its row in the runner's BlockTableRows
 
     @staticmethod
     def from_new_request(data: NewRequestData, device: torch.device) -> CachedRequestState:

@@ -25,6 +25,7 @@ from heron.profiling import phase
 from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
+from heron.worker.block_table import BlockTableRows
 from heron.worker.input_batch import CachedRequestState, PendingInputIds, build_sampling_metadata, on_device
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
@@ -103,6 +104,9 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(generator)
         self.proposer: DraftProposer | None = build_proposer(config, self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_rows = BlockTableRows(
+            config.scheduler.max_num_seqs, -(-config.model.max_model_len // config.cache.block_size)
+        )
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: Any = None  # a cuda_graphs.DecodeGraphRunner on CUDA
         # the last deferred step's sampled ids (on the device) and each request's row
@@ -197,13 +201,21 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------
 
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.block_rows.remove(state.block_row)
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_req_ids:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
             if self.proposer is not None:
                 self.proposer.remove_request(request_id)
         for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.request_id] = CachedRequestState.from_new_request(new, self.device)
+            self._forget(new.request_id)
+            state = CachedRequestState.from_new_request(new, self.device)
+            state.block_row = self.block_rows.add(state.block_ids)
+            self.requests[new.request_id] = state
             if self.proposer is not None:
                 self.proposer.add_request(new.request_id, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
@@ -211,7 +223,9 @@ class ModelRunner:
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
             state = self.requests[request_id]
-            state.block_ids.extend(new_block_ids)
+            if new_block_ids:
+                state.block_ids.extend(new_block_ids)
+                self.block_rows.extend(state.block_row, new_block_ids)
             state.num_computed_tokens = num_computed
 
     @torch.inference_mode()
@@ -274,26 +288,36 @@ class ModelRunner:
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
 
         input_ids = np.empty(num_tokens, dtype=np.int64)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
+        block_table = self.block_rows.gather(
+            np.fromiter((s.block_row for s in states), dtype=np.int64, count=len(states))
+        )
         sample_rows: list[int] = []
         pending_positions: list[int] = []
         pending_rows: list[int] = []
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         drafts = [spec_tokens.get(request_id, []) for request_id in request_ids]
-        for row, state in enumerate(states):
-            start, count = int(num_computed[row]), int(num_scheduled[row])
-            offset = int(query_start_loc[row])
-            tokens = state.token_ids + drafts[row] if drafts[row] else state.token_ids
-            known = min(start + count, len(tokens))
-            input_ids[offset : offset + known - start] = tokens[start:known]
-            if known < start + count:  # its last token is the step in flight's sample
-                assert known + 1 == start + count and state.num_pending_tokens == 1, state.request_id
+        starts, offsets = num_computed.tolist(), query_start_loc.tolist()
+        for row, (state, count) in enumerate(zip(states, num_scheduled.tolist())):
+            start, offset = starts[row], offsets[row]
+            end = start + count
+            # this step's tokens: positions [start, end) of token_ids + drafts
+            token_ids = state.token_ids
+            if count == 1 and start < len(token_ids):  # a decode
+                input_ids[offset] = token_ids[start]
+                known = end
+            else:
+                tokens = token_ids[start:end]
+                draft = drafts[row]
+                if draft and end > len(token_ids):
+                    tokens += draft[max(0, start - len(token_ids)) : end - len(token_ids)]
+                known = start + len(tokens)
+                input_ids[offset : offset + len(tokens)] = tokens
+            if known < end:  # its last token is the step in flight's sample
+                assert known + 1 == end and state.num_pending_tokens == 1, state.request_id
                 input_ids[offset + count - 1] = 0
                 pending_positions.append(offset + count - 1)
                 pending_rows.append(self._last_sampled_rows[state.request_id])
-            block_table[row, : len(state.block_ids)] = state.block_ids
-            if start + count >= state.num_tokens:
+            if end >= state.num_tokens:
                 sample_rows.append(row)
         positions, slot_mapping = positions_and_slots(
             query_start_loc, num_computed, num_scheduled, block_table, self.block_size
