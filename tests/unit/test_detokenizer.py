@@ -139,3 +139,26 @@ def test_the_hand_over_keeps_word_spaces(fail_at):
     detok._stream = FailingStream(detok._stream, fail_at)
     pieces = [detok.push(token_id) for token_id in ids] + [detok.flush()]
     assert "".join(pieces) == tok.decode(ids) == "a bé bc"
+
+
+def test_a_prompt_ending_mid_character_keeps_its_bytes_out_of_the_output(embedded_tokenizer):
+    """The prompt's pending bytes are prompt text, never output (both detokenizers agree)."""
+    tok = embedded_tokenizer
+    prompt = tok.encode("Tell me 🦜")[:-1]  # cut inside the emoji
+    for continuation in (tok.encode(" hello"), tok.encode("Tell me 🦜")[-1:] + tok.encode(" hi")):
+        pieces = {}
+        for cls in (IncrementalDetokenizer, StreamingDetokenizer):
+            detok = cls(tok, prompt, True)
+            pieces[cls] = [detok.push(token_id) for token_id in continuation] + [detok.flush()]
+        assert pieces[StreamingDetokenizer] == pieces[IncrementalDetokenizer]
+        assert "\ufffd" not in "".join(pieces[StreamingDetokenizer])
+
+
+def test_a_prompt_the_stream_cannot_follow_falls_back_at_once():
+    tok = byte_fallback_tokenizer()
+    prompt = [tok.convert_tokens_to_ids(t) for t in ["<0x41>", "<0xC3>", "▁a"]]
+    ids = [tok.convert_tokens_to_ids(t) for t in ["▁b", "c"]]
+    detok = StreamingDetokenizer(tok, prompt, True)
+    assert detok._fallback is not None
+    python = IncrementalDetokenizer(tok, prompt, True)
+    assert [detok.push(i) for i in ids] == [python.push(i) for i in ids]

@@ -185,9 +185,13 @@ class AsyncLLM:
         core_requests = self.input_processor.make_requests(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt
         )
+        try:
+            engine_ids = self.output_processor.add_request(request_id, prompt, params, arrival_time)
+        except Exception:
+            self.output_processor.abort_request(request_id)  # the samples registered before the failure
+            raise
         collector = RequestOutputCollector(params.output_kind)
         self._collectors[request_id] = collector
-        engine_ids = self.output_processor.add_request(request_id, prompt, params, arrival_time)
         self._not_started.update(engine_ids)
         return self._stream(request_id, collector, core_requests, engine_ids)
 

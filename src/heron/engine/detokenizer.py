@@ -13,7 +13,10 @@ for tokenizers that strip a leading space.
 decodes from Python, about a third of the host time (it runs for every token
 of every request). ``make_detokenizer`` picks it for fast tokenizers; should a
 tokenizer's decoder ever make it fail (text that is not a prefix of the longer
-text), it hands over to ``IncrementalDetokenizer`` mid-stream, losing nothing.
+text), it hands over to ``IncrementalDetokenizer`` mid-stream, losing nothing,
+and a prompt that ends mid-character goes to the Python one from the start. On
+valid UTF-8 the two emit identical pieces; after invalid byte sequences (garbage
+output) the number of U+FFFD they emit may differ.
 """
 
 from __future__ import annotations
@@ -80,11 +83,20 @@ class StreamingDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        for token_id in context:  # the prompt's text is not ours to emit
-            self._stream.step(self._backend, token_id)
         self._emitted_tail = context  # the newest tokens whose text is out: context for a hand-over
         self._pending: list[int] = []  # tokens pushed since the last emitted text
         self._fallback: IncrementalDetokenizer | None = None
+        text: str | None = ""
+        try:
+            for token_id in context:  # the prompt's text is not ours to emit
+                text = self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 (a decoder the stream cannot follow)
+            text = None
+        if text is None and context:
+            # the prompt ends mid-character (or the stream failed on it): the stream
+            # would emit the prompt's pending bytes as output; the Python detokenizer
+            # treats them as prompt text
+            self._fallback = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         if self._fallback is not None:

@@ -306,8 +306,9 @@ class ModelRunner:
                 input_ids[offset] = token_ids[start]
                 known = end
             else:
-                tokens = token_ids[start:end]
                 draft = drafts[row]
+                assert start <= len(token_ids) + len(draft), state.request_id
+                tokens = token_ids[start:end]
                 if draft and end > len(token_ids):
                     tokens += draft[max(0, start - len(token_ids)) : end - len(token_ids)]
                 known = start + len(tokens)
