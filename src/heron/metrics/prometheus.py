@@ -96,10 +96,14 @@ class PrometheusStatLogger:
             return
         self.prompt_tokens.labels(name).inc(iteration.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(iteration.num_generation_tokens)
-        for value in iteration.time_to_first_tokens:
-            self.ttft.labels(name).observe(value)
-        for value in iteration.inter_token_latencies:
-            self.itl.labels(name).observe(value)
+        if iteration.time_to_first_tokens:
+            ttft = self.ttft.labels(name)
+            for value in iteration.time_to_first_tokens:
+                ttft.observe(value)
+        if iteration.inter_token_latencies:  # one per streamed token: look the child up once
+            itl = self.itl.labels(name)
+            for value in iteration.inter_token_latencies:
+                itl.observe(value)
         for finished in iteration.finished_requests:
             self.request_success.labels(name, finished.finish_reason).inc()
             self.e2e.labels(name).observe(finished.e2e_latency)

@@ -173,8 +173,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+# one encoder for every event (json.dumps with options builds a new one per call)
+_SSE_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_SSE_ENCODER.encode(payload)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
