@@ -19,26 +19,20 @@ import sys
 import tempfile
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from heron import LLM, SamplingParams  # noqa: E402
 from heron.sampling_params import RequestOutputKind  # noqa: E402
 from tests.gpu.conftest import word_tokenizer  # noqa: E402
+from tests.model.conftest import build_tiny_model as save_tiny_model  # noqa: E402
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-            tie_word_embeddings=True)
+# the tests' tiny Llama (64 wide), one layer, a 512-word vocabulary
+TINY = dict(model_type="llama", vocab_size=512, num_hidden_layers=1, max_position_embeddings=4096)
 
 
 def build_tiny_model(directory: str) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     if not os.path.exists(os.path.join(directory, "config.json")):
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).save_pretrained(directory)
-        word_tokenizer(TINY["vocab_size"]).save_pretrained(directory)
+        save_tiny_model(directory, TINY, word_tokenizer(TINY["vocab_size"]))
 
 
 def main() -> None:

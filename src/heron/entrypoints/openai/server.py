@@ -23,7 +23,6 @@ from heron import __version__
 from heron.config import EngineConfig
 from heron.engine.async_llm import AsyncLLM
 from heron.engine.input_processor import InvalidRequestError
-from heron.gc_freeze import freeze_startup_objects
 from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
@@ -42,6 +41,7 @@ from heron.entrypoints.openai.protocol import (
 from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
 from heron.entrypoints.openai.serving_common import ServingContext, invalid_input
 from heron.entrypoints.openai.serving_completion import create_completion
+from heron.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
