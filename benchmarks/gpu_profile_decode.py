@@ -61,7 +61,11 @@ def print_kernels(engine, batch: int, steps: int = 20, top: int = 15) -> None:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0]
+    # record_function ranges ("forward", "sample") also show on the device, as annotation
+    # spans around their kernels: count kernels only
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0
+               and not getattr(e, "is_user_annotation", False)]
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     launches = sum(e.count for e in kernels) / steps
     device_ms = sum(e.device_time_total for e in kernels) / steps / 1000
