@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU: host phases vs device time.
 
-    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--no-async-scheduling] [--kernels]
+    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--max-num-seqs N] [--no-async-scheduling] [--kernels]
 
 ``--kernels`` also lists the GPU kernels of a step (CUPTI sees inside CUDA
 graphs): how many run per step and which take the device's time.
@@ -21,11 +21,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", default="/tmp/llama-1b-random")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --batch")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--kernels", action="store_true", help="also profile the device kernels of a step")
     args = parser.parse_args()
     build_model(args.model_dir)
-    llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
+    llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=args.max_num_seqs or max(args.batch),
               async_scheduling=args.async_scheduling)
     engine = llm.engine
     for batch in args.batch:
@@ -45,7 +46,8 @@ def main() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(30):
                 engine.step()
-        names = ("schedule", "prepare_inputs", "forward", "sample", "wait_for_output", "update_from_output")
+        names = ("schedule", "prepare_inputs", "forward", "sample", "wait_for_output", "update_from_output",
+                 "process_outputs")
         table = {e.key: e.cpu_time_total / 30 / 1000 for e in prof.key_averages() if e.key in names}
         print(f"batch {batch}: {per_step:.2f} ms per LLMEngine.step; host ms per phase: "
               + ", ".join(f"{k} {table.get(k, 0):.2f}" for k in names), flush=True)

@@ -6,7 +6,9 @@ CUDA graphs it is the inter-token latency once the graph is fast).
 
     PYTHONPATH=src:. python3 benchmarks/host_overhead.py [--batch 1 8 64] [--async-scheduling] [--profile]
 
-``--profile`` prints heron's functions by cumulative time (cProfile).
+``--profile`` prints heron's functions by cumulative time (cProfile); ``--phases``
+the host milliseconds per step of each engine phase (torch profiler ranges, far
+less overhead than cProfile).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--phases", action="store_true", help="milliseconds per step of each engine phase")
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "heron-host-overhead-model"))
     args = parser.parse_args()
     build_tiny_model(args.model_dir)
@@ -69,10 +72,26 @@ def main() -> None:
                 engine.step()
             profiler.disable()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats("heron", 30)
+        if args.phases:
+            print_phases(engine, args.steps)
         for index in range(batch):
             engine.abort_request(f"b{batch}-{index}")
         while engine.has_unfinished_requests():
             engine.step()
+
+
+PHASES = ("schedule", "prepare_inputs", "forward", "sample", "wait_for_output", "update_from_output",
+          "process_outputs")
+
+
+def print_phases(engine, steps: int) -> None:
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    table = {e.key: e.cpu_time_total / steps / 1000 for e in prof.key_averages() if e.key in PHASES}
+    print("    ms per step: " + ", ".join(f"{name} {table.get(name, 0.0):.3f}" for name in PHASES), flush=True)
 
 
 if __name__ == "__main__":

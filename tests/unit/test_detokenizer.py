@@ -162,3 +162,34 @@ def test_a_prompt_the_stream_cannot_follow_falls_back_at_once():
     assert detok._fallback is not None
     python = IncrementalDetokenizer(tok, prompt, True)
     assert [detok.push(i) for i in ids] == [python.push(i) for i in ids]
+
+
+def random_ids(tokenizer, count: int, seed: int) -> list[int]:
+    """Random token ids: for a byte-level vocabulary, also invalid UTF-8."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(len(tokenizer)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_push_many_equals_pushing_one_at_a_time(detokenizer_class, embedded_tokenizer, chunk):
+    tok = embedded_tokenizer
+    prompt = tok.encode("Say something:")
+    for ids in [tok.encode(text) for text in TEXTS] + [random_ids(tok, 200, seed) for seed in range(3)]:
+        one = DETOKENIZER(tok, prompt, True)
+        expected = "".join(one.push(token_id) for token_id in ids) + one.flush()
+        many = DETOKENIZER(tok, prompt, True)
+        got = "".join(many.push_many(ids[i : i + chunk]) for i in range(0, len(ids), chunk)) + many.flush()
+        assert got == expected
+
+
+@pytest.mark.parametrize("fail_at", [0, 3, 7])
+def test_push_many_hands_over_mid_batch_without_losing_text(embedded_tokenizer, fail_at):
+    tok = embedded_tokenizer
+    ids = tok.encode(TEXTS[1])
+    detok = StreamingDetokenizer(tok, tok.encode("Say something:"), True)
+    detok._stream = FailingStream(detok._stream, fail_at)
+    text = detok.push_many(ids[:5]) + detok.push_many(ids[5:]) + detok.flush()
+    assert text == TEXTS[1]
+    assert detok._fallback is not None

@@ -4,6 +4,7 @@ import pytest
 
 from heron.engine.core_output import EngineCoreOutput
 from heron.engine.input_processor import ProcessedPrompt
+from heron.engine.output_processor import _TEXT_BATCH as TEXT_BATCH
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.stop_strings import StopStringMatcher
 from heron.sampling_params import RequestOutputKind, SamplingParams
@@ -80,3 +81,93 @@ def test_logprobs_are_decoded_and_accumulated(embedded_tokenizer):
     [step] = completion.logprobs
     assert step[hello].rank == 2 and step[hello].decoded_token == "Hello"
     assert step[5].rank == 1 and step[5].logprob == -0.25
+
+
+def random_steps(vocab_size: int, num_tokens: int, seed: int) -> list[list[int]]:
+    """Random token ids (invalid UTF-8 too, for a byte-level vocabulary) in steps of
+    1-3 tokens (as speculative decoding delivers them)."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(vocab_size) for _ in range(num_tokens)]
+    steps, start = [], 0
+    while start < len(ids):
+        size = rng.randint(1, 3)
+        steps.append(ids[start : start + size])
+        start += size
+    return steps
+
+
+@pytest.mark.parametrize("num_tokens", [5, 64, 200])
+def test_final_only_text_detokenized_at_the_end_equals_the_streamed_text(embedded_tokenizer, num_tokens):
+    """Final-only requests without stop strings detokenize in batches and at the end;
+    their text must be exactly what streaming (delta and cumulative) builds."""
+    tok = embedded_tokenizer
+    prompt = ProcessedPrompt("q", tok.encode("Say something: 🦜"))
+    for seed in range(4):
+        steps = random_steps(len(tok), num_tokens, seed)
+        if seed == 3:  # end inside a character: only the final flush emits its bytes
+            steps[-1] = tok.encode("ab 🦜")[:-1]
+        processor = OutputProcessor(tok)
+        kinds = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
+                 "cumulative": RequestOutputKind.CUMULATIVE}
+        for name, kind in kinds.items():
+            processor.add_request(name, prompt, SamplingParams(n=2 if name == "final" else 1, output_kind=kind))
+        assert processor.requests["final#0"].text_at_end and not processor.requests["delta"].text_at_end
+        texts: dict[str, str] = {"delta": ""}
+        for index, ids in enumerate(steps):
+            finish = "length" if index == len(steps) - 1 else None
+            outputs = [EngineCoreOutput(rid, ids, finish_reason=finish) for rid in ("final#0", "final#1", "delta", "cumulative")]
+            for output in processor.process_outputs(outputs).request_outputs:
+                if output.request_id == "delta":
+                    texts["delta"] += output.outputs[0].text
+                elif output.request_id == "cumulative":
+                    texts["cumulative"] = output.outputs[0].text
+                else:
+                    assert output.finished and index == len(steps) - 1
+                    texts["final"] = output.outputs[0].text
+                    assert output.outputs[1].text == texts["final"]
+                    assert output.outputs[0].token_ids == [t for step in steps for t in step]
+            if index < len(steps) - 1:  # detokenized in batches, not all at the end
+                state = processor.requests["final#0"]
+                assert len(state.token_ids) - state.num_detokenized < TEXT_BATCH
+        assert texts["final"] == texts["delta"] == texts["cumulative"]
+        assert texts["final"]
+
+
+def test_final_only_with_stop_strings_or_logprobs_still_works(embedded_tokenizer):
+    tok = embedded_tokenizer
+    processor = OutputProcessor(tok)
+    stop = SamplingParams(stop=["42"], output_kind=RequestOutputKind.FINAL_ONLY)
+    processor.add_request("s", ProcessedPrompt("q", tok.encode("q")), stop)
+    assert not processor.requests["s"].text_at_end  # stop strings are matched per step
+    results = feed(processor, tok, "s", ["The answer", " is 42", " and more"])
+    assert results[1].request_outputs[0].outputs[0].text == "The answer is " and results[1].request_ids_to_abort == ["s"]
+    params = SamplingParams(logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY)
+    processor.add_request("l", ProcessedPrompt(None, [1]), params)
+    assert processor.requests["l"].text_at_end
+    ids = tok.encode("Hello world")
+    for index, token in enumerate(ids):
+        entry = TokenLogprobs([token], [-1.0], rank=1)
+        finish = "length" if index == len(ids) - 1 else None
+        result = processor.process_outputs([EngineCoreOutput("l", [token], new_logprobs=[entry], finish_reason=finish)])
+    completion = result.request_outputs[0].outputs[0]
+    assert completion.text == "Hello world" and completion.cumulative_logprob == -len(ids)
+    assert len(completion.logprobs) == len(ids)
+
+
+def test_text_batches_of_requests_admitted_together_are_staggered(embedded_tokenizer):
+    """Requests that start together detokenize on different steps, not all at once."""
+    tok = embedded_tokenizer
+    processor = OutputProcessor(tok)
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    ids = [f"r{i}" for i in range(2 * TEXT_BATCH)]
+    for request_id in ids:
+        processor.add_request(request_id, ProcessedPrompt("q", tok.encode("q")), params)
+    token = tok.encode(" a")[0]
+    caught_up_per_step = []
+    for _ in range(TEXT_BATCH):
+        before = {rid: processor.requests[rid].num_detokenized for rid in ids}
+        processor.process_outputs([EngineCoreOutput(rid, [token]) for rid in ids])
+        caught_up_per_step.append(sum(processor.requests[rid].num_detokenized != before[rid] for rid in ids))
+    assert caught_up_per_step == [2] * TEXT_BATCH  # two of the 128 requests on each step

@@ -49,6 +49,10 @@ class IncrementalDetokenizer:
         self._tokens.append(token_id)
         return self._advance(final=False)
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """``push`` each token in turn; the concatenated text."""
+        return "".join([self.push(token_id) for token_id in token_ids])
+
     def flush(self) -> str:
         """At the end: emit whatever is pending, even an incomplete character."""
         if self._read_offset == len(self._tokens):
@@ -111,6 +115,36 @@ class StreamingDetokenizer:
         self._emitted_tail = (self._emitted_tail + self._pending)[-_INITIAL_CONTEXT_TOKENS:]
         self._pending = []
         return text
+
+    def push_many(self, token_ids: list[int]) -> str:
+        """``push`` each token in turn; the concatenated text. The loop stays in the
+        stream's calls: the emitted tail and pending tokens are settled once."""
+        if self._fallback is not None:
+            return self._fallback.push_many(token_ids)
+        step, backend = self._stream.step, self._backend
+        pieces: list[str] = []
+        settled = 0  # token_ids[:settled] have had their text emitted
+        for index, token_id in enumerate(token_ids):
+            try:
+                text = step(backend, token_id)
+            except Exception:  # noqa: BLE001 (as in push: hand the rest over to Python)
+                self._settle(token_ids[:index], settled)
+                pieces.append(self._hand_over(token_id))
+                pieces.append(self._fallback.push_many(token_ids[index + 1 :]))  # type: ignore[union-attr]
+                return "".join(pieces)
+            if text is not None:
+                pieces.append(text)
+                settled = index + 1
+        self._settle(token_ids, settled)
+        return "".join(pieces)
+
+    def _settle(self, token_ids: list[int], settled: int) -> None:
+        """Book ``token_ids`` as pushed, of which the first ``settled`` emitted their text."""
+        if settled:
+            self._emitted_tail = (self._emitted_tail + self._pending + token_ids[:settled])[-_INITIAL_CONTEXT_TOKENS:]
+            self._pending = list(token_ids[settled:])
+        else:
+            self._pending.extend(token_ids)
 
     def flush(self) -> str:
         if self._fallback is not None:

@@ -12,6 +12,7 @@ from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
 from heron.loader.tokenizer import load_tokenizer
 from heron.outputs import RequestOutput
+from heron.profiling import phase
 from heron.sampling_params import SamplingParams
 
 
@@ -51,7 +52,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
-        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        with phase("process_outputs"):
+            processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.request_ids_to_abort:
             self.engine_core.abort_requests(processed.request_ids_to_abort)
         return processed.request_outputs

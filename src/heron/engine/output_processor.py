@@ -21,6 +21,12 @@ from heron.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutp
 from heron.sampling_params import RequestOutputKind, SamplingParams
 from heron.worker.runner_output import TokenLogprobs
 
+# text_at_end requests: detokenize at most this many tokens at a time (bounds the
+# burst of host work in one step; a finishing request flushes the rest). Requests
+# start their batches at staggered offsets, so that a batch of requests admitted
+# together does not detokenize all at once every _TEXT_BATCH steps.
+_TEXT_BATCH = 64
+
 
 @dataclass
 class ParentRequest:
@@ -62,6 +68,17 @@ class RequestState:
             else None
         )
         self.stop_matcher = StopStringMatcher(list(params.stop or []), params.include_stop_str_in_output)
+        # Text nobody reads before the end (final-only output, no stop strings) is
+        # detokenized in batches of _TEXT_BATCH tokens and at the end, by the same
+        # detokenizer over the same tokens, so the text is identical: most steps
+        # only keep the token ids, and the per-token Python work (the larger part
+        # of the host's work per token at large batches) runs in one tight loop.
+        self.text_at_end = (
+            self.detokenizer is not None and params.output_kind == RequestOutputKind.FINAL_ONLY
+            and not self.stop_matcher.stops
+        )
+        self.num_detokenized = 0  # text_at_end: tokens whose text is in self.text
+        self.next_text_at = _TEXT_BATCH  # text_at_end: detokenize once this many tokens are in
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
@@ -85,14 +102,14 @@ class RequestState:
         self.num_cached_tokens = output.num_cached_tokens
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dicts(output.new_prompt_logprobs))
+        if self.text_at_end:
+            self._apply_text_at_end(output)
+            return False
         stopped_by_string = False
         for position, token_id in enumerate(output.new_token_ids):
             self.token_ids.append(token_id)
-            if output.new_logprobs is not None and self.logprobs is not None:
-                entry = output.new_logprobs[position]
-                self.logprobs.extend(self._logprob_dicts([entry]))
-                assert self.cumulative_logprob is not None
-                self.cumulative_logprob += entry.logprobs[0]
+            if output.new_logprobs is not None:
+                self._add_logprobs(output.new_logprobs[position])
             if self.detokenizer is not None and self._append_text(self.detokenizer.push(token_id)):
                 stopped_by_string = True
                 break
@@ -103,6 +120,35 @@ class RequestState:
                 self.finish_reason = output.finish_reason
                 self.stop_reason = output.stop_reason
         return stopped_by_string
+
+    def _apply_text_at_end(self, output: EngineCoreOutput) -> None:
+        self.token_ids.extend(output.new_token_ids)
+        if output.new_logprobs is not None:
+            for entry in output.new_logprobs:
+                self._add_logprobs(entry)
+        if output.finished or len(self.token_ids) >= self.next_text_at:
+            self._catch_up_text(final=output.finished)
+            self.next_text_at = len(self.token_ids) + _TEXT_BATCH
+        if output.finished:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
+
+    def _add_logprobs(self, entry: TokenLogprobs) -> None:
+        if self.logprobs is None:
+            return
+        self.logprobs.extend(self._logprob_dicts([entry]))
+        assert self.cumulative_logprob is not None
+        self.cumulative_logprob += entry.logprobs[0]
+
+    def _catch_up_text(self, final: bool) -> None:
+        """``text_at_end``: push the tokens not yet detokenized (and flush at the
+        end), as pushing them one step at a time would have (no stop strings to
+        look for, so nothing else happens per token)."""
+        assert self.detokenizer is not None
+        self.text += self.detokenizer.push_many(self.token_ids[self.num_detokenized :])
+        if final:
+            self.text += self.detokenizer.flush()
+        self.num_detokenized = len(self.token_ids)
 
     def _append_text(self, new_text: str) -> bool:
         if not new_text:
@@ -167,6 +213,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}  # by engine request id
+        self._num_added = 0  # staggers the text batches of text_at_end requests
 
     def add_request(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None = None
@@ -179,9 +226,10 @@ class OutputProcessor:
         for index in range(params.n):
             engine_id = child_request_id(request_id, index) if params.n > 1 else request_id
             child_params = params if params.n == 1 else params.clone(n=1)
-            self.requests[engine_id] = RequestState(
-                engine_id, parent, index, prompt, child_params, self.tokenizer, arrival
-            )
+            state = RequestState(engine_id, parent, index, prompt, child_params, self.tokenizer, arrival)
+            state.next_text_at = 1 + self._num_added % _TEXT_BATCH
+            self._num_added += 1
+            self.requests[engine_id] = state
             engine_ids.append(engine_id)
         return engine_ids
 
@@ -209,7 +257,8 @@ class OutputProcessor:
             state = self.requests.get(output.request_id)
             if state is None:
                 continue  # aborted by the user, or already stopped by a stop string
-            state.times.apply_events(output.events)
+            if output.events:
+                state.times.apply_events(output.events)
             num_prompt_tokens = len(state.prompt.token_ids)
             stats.observe_tokens(state.times, num_prompt_tokens, len(output.new_token_ids), now)
             if state.apply(output):
@@ -224,13 +273,14 @@ class OutputProcessor:
         return result
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
-        parent = state.parent
         kind = state.params.output_kind
-        if state.finished:
+        finished = state.finish_reason is not None
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        parent = state.parent
+        if finished:
             parent.finished_children.add(state.index)
         if kind == RequestOutputKind.FINAL_ONLY:
-            if not state.finished:
-                return None
             parent.final_outputs[state.index] = state.completion(kind)
             if not parent.finished:
                 return None
