@@ -140,3 +140,50 @@ def test_logprobs_are_raw_with_ranks_and_top_entries():
     assert out.logprob_token_ids.tolist() == [[2, 1, 3]]
     assert out.logprobs[0].tolist() == pytest.approx([raw[2].item(), raw[1].item(), raw[3].item()])
     assert out.sampled_ranks.tolist() == [3]
+
+
+def metadata_fields(metadata) -> dict:
+    """Comparable values of every SamplingMetadata field (tensors as lists)."""
+    import dataclasses
+
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, tuple):
+            return tuple(plain(v) for v in value)
+        if isinstance(value, dict):
+            return {k: v.initial_seed() for k, v in value.items()}
+        return value
+
+    return {f.name: plain(getattr(metadata, f.name)) for f in dataclasses.fields(metadata)}
+
+
+def test_the_metadata_builder_keeps_the_parameters_part_and_redoes_what_changes_per_step():
+    from heron.worker.input_batch import SamplingMetadataBuilder
+
+    cpu = torch.device("cpu")
+    mixes = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=3, top_p=0.9, seed=7),
+        SamplingParams(temperature=1.0, min_p=0.1, logit_bias={2: 1.5}, logprobs=2),
+        SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5]),
+        SamplingParams(temperature=0.5, presence_penalty=0.5, repetition_penalty=1.2),
+    ]
+    builder = SamplingMetadataBuilder(VOCAB, cpu)
+    states = [state(p, request_id=f"r{i}") for i, p in enumerate(mixes)]
+    first = builder.build(states)
+    for step in range(3):  # decode steps: outputs grow, the rows stay
+        for s in states:
+            s.token_ids.append(3)
+        metadata = builder.build(states)
+        assert metadata.temperature is first.temperature and metadata.top_k is first.top_k  # kept
+        assert metadata_fields(metadata) == metadata_fields(build_sampling_metadata(states, VOCAB, cpu))
+        assert (metadata.banned_tokens is not None) == (step == 0)  # min_tokens=2 reached after step 0
+        assert metadata.output_token_ids[4] == [3] * (step + 1)  # penalties see this step's outputs
+    # another order, or another request in a row: built anew
+    for changed in (states[::-1], states[:2] + [state(SamplingParams(temperature=0.3), request_id="n")] + states[3:]):
+        kept = builder.build(states).temperature
+        assert builder.build(states).temperature is kept
+        metadata = builder.build(changed)
+        assert metadata.temperature is not kept
+        assert metadata_fields(metadata) == metadata_fields(build_sampling_metadata(changed, VOCAB, cpu))

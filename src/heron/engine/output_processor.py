@@ -25,7 +25,7 @@ from heron.worker.runner_output import TokenLogprobs
 # burst of host work in one step; a finishing request flushes the rest). Requests
 # start their batches at staggered offsets, so that a batch of requests admitted
 # together does not detokenize all at once every _TEXT_BATCH steps.
-_TEXT_BATCH = 64
+_TEXT_BATCH = 16
 
 
 @dataclass

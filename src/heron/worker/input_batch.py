@@ -77,39 +77,104 @@ class CachedRequestState:
         return self.generator
 
 
+@dataclass(frozen=True)
+class _ParamsPart:
+    """What a batch's sampling metadata takes from its rows' parameters alone (no
+    per-step state): the same for the same parameter objects in the same order."""
+
+    params: tuple[SamplingParams, ...]  # held, so that their ids stay theirs
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None
+    max_top_k: int | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    max_num_logprobs: int | None
+    seeded_rows: tuple[int, ...]  # sampled rows with a seed: a generator each step
+    min_tokens_rows: tuple[int, ...]  # rows that may need EOS / stop ids banned
+    has_penalties: bool
+
+    @staticmethod
+    def of(params: tuple[SamplingParams, ...], vocab_size: int, device: torch.device) -> _ParamsPart:
+        greedy = [p.is_greedy for p in params]
+        num_greedy = sum(greedy)
+        all_greedy = num_greedy == len(params)
+        # an all-greedy batch needs no temperature tensor (one host-to-device copy less)
+        temperature = (
+            torch.zeros(0)
+            if all_greedy
+            else on_device([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device)
+        )
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        top_k = max_top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in sampled):
+            # (greedy rows take the argmax: 1 keeps them off the full-vocabulary path)
+            values = [p.top_k if p.top_k > 0 else 1 if g else vocab_size for p, g in zip(params, greedy)]
+            top_k, max_top_k = on_device(values, torch.int64, device), max(values)
+        if any(p.top_p < 1.0 for p in sampled):
+            top_p = on_device([p.top_p for p in params], torch.float32, device)
+        if any(p.min_p > 0.0 for p in sampled):
+            min_p = on_device([p.min_p for p in params], torch.float32, device)
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return _ParamsPart(
+            params=params, temperature=temperature, all_greedy=all_greedy, all_random=num_greedy == 0,
+            top_k=top_k, max_top_k=max_top_k, top_p=top_p, min_p=min_p,
+            logit_bias=_logit_bias(params, device),
+            max_num_logprobs=max(requested) if requested else None,
+            seeded_rows=tuple(row for row, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g),
+            min_tokens_rows=tuple(row for row, p in enumerate(params) if p.min_tokens > 0),
+            has_penalties=any(p.has_penalties for p in params),
+        )
+
+    def metadata(self, states: list[CachedRequestState], device: torch.device) -> SamplingMetadata:
+        """This step's metadata: the parameters' part plus what changes per step
+        (seeded generators at the next position, min_tokens bans, penalty inputs)."""
+        metadata = SamplingMetadata(
+            temperature=self.temperature, all_greedy=self.all_greedy, all_random=self.all_random,
+            top_k=self.top_k, max_top_k=self.max_top_k, top_p=self.top_p, min_p=self.min_p,
+            logit_bias=self.logit_bias, max_num_logprobs=self.max_num_logprobs,
+        )
+        for row in self.seeded_rows:
+            generator = states[row].seeded_generator()
+            if generator is not None:
+                metadata.generators[row] = generator
+        if self.has_penalties:
+            _add_penalties(metadata, states, device)
+        if self.min_tokens_rows:
+            _add_bans(metadata, states, self.min_tokens_rows, device)
+        return metadata
+
+
 def build_sampling_metadata(
     states: list[CachedRequestState], vocab_size: int, device: torch.device
 ) -> SamplingMetadata:
     """Sampling inputs for one row per state, in order."""
-    params = [state.sampling_params for state in states]
-    num_greedy = sum(1 for p in params if p.is_greedy)
-    all_greedy = num_greedy == len(params)
-    # an all-greedy batch needs no temperature tensor (one host-to-device copy less)
-    temperature = (
-        torch.zeros(0)
-        if all_greedy
-        else on_device([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
-    )
-    metadata = SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=num_greedy == 0)
-    sampled = [p for p in params if not p.is_greedy]
-    if any(p.top_k > 0 for p in sampled):
-        # (greedy rows take the argmax: 1 keeps them off the full-vocabulary path)
-        top_k = [p.top_k if p.top_k > 0 else 1 if p.is_greedy else vocab_size for p in params]
-        metadata.top_k = on_device(top_k, torch.int64, device)
-        metadata.max_top_k = max(top_k)
-    if any(p.top_p < 1.0 for p in sampled):
-        metadata.top_p = on_device([p.top_p for p in params], torch.float32, device)
-    if any(p.min_p > 0.0 for p in sampled):
-        metadata.min_p = on_device([p.min_p for p in params], torch.float32, device)
-    for row, state in enumerate(states):
-        generator = state.seeded_generator()
-        if generator is not None and not state.sampling_params.is_greedy:
-            metadata.generators[row] = generator
-    _add_penalties(metadata, states, device)
-    _add_logit_bias_and_bans(metadata, states, device)
-    requested = [p.logprobs for p in params if p.logprobs is not None]
-    metadata.max_num_logprobs = max(requested) if requested else None
-    return metadata
+    params = tuple(state.sampling_params for state in states)
+    return _ParamsPart.of(params, vocab_size, device).metadata(states, device)
+
+
+class SamplingMetadataBuilder:
+    """``build_sampling_metadata`` that keeps the parameters' part (device tensors
+    of temperatures, top-k/p, min-p, logit bias...) while a step's rows are the same
+    parameter objects in the same order as the step before: a decode batch in
+    steady state then builds only what changes per step. The part holds its
+    parameter objects, so an id in the key cannot be a new object's."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._key: tuple[int, ...] | None = None
+        self._part: _ParamsPart | None = None
+
+    def build(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = tuple([state.sampling_params for state in states])
+        key = tuple(map(id, params))
+        if key != self._key or self._part is None:
+            self._part = _ParamsPart.of(params, self.vocab_size, self.device)
+            self._key = key
+        return self._part.metadata(states, self.device)
 
 
 def _add_penalties(
@@ -128,33 +193,38 @@ def _add_penalties(
         metadata.prompt_token_ids = [state.token_ids[: state.num_prompt_tokens] for state in states]
 
 
-def _add_logit_bias_and_bans(
-    metadata: SamplingMetadata, states: list[CachedRequestState], device: torch.device
+def _logit_bias(
+    params: tuple[SamplingParams, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            for token_id, value in p.logit_bias.items():
+                rows.append(row)
+                tokens.append(token_id)
+                values.append(value)
+    if not rows:
+        return None
+    return on_device(rows, torch.int64, device), on_device(tokens, torch.int64, device), on_device(values, torch.float32, device)
+
+
+def _add_bans(
+    metadata: SamplingMetadata, states: list[CachedRequestState], rows: tuple[int, ...], device: torch.device
 ) -> None:
-    bias_rows: list[int] = []
-    bias_tokens: list[int] = []
-    bias_values: list[float] = []
+    """EOS (unless ignored) and stop ids are banned until a row has ``min_tokens``."""
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
-    for row, state in enumerate(states):
+    for row in rows:
+        state = states[row]
         params = state.sampling_params
-        if params.logit_bias:
-            for token_id, value in params.logit_bias.items():
-                bias_rows.append(row)
-                bias_tokens.append(token_id)
-                bias_values.append(value)
         if state.num_output_tokens < params.min_tokens:
             banned = set(params.stop_token_ids or [])
             if not params.ignore_eos:
                 banned |= state.eos_token_ids
             ban_rows.extend([row] * len(banned))
             ban_tokens.extend(sorted(banned))
-    if bias_rows:
-        metadata.logit_bias = (
-            on_device(bias_rows, torch.int64, device),
-            on_device(bias_tokens, torch.int64, device),
-            on_device(bias_values, torch.float32, device),
-        )
     if ban_rows:
         metadata.banned_tokens = (
             on_device(ban_rows, torch.int64, device),

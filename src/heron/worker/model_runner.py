@@ -26,7 +26,7 @@ from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
 from heron.worker.block_table import BlockTableRows
-from heron.worker.input_batch import CachedRequestState, PendingInputIds, build_sampling_metadata, on_device
+from heron.worker.input_batch import CachedRequestState, PendingInputIds, SamplingMetadataBuilder, on_device
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
 from heron.worker.spec_verify import verify_drafts
@@ -101,6 +101,7 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
+        self.sampling_metadata = SamplingMetadataBuilder(self.vocab_size, self.device)
         self.rejection_sampler = RejectionSampler(generator)
         self.proposer: DraftProposer | None = build_proposer(config, self.device)
         self.requests: dict[str, CachedRequestState] = {}
@@ -392,7 +393,7 @@ class ModelRunner:
             if plain:
                 plain_logits = logits if not spec else logits[on_device(offsets[plain], torch.int64, self.device)]
                 plain_states = [states[step.sample_rows[i]] for i in plain]
-                output = self.sampler(plain_logits, build_sampling_metadata(plain_states, self.vocab_size, self.device))
+                output = self.sampler(plain_logits, self.sampling_metadata.build(plain_states))
                 if defer_output:
                     assert not spec, "async scheduling does not verify drafts"
                     return self._defer_output(step, output, plain_states, prompt_logprobs)
