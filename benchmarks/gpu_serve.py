@@ -8,7 +8,8 @@ Llama-3.2-1B-shaped model of gpu_bench.py (bf16).
 Prompts are random words of 256-768 tokens, outputs 128-384 tokens; each
 concurrency gets enough requests to keep its slots busy for several rounds.
 Writes one JSON with the device, torch and CUDA versions and, per concurrency,
-the bench's full result. ``--model-dir`` with an existing HF directory and
+the bench's full result and the CPU use of the API server, the engine core and
+the bench client (``process_cpu``: mean and busiest second, % of one core). ``--model-dir`` with an existing HF directory and
 ``--dtype`` let the same script run elsewhere (e.g. a tiny model on a CPU, to
 check the script itself).
 """
@@ -27,6 +28,8 @@ import urllib.request
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.process_cpu import ProcessCpuSampler, child_running  # noqa: E402
 
 CLI = [sys.executable, "-m", "heron.entrypoints.cli"]
 
@@ -91,22 +94,32 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as results:
             for concurrency in levels:
                 name = f"conc{concurrency}.json"
-                subprocess.run(
+                bench = subprocess.Popen(
                     [*CLI, "bench", "serve", "--base-url", url, "--tokenizer", args.model_dir,
                      "--dataset-name", "random", "--num-prompts", str(num_prompts_for(concurrency)),
                      "--random-input-len", str(args.input_len), "--random-range-ratio", "0.5",
                      "--random-output-len", str(args.output_len), "--max-concurrency", str(concurrency),
                      "--ignore-eos", "--temperature", "0", "--seed", "1", "--disable-tqdm",
                      "--save-result", "--result-dir", results, "--result-filename", name],
-                    check=True,
                 )
+                # the API server first: the window is where it works
+                core = child_running(server.pid, "heron.engine.core_proc")
+                pids = {"api_server": server.pid, **({"engine_core": core} if core else {}), "bench_client": bench.pid}
+                with ProcessCpuSampler(pids) as sampler:
+                    if bench.wait() != 0:
+                        raise RuntimeError(f"heron bench serve exited with code {bench.returncode}")
                 with open(os.path.join(results, name)) as handle:
                     report[f"concurrency_{concurrency}"] = json.load(handle)
+                result = report[f"concurrency_{concurrency}"]
+                result["process_cpu"] = sampler.report(duration_s=result["duration"])
                 save()
     finally:
         server.terminate()
         server.wait(timeout=60)
     print(json.dumps({key: value for key, value in report.items() if not isinstance(value, dict)}, indent=1))
+    for concurrency in levels:
+        cpu = report[f"concurrency_{concurrency}"]["process_cpu"]
+        print(f"concurrency {concurrency}: " + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items() if "pct" in k))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm.asyncio import tqdm
 
 from heron.benchmarks.datasets import SampleRequest
@@ -66,10 +66,11 @@ async def run_load(
     url = base_url.rstrip("/") + endpoint
     chat = "chat" in endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or 10_000, max_keepalive_connections=max_concurrency or 10_000)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = tqdm(total=len(samples), disable=not show_progress, desc="requests")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no limit on connections
+    timeout = aiohttp.ClientTimeout(total=6 * 3600.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True) as client:
         start = time.perf_counter()
 
         async def one(sample: SampleRequest) -> RequestResult:
@@ -93,10 +94,11 @@ async def run_load(
 
 async def fetch_model_name(base_url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=30) as client:
-        response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=True) as client:
+        async with client.get(base_url.rstrip("/") + "/v1/models", headers=headers) as response:
+            response.raise_for_status()
+            return (await response.json())["data"][0]["id"]
 
 
 def build_result(
