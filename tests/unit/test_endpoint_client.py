@@ -1,0 +1,75 @@
+"""The bench's streaming client against a stub server: text chunks, usage,
+[DONE], HTTP errors and error events (aiohttp on both sides, in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from aiohttp import web
+
+from heron.benchmarks.datasets import SampleRequest
+from heron.benchmarks.endpoint_client import request_body, send_request
+
+
+def sse(payload: object) -> bytes:
+    return f"data: {json.dumps(payload)}\r\n\r\n".encode()
+
+
+async def stream_handler(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    if body["prompt"] == "fail":
+        await response.write(sse({"error": {"message": "engine died"}}))
+        return response
+    for piece in ["Hello", "", " world"]:
+        await response.write(sse({"choices": [{"index": 0, "text": piece}]}))
+        await asyncio.sleep(0.01)
+    await response.write(sse({"choices": [], "usage": {"completion_tokens": 3}}))
+    await response.write(b"data: [DONE]\r\n\r\n")
+    return response
+
+
+async def unauthorized(request: web.Request) -> web.Response:
+    return web.json_response({"error": {"message": "bad key"}}, status=401)
+
+
+def run_against_stub(prompt: str, path: str):
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", stream_handler)
+        app.router.add_post("/denied", unauthorized)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        sample = SampleRequest(prompt=prompt, prompt_len=1, expected_output_len=3)
+        try:
+            async with aiohttp.ClientSession() as client:
+                return await send_request(
+                    client, f"http://127.0.0.1:{port}{path}", request_body("m", sample, False, True, 0.0),
+                    sample, time.perf_counter(), {}, lambda text: len(text.split()),
+                )
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_text_chunks_are_timed_and_usage_counts_the_tokens():
+    result = run_against_stub("hi", "/v1/completions")
+    assert result.success and not result.error
+    assert result.generated_text == "Hello world"
+    assert result.output_tokens == 3  # from the usage chunk, not the text
+    assert len(result.itl) == 1 and result.ttft > 0 and result.latency >= result.ttft
+
+
+def test_errors_are_reported_not_raised():
+    denied = run_against_stub("hi", "/denied")
+    assert not denied.success and denied.error.startswith("HTTP 401") and "bad key" in denied.error
+    failed = run_against_stub("fail", "/v1/completions")
+    assert not failed.success and "engine died" in failed.error
