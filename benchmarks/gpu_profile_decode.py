@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.gpu_bench import LLAMA_1B, build_model, random_prompts
 from heron import LLM, SamplingParams
+from heron.profiling import phase_times_ms
 
 
 def main() -> None:
@@ -43,14 +44,9 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         per_step = (time.perf_counter() - started) / steps * 1000
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(30):
-                engine.step()
-        names = ("schedule", "prepare_inputs", "forward", "sample", "wait_for_output", "update_from_output",
-                 "process_outputs")
-        table = {e.key: e.cpu_time_total / 30 / 1000 for e in prof.key_averages() if e.key in names}
+        table = phase_times_ms(engine.step, 30)
         print(f"batch {batch}: {per_step:.2f} ms per LLMEngine.step; host ms per phase: "
-              + ", ".join(f"{k} {table.get(k, 0):.2f}" for k in names), flush=True)
+              + ", ".join(f"{name} {ms:.2f}" for name, ms in table.items()), flush=True)
         if args.kernels:
             print_kernels(engine, batch)
         for index in range(batch):

@@ -9,9 +9,9 @@ Prompts are random words of 256-768 tokens, outputs 128-384 tokens; each
 concurrency gets enough requests to keep its slots busy for several rounds.
 Writes one JSON with the device, torch and CUDA versions and, per concurrency,
 the bench's full result and the CPU use of the API server, the engine core and
-the bench client (``process_cpu``: mean and busiest second, % of one core). ``--model-dir`` with an existing HF directory and
-``--dtype`` let the same script run elsewhere (e.g. a tiny model on a CPU, to
-check the script itself).
+the bench client (``process_cpu``: mean and busiest second, % of one core).
+``--model-dir`` with an existing HF directory and ``--dtype`` let the same
+script run elsewhere (e.g. a tiny model on a CPU, to check the script itself).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from heron import LLM, SamplingParams  # noqa: E402
+from heron.profiling import phase_times_ms  # noqa: E402
 from heron.sampling_params import RequestOutputKind  # noqa: E402
 from tests.gpu.conftest import word_tokenizer  # noqa: E402
 from tests.model.conftest import build_tiny_model as save_tiny_model  # noqa: E402
@@ -73,25 +74,12 @@ def main() -> None:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats("heron", 30)
         if args.phases:
-            print_phases(engine, args.steps)
+            table = phase_times_ms(engine.step, args.steps)
+            print("    ms per step: " + ", ".join(f"{name} {ms:.3f}" for name, ms in table.items()), flush=True)
         for index in range(batch):
             engine.abort_request(f"b{batch}-{index}")
         while engine.has_unfinished_requests():
             engine.step()
-
-
-PHASES = ("schedule", "prepare_inputs", "forward", "sample", "wait_for_output", "update_from_output",
-          "process_outputs")
-
-
-def print_phases(engine, steps: int) -> None:
-    import torch
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-    table = {e.key: e.cpu_time_total / steps / 1000 for e in prof.key_averages() if e.key in PHASES}
-    print("    ms per step: " + ", ".join(f"{name} {table.get(name, 0.0):.3f}" for name in PHASES), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -52,6 +53,24 @@ class phase:
             self._record = None
         if _NVTX:
             torch.cuda.nvtx.range_pop()
+
+
+# the names ``phase`` marks in an engine step (LLMEngine.step: the engine core's
+# phases, then the output processor's)
+ENGINE_PHASES = (
+    "schedule", "prepare_inputs", "forward", "sample", "wait_for_output", "update_from_output", "process_outputs",
+)
+
+
+def phase_times_ms(step: Callable[[], object], num_steps: int) -> dict[str, float]:
+    """Host milliseconds per step spent in each of ``ENGINE_PHASES`` (0.0 for a
+    phase that did not run), over ``num_steps`` calls of ``step`` under the torch
+    profiler (CPU activity only)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(num_steps):
+            step()
+    totals = {e.key: e.cpu_time_total for e in profile.key_averages() if e.key in ENGINE_PHASES}
+    return {name: totals.get(name, 0.0) / num_steps / 1000 for name in ENGINE_PHASES}
 
 
 class StepProfiler:

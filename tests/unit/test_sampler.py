@@ -177,6 +177,7 @@ def test_the_metadata_builder_keeps_the_parameters_part_and_redoes_what_changes_
             s.token_ids.append(3)
         metadata = builder.build(states)
         assert metadata.temperature is first.temperature and metadata.top_k is first.top_k  # kept
+        assert metadata.presence_penalties is first.presence_penalties is not None
         assert metadata_fields(metadata) == metadata_fields(build_sampling_metadata(states, VOCAB, cpu))
         assert (metadata.banned_tokens is not None) == (step == 0)  # min_tokens=2 reached after step 0
         assert metadata.output_token_ids[4] == [3] * (step + 1)  # penalties see this step's outputs

@@ -54,7 +54,10 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Any,
         arrival_time: float,
+        first_text_batch: int = _TEXT_BATCH,
     ) -> None:
+        """``first_text_batch``: for ``text_at_end``, how many tokens the first
+        batch detokenizes (1.._TEXT_BATCH, staggered across requests)."""
         self.engine_request_id = engine_request_id
         self.times = RequestTimes(arrival=arrival_time)
         self.parent = parent
@@ -78,7 +81,7 @@ class RequestState:
             and not self.stop_matcher.stops
         )
         self.num_detokenized = 0  # text_at_end: tokens whose text is in self.text
-        self.next_text_at = _TEXT_BATCH  # text_at_end: detokenize once this many tokens are in
+        self.next_text_at = first_text_batch  # text_at_end: detokenize once this many tokens are in
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
@@ -226,10 +229,11 @@ class OutputProcessor:
         for index in range(params.n):
             engine_id = child_request_id(request_id, index) if params.n > 1 else request_id
             child_params = params if params.n == 1 else params.clone(n=1)
-            state = RequestState(engine_id, parent, index, prompt, child_params, self.tokenizer, arrival)
-            state.next_text_at = 1 + self._num_added % _TEXT_BATCH
+            self.requests[engine_id] = RequestState(
+                engine_id, parent, index, prompt, child_params, self.tokenizer, arrival,
+                first_text_batch=1 + self._num_added % _TEXT_BATCH,
+            )
             self._num_added += 1
-            self.requests[engine_id] = state
             engine_ids.append(engine_id)
         return engine_ids
 

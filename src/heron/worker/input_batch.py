@@ -91,10 +91,12 @@ class _ParamsPart:
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
     max_num_logprobs: int | None
     seeded_rows: tuple[int, ...]  # sampled rows with a seed: a generator each step
     min_tokens_rows: tuple[int, ...]  # rows that may need EOS / stop ids banned
-    has_penalties: bool
 
     @staticmethod
     def of(params: tuple[SamplingParams, ...], vocab_size: int, device: torch.device) -> _ParamsPart:
@@ -117,31 +119,43 @@ class _ParamsPart:
             top_p = on_device([p.top_p for p in params], torch.float32, device)
         if any(p.min_p > 0.0 for p in sampled):
             min_p = on_device([p.min_p for p in params], torch.float32, device)
+        presence = frequency = repetition = None
+        if any(p.presence_penalty != 0.0 for p in params):
+            presence = on_device([p.presence_penalty for p in params], torch.float32, device)
+        if any(p.frequency_penalty != 0.0 for p in params):
+            frequency = on_device([p.frequency_penalty for p in params], torch.float32, device)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition = on_device([p.repetition_penalty for p in params], torch.float32, device)
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return _ParamsPart(
             params=params, temperature=temperature, all_greedy=all_greedy, all_random=num_greedy == 0,
             top_k=top_k, max_top_k=max_top_k, top_p=top_p, min_p=min_p,
             logit_bias=_logit_bias(params, device),
+            presence_penalties=presence, frequency_penalties=frequency, repetition_penalties=repetition,
             max_num_logprobs=max(requested) if requested else None,
             seeded_rows=tuple(row for row, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g),
             min_tokens_rows=tuple(row for row, p in enumerate(params) if p.min_tokens > 0),
-            has_penalties=any(p.has_penalties for p in params),
         )
 
     def metadata(self, states: list[CachedRequestState], device: torch.device) -> SamplingMetadata:
         """This step's metadata: the parameters' part plus what changes per step
-        (seeded generators at the next position, min_tokens bans, penalty inputs)."""
+        (seeded generators at the next position, min_tokens bans, the tokens that
+        penalties count)."""
         metadata = SamplingMetadata(
             temperature=self.temperature, all_greedy=self.all_greedy, all_random=self.all_random,
             top_k=self.top_k, max_top_k=self.max_top_k, top_p=self.top_p, min_p=self.min_p,
-            logit_bias=self.logit_bias, max_num_logprobs=self.max_num_logprobs,
+            logit_bias=self.logit_bias, presence_penalties=self.presence_penalties,
+            frequency_penalties=self.frequency_penalties, repetition_penalties=self.repetition_penalties,
+            max_num_logprobs=self.max_num_logprobs,
         )
         for row in self.seeded_rows:
             generator = states[row].seeded_generator()
             if generator is not None:
                 metadata.generators[row] = generator
-        if self.has_penalties:
-            _add_penalties(metadata, states, device)
+        if metadata.has_penalties:  # the tokens they count, as of this step
+            metadata.output_token_ids = [state.output_token_ids() for state in states]
+            if metadata.repetition_penalties is not None:
+                metadata.prompt_token_ids = [state.token_ids[: state.num_prompt_tokens] for state in states]
         if self.min_tokens_rows:
             _add_bans(metadata, states, self.min_tokens_rows, device)
         return metadata
@@ -175,22 +189,6 @@ class SamplingMetadataBuilder:
             self._part = _ParamsPart.of(params, self.vocab_size, self.device)
             self._key = key
         return self._part.metadata(states, self.device)
-
-
-def _add_penalties(
-    metadata: SamplingMetadata, states: list[CachedRequestState], device: torch.device
-) -> None:
-    params = [state.sampling_params for state in states]
-    if not any(p.has_penalties for p in params):
-        return
-    metadata.output_token_ids = [state.output_token_ids() for state in states]
-    if any(p.presence_penalty != 0.0 for p in params):
-        metadata.presence_penalties = on_device([p.presence_penalty for p in params], torch.float32, device)
-    if any(p.frequency_penalty != 0.0 for p in params):
-        metadata.frequency_penalties = on_device([p.frequency_penalty for p in params], torch.float32, device)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        metadata.repetition_penalties = on_device([p.repetition_penalty for p in params], torch.float32, device)
-        metadata.prompt_token_ids = [state.token_ids[: state.num_prompt_tokens] for state in states]
 
 
 def _logit_bias(
