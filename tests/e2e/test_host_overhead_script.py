@@ -1,12 +1,12 @@
-"""benchmarks/host_overhead.py and output_processing_time.py run end to end (a few
-steps, tiny model)."""
+"""benchmarks/host_overhead.py, output_processing_time.py and
+sampling_metadata_time.py run end to end (a few steps, tiny model)."""
 
 from __future__ import annotations
 
 import re
 import sys
 
-from benchmarks import host_overhead, output_processing_time
+from benchmarks import host_overhead, output_processing_time, sampling_metadata_time
 
 
 def test_host_overhead_reports_each_batch(tmp_path, monkeypatch, capsys):
@@ -32,3 +32,11 @@ def test_output_processing_time_checks_identical_texts(monkeypatch, capsys):
         assert float(re.search(r": ([\d.]+) ms per step", line).group(1)) > 0
         digests.append(re.search(r"md5 (\w+)", line).group(1))
     assert digests[0] == digests[1]  # detokenized in batches or streamed: the same text
+
+
+def test_sampling_metadata_time_reports_both_ways(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["sampling_metadata_time.py", "--batch", "8"])
+    sampling_metadata_time.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["greedy", "top-p/top-k"]
+    assert all(float(v) > 0 for line in lines for v in re.findall(r"(\d+) us", line))
