@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from heron.attention.cpu_kernels import q4_linear
+from heron.kernels.cpu.ops import q4_linear
 from heron.models.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from heron.attention import cpu_kernels
+from heron.kernels.cpu import ops as cpu_kernels
 
 
 def main() -> None:

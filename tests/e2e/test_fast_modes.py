@@ -8,7 +8,7 @@ import os
 import pytest
 
 from heron import LLM, SamplingParams
-from heron.attention import cpu_kernels
+from heron.kernels.cpu.library import native_library
 from heron.benchmarks.quality import compare
 
 
@@ -43,7 +43,7 @@ def test_quantized_output_does_not_depend_on_the_batch(method):
     # the same prompt beside a long one: its first steps run the large-batch path
     busy = llm.generate(["A scheduler decides, at every step, " * 20, prompt], params, use_tqdm=False)
     alone_out, busy_out = alone.outputs[0], busy[1].outputs[0]
-    if method == "int8" and cpu_kernels.native_library() is not None:  # (the fallback GEMM rounds per batch)
+    if method == "int8" and native_library() is not None:  # (the fallback GEMM rounds per batch)
         assert busy_out.token_ids == alone_out.token_ids
     agreed = 0
     for token, busy_token, step, busy_step in zip(alone_out.token_ids, busy_out.token_ids, alone_out.logprobs,

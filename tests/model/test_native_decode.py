@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 
 from heron import LLM, SamplingParams
-from heron.attention import cpu_kernels
+from heron.kernels.cpu.library import native_library
 from heron.models.native_decode import NativeLowBitDecoder
 from tests.model.conftest import random_prompts
 
-pytestmark = pytest.mark.skipif(cpu_kernels.native_library() is None, reason="needs a C compiler")
+pytestmark = pytest.mark.skipif(native_library() is None, reason="needs a C compiler")
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
 LOGPROB_TOLERANCE = 0.02  # seen: at most 0.008; a planted RoPE bug (keys not rotated): 0.06-0.08

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heron.attention import cpu_kernels
 from heron.attention.backend import AttentionLayerSpec
 from heron.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from heron.kernels.cpu import library as cpu_library
+from heron.kernels.cpu import ops as cpu_kernels
 
-pytestmark = pytest.mark.skipif(cpu_kernels.native_library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(cpu_library.native_library() is None, reason="no C compiler")
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])
@@ -149,6 +150,6 @@ def test_kernel_sources_ship_in_the_package():
     import tomllib
 
     pyproject = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["heron.attention"]
-    for name in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["heron.kernels.cpu"]
+    for name in cpu_library.SOURCES + cpu_library.HEADERS:
         assert any(fnmatch.fnmatch(f"csrc/{name}", pattern) for pattern in patterns), name

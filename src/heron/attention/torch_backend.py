@@ -1,7 +1,7 @@
 """Paged attention for the CPU (and, with plain torch ops, a CUDA fallback).
 
 Per step, requests with one query token (decodes) are attended together: on the
-CPU by heron's native kernel (``cpu_kernels``), which reads each sequence's K/V in
+CPU by heron's native kernel (``heron.kernels.cpu``), which reads each sequence's K/V in
 place through its block table; otherwise in one batched SDPA call over gathered,
 padded, masked K/V. Requests with several query tokens (prefill chunks) are
 attended one by one, each over its own gathered context with a causal mask; a
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from heron.attention import cpu_kernels
+from heron.kernels.cpu import ops as cpu_kernels
 from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
 
 

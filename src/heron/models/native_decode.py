@@ -1,5 +1,5 @@
 """The native decode path of a low-bit Llama on the CPU: one C call runs every
-layer of a decode step (``attention/csrc/llama_decode.c``).
+layer of a decode step (``kernels/cpu/csrc/llama_decode.c``).
 
 It serves steps where every request decodes one token (any number of them);
 steps with a prefill chunk take the torch path. Both paths use the same low-bit
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from heron.attention import cpu_kernels
+from heron.kernels.cpu.library import native_library
 from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear, Int8WeightInt8InputLinear
 
 
@@ -96,7 +96,7 @@ class NativeLowBitDecoder:
     @staticmethod
     def build(model: Any) -> NativeLowBitDecoder | None:
         """The decoder for ``model``, or None where the native path does not cover it."""
-        library = cpu_kernels.native_library()
+        library = native_library()
         if library is None or os.environ.get("HERON_DISABLE_NATIVE_DECODE") or not hasattr(model, "layers"):
             return None
         # float32 throughout: the embeddings (hence the KV cache's dtype) and every norm

@@ -2,7 +2,7 @@
 
 Every linear layer's input is rounded to int8 in blocks of 16 (one scale each,
 ``round_activations_q8``) and multiplied with integer dot products in heron's
-register-tiled C kernels (``attention/csrc/tiled_linear.c``), at every batch size,
+register-tiled C kernels (``kernels/cpu/csrc/tiled_linear.c``), at every batch size,
 so a row's result does not depend on its batch. (Without a C compiler the float32
 GEMM on the dequantized weights computes the same function, up to float32
 rounding that does depend on the batch.)
@@ -78,10 +78,11 @@ class Int8WeightOnlyLinear(nn.Module):
 def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
     """``x`` [rows, k] rounded as the 4-bit kernel rounds it: symmetric int8 in
     blocks of 16 along k (scale max|x| / 127, round half to even), back in float32."""
-    from heron.attention import cpu_kernels
+    from heron.kernels.cpu.library import native_library
+    from heron.kernels.cpu.ops import round_q8
 
-    if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.native_library() is not None:
-        return cpu_kernels.round_q8(x)
+    if x.dtype == torch.float32 and x.device.type == "cpu" and native_library() is not None:
+        return round_q8(x)
     return _round_activations_q8_torch(x)
 
 
@@ -109,7 +110,7 @@ class _Int8InputLinear(nn.Module):
     def _use_native_kernel(self) -> None:
         """Call at the end of ``__init__``: picks the kernel, or keeps the
         dequantized weights the torch path needs without it."""
-        from heron.attention.cpu_kernels import native_library
+        from heron.kernels.cpu.library import native_library
 
         self._native = native_library() is not None
         self._dequantized = None if self._native else self._dequantize()
@@ -181,7 +182,7 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
         return weight.reshape(-1, self.in_features)[: self.out_features].contiguous()
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        from heron.attention.cpu_kernels import q4_linear
+        from heron.kernels.cpu.ops import q4_linear
 
         return q4_linear(rows, self.tiles, self.scales, self.mins)
 
@@ -257,7 +258,7 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
         return (qweight.float() * self.scales[:, None])[: self.out_features].contiguous()
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        from heron.attention.cpu_kernels import q8_linear
+        from heron.kernels.cpu.ops import q8_linear
 
         return q8_linear(rows, self.tiles, self.scales)
 

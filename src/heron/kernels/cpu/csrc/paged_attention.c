@@ -21,11 +21,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
-#define MAX_TASK_ROWS 256 /* query heads one task handles: cpu_kernels.py checks num_heads <= this */
+#include "simd.h"
+
+#define MAX_TASK_ROWS 256 /* query heads one task handles: ops.py checks num_heads <= this */
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float sum = 0.0f;
@@ -39,7 +38,7 @@ static inline void axpy(float *restrict y, float alpha, const float *restrict x,
     for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(HERON_AVX2)
 /* e^x for x <= 0 (scores minus their maximum), 8 lanes: x = n ln2 + r with
  * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under
  * 2e-7, about libm's), times 2^n built in the exponent bits; below -87 it
@@ -64,11 +63,45 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
+#if defined(HERON_AVX512)
+/* exp_nonpositive on 16 lanes: the same steps, so each lane's value is the same */
+static inline __m512 exp_nonpositive_16(__m512 x) {
+    const __m512 lowest = _mm512_set1_ps(-87.0f);
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lowest);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(p, _mm512_castsi512_ps(scale)));
+}
+#endif
+
 /* row[i] = e^(row[i] - maximum); returns their sum */
 static float exp_and_sum(float *row, int64_t count, float maximum) {
     int64_t i = 0;
     float total = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(HERON_AVX512)
+    const __m512 shift16 = _mm512_set1_ps(maximum);
+    __m512 sum16 = _mm512_setzero_ps();
+    for (; i + 16 <= count; i += 16) {
+        const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift16));
+        _mm512_storeu_ps(row + i, e);
+        sum16 = _mm512_add_ps(sum16, e);
+    }
+    float lanes16[16];
+    _mm512_storeu_ps(lanes16, sum16);
+    for (int lane = 0; lane < 16; lane++) total += lanes16[lane];
+#endif
+#if defined(HERON_AVX2)
     const __m256 shift = _mm256_set1_ps(maximum);
     __m256 sum = _mm256_setzero_ps();
     for (; i + 8 <= count; i += 8) {

@@ -13,11 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 #include "lowbit_input.h"
+#include "simd.h"
 
 #define ACT_BLOCK 16 /* activations: one int8 scale per 16 inputs */
 /* blocks whose largest magnitude is below this round to zeros: 127 / amax would
@@ -34,7 +32,22 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
         int8_t *q = p + half * ACT_BLOCK;
         float amax = 0.0f;
         int total = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(HERON_AVX512)
+        const __m512 v16 = _mm512_loadu_ps(v);
+        const __m512 magnitude = _mm512_abs_ps(v16);
+        const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(magnitude), _mm512_extractf32x8_ps(magnitude, 1));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m512 inverse = _mm512_set1_ps(amax >= MIN_BLOCK_MAX ? 127.0f / amax : 0.0f);
+        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v16, inverse)); /* nearest even, as lrintf */
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(rounded));
+        const __m256i sum8 = _mm256_add_epi32(_mm512_castsi512_si256(rounded), _mm512_extracti64x4_epi64(rounded, 1));
+        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+        total = _mm_cvtsi128_si32(sum4);
+#elif defined(HERON_AVX2)
         const __m256 sign = _mm256_set1_ps(-0.0f);
         const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
         __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));

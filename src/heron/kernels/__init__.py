@@ -1,0 +1,1 @@
+"""Compute kernels that are heron's own, by device."""

@@ -1,0 +1,131 @@
+"""Building and loading heron's CPU kernel library: the C files in ``csrc/``,
+compiled with the system C compiler on first use (about a second per
+instruction set), cached, and called through ctypes.
+
+They need no torch headers: kernels take raw pointers to contiguous tensors.
+OpenMP threading shares torch's runtime (torch's CPU build loads ``libgomp.so.1``
+first, and the kernel library links the same soname). Without a C compiler the
+kernels are unavailable and callers fall back to torch ops; set
+``HERON_DISABLE_NATIVE=1`` to force that. Which build runs is ``isa.selected_isa()``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_isa
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_decode.c")
+HEADERS = ("lowbit_input.h", "simd.h")
+_BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+DISABLE_ENV = "HERON_DISABLE_NATIVE"
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler rejected the kernel sources."""
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("HERON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "heron")
+    return os.path.join(base, "kernels")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str, flags: list[str]) -> str:
+    """The path of the library built with ``flags``, compiling it unless cached."""
+    package = resources.files("heron.kernels.cpu").joinpath("csrc")
+    files = [package.joinpath(name) for name in SOURCES + HEADERS]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.read_bytes())
+    digest.update(" ".join([compiler, *flags]).encode())
+    target_dir = os.path.join(_cache_dir(), digest.hexdigest()[:16])
+    target = os.path.join(target_dir, "libheron_cpu.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(target_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        for file in files:
+            with open(os.path.join(scratch, file.name), "wb") as handle:
+                handle.write(file.read_bytes())
+        partial = os.path.join(scratch, "libheron_cpu.so")
+        sources = [os.path.join(scratch, name) for name in SOURCES]
+        result = subprocess.run([compiler, *flags, *sources, "-o", partial, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(result.stderr[-2000:])
+        os.replace(partial, target)  # atomic: concurrent builders never see half a file
+    return target
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Give the library's entry points their ctypes signatures."""
+    attention = library.heron_paged_decode_attention_f32
+    attention.restype = ctypes.c_int
+    attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+    q4 = library.heron_q4_linear_f32
+    q4.restype = ctypes.c_int
+    q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    q8 = library.heron_q8_linear_f32
+    q8.restype = ctypes.c_int
+    q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    rounding = library.heron_round_q8_f32
+    rounding.restype = ctypes.c_int
+    rounding.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    library.heron_kernel_isa.restype = ctypes.c_char_p
+    library.heron_kernel_isa.argtypes = []
+    return library
+
+
+@functools.lru_cache(maxsize=None)
+def load_library(isa: CpuIsa, emulate_with: str | None = None) -> ctypes.CDLL:
+    """The kernels built for ``isa``. ``emulate_with``: the include directory of
+    SIMDe, to build the AVX-512 code for a CPU without it (tests only: slow).
+    Raises KernelBuildError when the compiler fails, RuntimeError without one."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    if emulate_with is None:
+        flags = [*_BASE_FLAGS, *compile_flags(isa)]
+    else:
+        level = {"avx512": 1, "avx512_vnni": 2}[isa]
+        flags = [*_BASE_FLAGS, *compile_flags("avx2"), f"-DHERON_EMULATE_AVX512={level}", "-isystem", emulate_with]
+    return _declare(ctypes.CDLL(_build(compiler, flags)))
+
+
+@functools.lru_cache(maxsize=1)
+def native_library() -> ctypes.CDLL | None:
+    """The kernel library for the selected instruction set, or None (logged
+    once) when there is no C compiler or it fails. A ``HERON_CPU_ISA`` the CPU
+    cannot run raises ValueError."""
+    if os.environ.get(DISABLE_ENV):
+        return None
+    isa = selected_isa()
+    try:
+        library = load_library(isa)
+    except KernelBuildError as exc:
+        logger.warning("building native CPU kernels failed; using torch fallbacks:\n%s", exc)
+        return None
+    except RuntimeError as exc:
+        logger.warning("%s: native CPU kernels disabled (slower torch fallbacks)", exc)
+        return None
+    logger.info("CPU kernels: %s build on %s", isa, cpu_summary())
+    return library
+
+
+def native_isa() -> str | None:
+    """The instruction set the loaded kernels use, or None without them."""
+    library = native_library()
+    return None if library is None else library.heron_kernel_isa().decode()

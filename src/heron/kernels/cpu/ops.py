@@ -1,0 +1,100 @@
+"""heron's CPU kernels as torch functions: paged decode attention and the
+low-bit linear layers (``csrc/``), on the library ``library.native_library()``
+loads, or on the one passed as ``library`` (the tests run every build).
+
+Callers check ``native_library() is not None`` (or ``can_run_paged_decode``)
+before calling: without a C compiler there are no kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from heron.kernels.cpu.library import native_library
+
+_MAX_HEADS = 256  # the paged kernel's per-task arrays hold up to this many query heads
+
+
+def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and kv_cache.dtype == torch.float32
+        and query.shape[1] <= _MAX_HEADS
+        and native_library() is not None
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] float32
+    block_table: torch.Tensor,  # [B, max_blocks] int64
+    seq_lens: torch.Tensor,  # [B] int64
+    scale: float,
+    sliding_window: int | None,
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    library = library or native_library()
+    assert library is not None
+    query = query.contiguous()
+    block_table = block_table.contiguous()
+    output = torch.empty_like(query)
+    num_seqs, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    status = library.heron_paged_decode_attention_f32(
+        output.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1],
+        scale, sliding_window or 0,
+    )
+    if status != 0:
+        raise MemoryError("paged decode attention could not allocate its score buffer")
+    return output
+
+
+def _lowbit_linear(
+    function: str, x: torch.Tensor, n_out: int, *weight: torch.Tensor, library: ctypes.CDLL | None
+) -> torch.Tensor:
+    """Run one of csrc/tiled_linear.c's kernels: (x, rows, k, *weight pointers, y, n)."""
+    library = library or native_library()
+    assert library is not None
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2, "the kernels take contiguous float32 rows"
+    rows, k = x.shape
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    status = getattr(library, function)(x.data_ptr(), rows, k, *(w.data_ptr() for w in weight), out.data_ptr(), n_out)
+    if status != 0:
+        raise RuntimeError(f"{function} failed (status {status})")
+    return out
+
+
+def q4_linear(
+    x: torch.Tensor,  # [rows, k] float32, contiguous
+    tiles: torch.Tensor,  # [n / 8, k / 32, 128] uint8: 4-bit weights in column tiles
+    scales: torch.Tensor,  # [n / 8, k / 32, 8] float32
+    mins: torch.Tensor,  # [n / 8, k / 32, 8] float32
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """``Q8(x) @ W^T`` for 4-bit block-quantized ``W`` in column tiles (see csrc/tiled_linear.c)."""
+    return _lowbit_linear("heron_q4_linear_f32", x, tiles.shape[0] * 8, tiles, scales, mins, library=library)
+
+
+def q8_linear(
+    x: torch.Tensor,  # [rows, k] float32, contiguous
+    tiles: torch.Tensor,  # [n / 8, k / 4, 32] int8: weights in column tiles
+    column_scales: torch.Tensor,  # [n] float32
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """``Q8(x) @ (W * column_scales)^T`` for int8 ``W`` in column tiles (see csrc/tiled_linear.c)."""
+    return _lowbit_linear("heron_q8_linear_f32", x, tiles.shape[0] * 8, tiles, column_scales, library=library)
+
+
+def round_q8(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` [rows, k] float32 rounded to int8 in blocks of 16, as ``q4_linear`` rounds its input."""
+    library = library or native_library()
+    assert library is not None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if library.heron_round_q8_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()) != 0:
+        raise ValueError(f"rounding needs a multiple of 32 inputs, got {x.shape[1]}")
+    return out

@@ -1,0 +1,146 @@
+"""Every build of heron's CPU kernels against the portable (scalar) build.
+
+The builds this CPU runs are checked natively; the AVX-512 builds a CPU lacks
+are checked through SIMDe's portable intrinsics (same source, emulated), so
+their code is tested on every machine. The low-bit linear kernels and the input
+rounding must match the scalar build bit for bit; paged attention within float32
+summation-order rounding (rtol and atol 1e-5)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+from heron.kernels.cpu import isa as cpu_isa
+from heron.kernels.cpu import ops
+from heron.kernels.cpu.library import _BASE_FLAGS, _build, load_library
+from heron.models.quantization import Int4WeightOnlyLinear, Int8WeightInt8InputLinear
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+
+def _simde_include() -> str | None:
+    try:
+        import simde_py
+    except ImportError:
+        return None
+    return simde_py.get_include()
+
+
+def _variants() -> list[pytest.param]:
+    """(name, loader) for every non-scalar build this machine can run, natively or emulated."""
+    supported = cpu_isa.supported_isas()
+    variants = []
+    for isa in cpu_isa.ISAS[1:]:
+        if isa in supported:
+            variants.append(pytest.param((isa, None), id=isa))
+        elif isa.startswith("avx512") and "avx2" in supported:
+            include = _simde_include()
+            marks = pytest.mark.skipif(include is None, reason="simde-py is not installed")
+            variants.append(pytest.param((isa, include), id=f"{isa}-emulated", marks=marks))
+    return variants
+
+
+@pytest.fixture(scope="module")
+def scalar() -> ctypes.CDLL:
+    return load_library("scalar")
+
+
+@pytest.fixture(params=_variants())
+def variant(request) -> ctypes.CDLL:
+    isa, emulate_with = request.param
+    library = load_library(isa, emulate_with)
+    assert library.heron_kernel_isa().decode() == isa
+    return library
+
+
+def test_scalar_build_is_portable(scalar):
+    assert scalar.heron_kernel_isa() == b"scalar"
+
+
+# (out_features, in_features): odd tile counts leave AVX-512's last tile unpaired
+@pytest.mark.parametrize("shape", [(40, 64), (64, 96), (8, 32), (200, 576)])
+def test_int4_linear_is_bit_identical_to_scalar(scalar, variant, shape):
+    generator = torch.Generator().manual_seed(shape[0])
+    layer = Int4WeightOnlyLinear(torch.randn(*shape, generator=generator) * 0.05)
+    for rows in (1, 3, 4, 7, 70):  # row groups of 4, their remainders, panels of 64
+        x = torch.randn(rows, shape[1], generator=generator)
+        x[0, :16] = 0.0  # an all-zero half block
+        x[-1, 3] = 30.0  # an outlier
+        expected = ops.q4_linear(x, layer.tiles, layer.scales, layer.mins, library=scalar)
+        got = ops.q4_linear(x, layer.tiles, layer.scales, layer.mins, library=variant)
+        assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("shape", [(24, 64), (128, 96), (8, 32)])
+def test_int8_linear_is_bit_identical_to_scalar(scalar, variant, shape):
+    generator = torch.Generator().manual_seed(shape[0] + 1)
+    weight = torch.randn(*shape, generator=generator)
+    weight[1] *= 40  # per-column scales
+    weight[2, :5] = 0.0  # zero weights: the sign trick must give 0
+    layer = Int8WeightInt8InputLinear(weight)
+    for rows in (1, 2, 5, 66):
+        x = torch.randn(rows, shape[1], generator=generator)
+        x[0, 7] = -50.0
+        expected = ops.q8_linear(x, layer.tiles, layer.scales, library=scalar)
+        got = ops.q8_linear(x, layer.tiles, layer.scales, library=variant)
+        assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+def test_input_rounding_is_bit_identical_to_scalar(scalar, variant):
+    for seed in range(5):
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(9, 512, generator=generator) * torch.rand(512, generator=generator) * 5
+        x[0, :32] = 0.0
+        x[1, 40] = 1e-38  # a block whose scale would overflow: zeros
+        x[2, 64:80] = torch.tensor([19.5 / 127 * 3.0] * 15 + [3.0])  # ties round to even
+        assert torch.equal(ops.round_q8(x, library=variant), ops.round_q8(x, library=scalar))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (16, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("num_seqs", [3, 9])
+def test_paged_attention_matches_scalar(scalar, variant, num_heads, num_kv_heads, head_dim, num_seqs):
+    generator = torch.Generator().manual_seed(num_heads * num_seqs)
+    num_blocks, block_size, max_blocks = 40, 16, 8
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    seq_lens = torch.tensor([1, 17, 31, 128, 100, 2, 64, 15, 90][:num_seqs], dtype=torch.int64)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(num_seqs)])
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=generator) * 3  # peaked softmax
+    for window in (None, 20):
+        expected = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window, library=scalar)
+        got = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window, library=variant)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_isa.is_x86_64(), reason="x86-64 instruction sets")
+@pytest.mark.parametrize("isa", cpu_isa.ISAS)
+def test_every_build_compiles_with_the_real_intrinsics(isa):
+    """The native build of each instruction set compiles here (running it needs the CPU)."""
+    from heron.kernels.cpu.library import _compiler
+
+    _build(_compiler(), [*_BASE_FLAGS, *cpu_isa.compile_flags(isa)])
+
+
+def test_forcing_an_isa(monkeypatch):
+    supported = cpu_isa.supported_isas()
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "scalar")
+    assert cpu_isa.selected_isa() == "scalar"
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "auto")
+    assert cpu_isa.selected_isa() == supported[-1]
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="HERON_CPU_ISA='sse9'"):
+        cpu_isa.selected_isa()
+    missing = [isa for isa in cpu_isa.ISAS if isa not in supported]
+    if missing:  # never a silent downgrade
+        monkeypatch.setenv(cpu_isa.ISA_ENV, missing[0])
+        with pytest.raises(ValueError, match="lacks"):
+            cpu_isa.selected_isa()
+
+
+def test_flags_name_each_build():
+    assert "-mavx512vnni" in cpu_isa.COMPILE_FLAGS["avx512_vnni"]
+    assert not any("avx" in flag for flag in cpu_isa.COMPILE_FLAGS["scalar"])
+    assert all("native" not in flag for flags in cpu_isa.COMPILE_FLAGS.values() for flag in flags)
