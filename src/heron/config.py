@@ -8,12 +8,17 @@ max_model_len, KV-cache size) against the model and the machine.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 SchedulingPolicy = Literal["fcfs", "priority"]
+LOW_BIT_METHODS = ("int8", "int4")  # the CPU's weight formats with int8 inputs (models/quantization.py)
+QUANTIZATION_CHOICES = ("auto", "none", *LOW_BIT_METHODS)
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -33,21 +38,22 @@ def cpu_has_native_bf16() -> bool:
     Without them torch emulates bf16 GEMMs, which measured 6x slower than fp32 on an
     AVX2 machine, so "auto" picks float32 there.
     """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    from heron.kernels.cpu.isa import cpu_flags
+
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """Turn a user dtype ("auto", "float32", torch.bfloat16, ...) into a torch dtype."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """Turn a user dtype ("auto", "float32", torch.bfloat16, ...) into a torch dtype.
+    The CPU's low-bit modes (``quantization`` int8 / int4) run on float32 activations."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if quantization in LOW_BIT_METHODS:
+            return torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     else:
         if dtype not in _DTYPE_NAMES:
@@ -57,7 +63,37 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         resolved = _DTYPE_NAMES[dtype]
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
+    if quantization in LOW_BIT_METHODS and resolved != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} runs its kernels on float32 activations; "
+            f"use dtype 'auto' or 'float32' with it, or quantization 'none' for {str(resolved).removeprefix('torch.')}"
+        )
     return resolved
+
+
+def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: torch.device, source: Any) -> str:
+    """"auto": a GGUF whose linear layers are all Q4_0/Q4_1 runs in heron's int4
+    format (which holds those weights exactly), all Q4_0/Q4_1/Q8_0 with some Q8_0
+    in int8; on the CPU only, with dtype "auto" or float32. Anything else: "none"."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
+    if quantization != "auto":
+        return quantization
+    wants_float32 = dtype == "auto" or dtype is torch.float32 or _DTYPE_NAMES.get(str(dtype)) is torch.float32
+    if device.type != "cpu" or source.format != "gguf" or not wants_float32:
+        return "none"
+    from heron.loader.gguf_file import GGUFFile
+    from heron.loader.gguf_model import linear_weight_types
+
+    types = linear_weight_types(GGUFFile(source.path))
+    if types and types <= {"Q4_0", "Q4_1"}:
+        method = "int4"
+    elif types and types <= {"Q4_0", "Q4_1", "Q8_0"}:
+        method = "int8"
+    else:
+        return "none"
+    logger.info("quantization auto: %s (the GGUF's linear weights are %s)", method, "/".join(sorted(types)))
+    return method
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -84,7 +120,7 @@ class ModelConfig:
     max_model_len: int
     architecture: str  # the HF architecture name, e.g. "LlamaForCausalLM"
     model_impl: Literal["auto", "native", "transformers"] = "auto"
-    quantization: str = "none"  # "none" | "int8" | "int4" (CPU, weight-only)
+    quantization: str = "none"  # resolved: "none" | "int8" | "int4" (CPU, int8 inputs)
     seed: int = 0
     tokenizer: str | None = None  # override; defaults to the model's own
 
@@ -242,7 +278,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         compile_model: bool = False,
         gpu_memory_utilization: float = 0.9,
-        quantization: str = "none",
+        quantization: str = "auto",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         async_scheduling: bool | None = None,
         usage: Literal["offline", "serve"] = "offline",
@@ -251,8 +287,6 @@ class EngineConfig:
         from heron.loader.model_config import load_hf_config
         from heron.loader.model_source import resolve_model_source
 
-        if quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be 'none', 'int8' or 'int4', got {quantization!r}")
         if attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
         if model_impl not in ("auto", "native", "transformers"):
@@ -261,6 +295,7 @@ class EngineConfig:
             )
         resolved_device = resolve_device(device)
         source = resolve_model_source(model)
+        quantization = resolve_quantization(quantization, dtype, resolved_device, source)
         hf_config = load_hf_config(source, model_impl)
         model_max_len = _model_max_len(hf_config)
         if max_model_len is None:
@@ -288,7 +323,7 @@ class EngineConfig:
             served_model_name=served_model_name or source.name,
             source_format=source.format,
             hf_config=hf_config,
-            dtype=resolve_dtype(dtype, resolved_device),
+            dtype=resolve_dtype(dtype, resolved_device, quantization),
             max_model_len=max_model_len,
             architecture=architectures[0] if architectures else "",
             model_impl=model_impl,  # type: ignore[arg-type]

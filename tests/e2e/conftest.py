@@ -39,7 +39,10 @@ def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_to
 
 @pytest.fixture(scope="session")
 def server():
-    """A live `heron serve` on the embedded model, shared by the e2e modules."""
-    process = ServerProcess("--max-model-len", "512")
+    """A live `heron serve` on the embedded model, shared by the e2e modules: float32
+    unquantized, whose greedy answers the tests know ("Paris"), and whose decoding
+    outlasts a client that holds a stream (the default int4 path is tested in
+    test_readiness.py)."""
+    process = ServerProcess("--max-model-len", "512", "--quantization", "none", "--dtype", "float32")
     yield process
     process.stop()

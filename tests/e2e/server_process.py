@@ -22,9 +22,11 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0, tls_cert: str | None = None
+        self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0, tls_cert: str | None = None,
+        wait_ready: bool = True,
     ) -> None:
-        """``tls_cert``: the server's certificate, when it serves HTTPS."""
+        """``tls_cert``: the server's certificate, when it serves HTTPS; ``wait_ready``
+        False returns at once (then ``wait_ready()`` waits)."""
         self.port = free_port()
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls_cert) if tls_cert else True
         self.base_url = f"{'https' if tls_cert else 'http'}://127.0.0.1:{self.port}"
@@ -34,9 +36,10 @@ class ServerProcess:
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-        self._wait_ready(startup_timeout)
+        if wait_ready:
+            self.wait_ready(startup_timeout)
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -54,8 +57,18 @@ class ServerProcess:
         with open(self.log.name, encoding="utf-8", errors="replace") as handle:
             return handle.read()
 
-    def engine_core_pid(self) -> int:
-        """The engine-core child process of this server."""
+    def engine_core_pid(self, timeout: float = 0.0) -> int:
+        """The engine-core child process of this server (waiting up to ``timeout`` s for it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._child_pid()
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _child_pid(self) -> int:
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue

@@ -14,7 +14,7 @@ from heron.benchmarks.quality import compare
 
 @pytest.fixture(scope="module")
 def fp32():
-    return LLM(max_model_len=1024, num_kv_blocks=128)
+    return LLM(max_model_len=1024, num_kv_blocks=128, dtype="float32", quantization="none")
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -59,9 +59,9 @@ def test_float32_is_unchanged_by_the_weight_cache(tmp_path, monkeypatch, fp32):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["Herons live on every continent except", "Memory is cut into small pages of"]
     expected = [o.outputs[0].token_ids for o in fp32.generate(prompts, params, use_tqdm=False)]
-    first = LLM(max_model_len=256, num_kv_blocks=64)  # dequantizes and writes the cache
+    first = LLM(max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="none")  # dequantizes and writes the cache
     [cached_file] = os.listdir(tmp_path / "weights")
-    second = LLM(max_model_len=256, num_kv_blocks=64)  # reads the cache
+    second = LLM(max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="none")  # reads the cache
     for llm in (first, second):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert cached_file.endswith(".safetensors")

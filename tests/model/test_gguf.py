@@ -140,7 +140,8 @@ def tiny_gguf(tmp_path_factory, embedded_tokenizer):
 def test_tiny_mixed_quant_gguf_matches_transformers(tiny_gguf):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_batched_tokens=16)
+    llm = LLM(tiny_gguf, dtype="float32", quantization="none", max_model_len=128, num_kv_blocks=32,
+              max_num_batched_tokens=16)
     config = llm.config.model.hf_config
     assert (config.hidden_size, config.num_key_value_heads, config.tie_word_embeddings) == (256, 2, False)
     reference = AutoModelForCausalLM.from_pretrained(
@@ -166,3 +167,50 @@ def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     original = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params, use_tqdm=False)
     converted = LLM(output, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params, use_tqdm=False)
     assert converted[0].outputs[0].token_ids == original[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("types, expected", [
+    ({"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q4_0, "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0,
+      "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_0}, "int4"),
+    (dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], Q.Q8_0), "int8"),
+    ({**dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"], Q.Q4_1),
+      "ffn_down": Q.Q8_0}, "int8"),
+    ({**dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"], Q.Q4_1),
+      "ffn_down": Q.F16}, "none"),
+])
+def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tokenizer, types, expected):
+    """A GGUF of Q4_0/Q4_1 linears loads in int4 (which holds those weights
+    exactly), with Q8_0 among them in int8, anything else unquantized; an
+    explicit bf16 or quantization keeps what was asked."""
+    from transformers import AutoModelForCausalLM
+
+    from heron.config import EngineConfig
+
+    directory = str(tmp_path / "src")
+    build_tiny_model(directory, dict(model_type="llama", intermediate_size=128, hidden_size=128,
+                                     num_attention_heads=4, num_key_value_heads=2), embedded_tokenizer)
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama_gguf(path, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32),
+                          {"token_embd": Q.Q8_0, "output": Q.Q6_K, **types})
+    config = EngineConfig.create(path, device="cpu", max_model_len=64)
+    assert config.model.quantization == expected
+    assert config.model.dtype == torch.float32
+    assert EngineConfig.create(path, device="cpu", dtype="bfloat16", max_model_len=64).model.quantization == "none"
+    assert EngineConfig.create(path, device="cpu", quantization="none", max_model_len=64).model.quantization == "none"
+    assert EngineConfig.create(directory, device="cpu", max_model_len=64).model.quantization == "none"  # not a GGUF
+    if expected == "int4":  # Q4_1 blocks are held exactly; Q4_0's re-derived from their range
+        llm = LLM(path, max_model_len=64, num_kv_blocks=16)
+        fused = llm.engine.engine_core.model_runner.model.layers[0].self_attn.qkv_proj.dequantized
+        reference = LLM(path, quantization="none", max_model_len=64, num_kv_blocks=16)
+        exact = reference.engine.engine_core.model_runner.model.layers[0].self_attn.qkv_proj.weight
+        q_rows, k_rows = slice(0, 128), slice(128, 192)  # attn_q is Q4_0, attn_k Q4_1
+        torch.testing.assert_close(fused[k_rows], exact[k_rows], rtol=1e-6, atol=1e-6)
+        error = (fused[q_rows] - exact[q_rows]).norm() / exact[q_rows].norm()
+        assert 0 < error < 0.1
+
+
+def test_quantization_names_are_checked():
+    from heron.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4"):
+        EngineConfig.create(quantization="int3")

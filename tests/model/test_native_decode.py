@@ -14,6 +14,7 @@ far more, which a planted one showed.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from heron import LLM, SamplingParams
 from heron.kernels.cpu.library import native_library
@@ -103,10 +104,21 @@ def test_decode_only_steps_of_any_size_run_natively(tiny_model_dir):
     assert not decoder.covers(1, metadata)
 
 
-def test_bfloat16_models_keep_the_torch_path(tiny_model_dir):
-    """The native path is float32 only: a bf16 model quantizes without it and runs."""
+def test_low_bit_modes_pick_float32_and_refuse_other_dtypes(tiny_model_dir):
+    """The kernels run on float32 activations: "auto" gives them float32 on every CPU
+    (on one with native bf16 it once gave bf16, and the native path was off without
+    a word), and an explicit bf16 is a clear error rather than a slow path."""
     for method in ("int8", "int4"):
-        llm = LLM(tiny_model_dir("llama"), quantization=method, dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
-        assert llm.engine.engine_core.model_runner.model.native_decoder is None
-        [output] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-        assert len(output.outputs[0].token_ids) == 4
+        llm = LLM(tiny_model_dir("llama"), quantization=method, max_model_len=128, num_kv_blocks=64)
+        runner = llm.engine.engine_core.model_runner
+        assert llm.config.model.dtype == torch.float32
+        assert runner.compute_path["decode"] == "native (one C call per step)"
+        assert runner.compute_path["linear"] == f"heron {method} C kernels"
+        with pytest.raises(ValueError, match="float32 activations"):
+            LLM(tiny_model_dir("llama"), quantization=method, dtype="bfloat16", max_model_len=128)
+
+
+def test_a_decode_path_that_is_off_says_why(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("HERON_DISABLE_NATIVE_DECODE", "1")
+    llm = LLM(tiny_model_dir("llama"), quantization="int4", max_model_len=128, num_kv_blocks=64)
+    assert llm.engine.engine_core.model_runner.compute_path["decode"] == "torch (HERON_DISABLE_NATIVE_DECODE is set)"

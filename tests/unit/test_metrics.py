@@ -54,6 +54,8 @@ def test_exporter_records_everything_it_declares():
     assert values["heron:time_to_first_token_seconds_sum[('model_name', 'm')]"] == 0.5
     assert values["heron:inter_token_latency_seconds_count[('model_name', 'm')]"] == 1
     assert abs(values["heron:request_queue_time_seconds_sum[('model_name', 'm')]"] - 0.1) < 1e-9
+    logger.set_compute_path({"device": "cpu", "cpu_isa": "avx2", "decode": "native (one C call per step)"})
+    assert 'heron:compute_path_info{cpu_isa="avx2",decode="native (one C call per step)",device="cpu",model_name="m"} 1.0' in logger.render().decode()
     names = sample_names(logger)
     for metric in EXPORTED_METRICS:
         assert any(name.startswith(metric) for name in names), metric

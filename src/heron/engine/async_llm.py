@@ -256,6 +256,7 @@ class AsyncLLM:
                 self._handle_outputs(payload)
             elif kind == MessageKind.READY:
                 self.engine_info = payload
+                self.metrics.set_compute_path(payload.get("compute_path") or {})
                 self._ready.set()
                 logger.info("engine core ready (pid %s, %s KV blocks)", payload.get("pid"), payload.get("num_kv_blocks"))
             elif kind == MessageKind.FAILED:

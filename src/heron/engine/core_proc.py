@@ -88,6 +88,7 @@ class EngineCoreProc:
                     "num_kv_blocks": engine.scheduler.kv_cache_manager.num_blocks,
                     "max_model_len": model.max_model_len,
                     "pid": os.getpid(),
+                    "compute_path": engine.model_runner.compute_path,
                 },
             )
         )

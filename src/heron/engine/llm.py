@@ -46,7 +46,7 @@ class LLM:
         enforce_eager: bool = False,
         compile_model: bool = False,
         gpu_memory_utilization: float = 0.9,
-        quantization: str = "none",
+        quantization: str = "auto",
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
     ) -> None:

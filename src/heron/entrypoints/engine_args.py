@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from heron.config import EngineConfig
+from heron.config import QUANTIZATION_CHOICES, EngineConfig
 
 
 def parse_size(text: str) -> int:
@@ -41,8 +41,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--compile", action="store_true", help="torch.compile the forward pass (instead of CUDA graphs)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                       help="CPU weight-only: int8 per output channel, or int4 in blocks of 32 (the LM head int8)")
+    group.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                       help="CPU low-bit weights with int8 inputs: int8 per output channel, or int4 in blocks of 32 "
+                            "(the LM head int8); auto (default): the format matching a GGUF's Q4_0/Q4_1/Q8_0 "
+                            "weights on the CPU, else none")
     group.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -143,3 +143,19 @@ def iterate_gguf_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, 
         if not array.flags.writeable:  # a view into the read-only memory map
             array = array.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+# the linear layers' tensors (not norms, embeddings or the output head)
+_LINEAR_KINDS = frozenset(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
+
+
+def linear_weight_types(gguf: GGUFFile) -> set[str]:
+    """The GGML types (``Q4_1``, ``Q8_0``, ``F16``...) of the file's linear-layer weights."""
+    from gguf import GGMLQuantizationType
+
+    types = set()
+    for name, info in gguf.tensors.items():
+        match = _LAYER_PATTERN.match(name)
+        if match is not None and match.group(2) in _LINEAR_KINDS and match.group(3) == "weight":
+            types.add(GGMLQuantizationType(info.ggml_type).name)
+    return types

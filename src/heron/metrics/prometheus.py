@@ -3,7 +3,7 @@ dashboards and alerts carry over. Each server owns its registry (no globals)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from heron.engine.core_output import SchedulerStats
 from heron.metrics.stats import IterationStats
@@ -25,7 +25,7 @@ EXPORTED_METRICS = (
     "heron:request_decode_time_seconds", "heron:request_inference_time_seconds",
     "heron:request_prompt_tokens", "heron:request_generation_tokens", "heron:iteration_tokens_total",
     "heron:spec_decode_num_drafts_total", "heron:spec_decode_num_draft_tokens_total",
-    "heron:spec_decode_num_accepted_tokens_total",
+    "heron:spec_decode_num_accepted_tokens_total", "heron:compute_path_info",
 )
 
 
@@ -67,10 +67,16 @@ class PrometheusStatLogger:
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step", _TOKEN_BUCKETS)
+        # what each step runs (labels: worker/compute_path.py), set once the engine is ready
+        self.compute_path = Info("heron:compute_path", "The engine's compute path: device, dtype, kernels, decode path",
+                                 labels, registry=r)
         self.model_name = model_name
         self._last_cumulative = SchedulerStats()
         for metric in (self.running, self.waiting, self.kv_usage):
             metric.labels(model_name).set(0)
+
+    def set_compute_path(self, path: dict[str, str]) -> None:
+        self.compute_path.labels(self.model_name).info({key: str(value) for key, value in path.items()})
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
         name = self.model_name

@@ -95,17 +95,30 @@ class NativeLowBitDecoder:
 
     @staticmethod
     def build(model: Any) -> NativeLowBitDecoder | None:
-        """The decoder for ``model``, or None where the native path does not cover it."""
-        library = native_library()
-        if library is None or os.environ.get("HERON_DISABLE_NATIVE_DECODE") or not hasattr(model, "layers"):
+        """The decoder for ``model``, or None where the native path does not cover it
+        (``unsupported_reason`` says why)."""
+        if NativeLowBitDecoder.unsupported_reason(model) is not None:
             return None
+        library = native_library()
+        assert library is not None
+        return NativeLowBitDecoder(model, library)
+
+    @staticmethod
+    def unsupported_reason(model: Any) -> str | None:
+        """Why the native path cannot run ``model``'s decode steps, or None when it can."""
+        if os.environ.get("HERON_DISABLE_NATIVE_DECODE"):
+            return "HERON_DISABLE_NATIVE_DECODE is set"
+        if native_library() is None:
+            return "no native CPU kernels (no C compiler, or HERON_DISABLE_NATIVE)"
+        if not hasattr(model, "layers"):
+            return "not a native Llama-family model"
         # float32 throughout: the embeddings (hence the KV cache's dtype) and every norm
         norms = [model.norm.weight] + [
             weight for layer in model.layers
             for weight in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         ]
         if model.embed_tokens.weight.dtype != torch.float32 or any(w.dtype != torch.float32 for w in norms):
-            return None
+            return "the model is not float32"
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -116,12 +129,12 @@ class NativeLowBitDecoder:
                 and linear.out_features % TILE_COLUMNS == 0
                 for linear in linears
             ):
-                return None
-            if attention.qk_norm or attention.attn.spec.logits_soft_cap is not None or attention.head_dim > 512:
-                return None
-            if attention.num_heads > 256:  # the attention kernel's per-task limit
-                return None
-        return NativeLowBitDecoder(model, library)
+                return "a linear layer has a bias, an odd width or no native kernel"
+            if attention.qk_norm or attention.attn.spec.logits_soft_cap is not None:
+                return "Q/K norms or logit soft-capping"
+            if attention.head_dim > 512 or attention.num_heads > 256:  # the kernels' per-task limits
+                return "heads wider than 512 or more than 256 query heads"
+        return None
 
     def covers(self, num_tokens: int, metadata: Any) -> bool:
         """Whether this step can run natively: a decode-only CPU step."""

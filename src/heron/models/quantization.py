@@ -300,6 +300,6 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Mo
         from heron.models.native_decode import NativeLowBitDecoder
 
         model.native_decoder = NativeLowBitDecoder.build(model)
-        if model.native_decoder is not None:
-            logger.info("decode steps run natively (one C call per step)")
+        if model.native_decoder is None:  # never silently: the step is several times slower
+            logger.warning("%s decode steps take the torch path: %s", method, NativeLowBitDecoder.unsupported_reason(model))
     return model

@@ -26,6 +26,7 @@ from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
 from heron.worker.block_table import BlockTableRows
+from heron.worker.compute_path import describe_compute_path, format_compute_path
 from heron.worker.input_batch import CachedRequestState, PendingInputIds, SamplingMetadataBuilder, on_device
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
@@ -97,6 +98,8 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         spec = self.attention_layers[0].spec
         self.backend = get_attention_backend(self.device, spec.num_heads, spec.num_kv_heads, config.attention_backend)
+        self.compute_path = describe_compute_path(config, self.model, self.backend.name, self.use_cuda_graphs)
+        logger.info("compute path: %s", format_compute_path(self.compute_path))
         self.vocab_size = config.model.vocab_size
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)

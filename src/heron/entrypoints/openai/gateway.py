@@ -118,6 +118,24 @@ class GatewayMiddleware:
         await self.app(scope, receive, send)
 
 
+class ReadinessMiddleware:
+    """Every ``/v1`` route answers 503 (with Retry-After) until the engine can
+    serve, and once it has died: a client or load balancer that treats any /v1
+    answer, /v1/models included, as readiness sends no request too early."""
+
+    def __init__(self, app: ASGIApp, unavailable: Callable[[], APIError | None]) -> None:
+        self.app = app
+        self.unavailable = unavailable
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            error = self.unavailable()
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class BodySizeLimitMiddleware:
     """Reject request bodies over ``max_bytes`` with 413, by Content-Length or by
     counting a chunked body as it streams in."""

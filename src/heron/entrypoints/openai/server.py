@@ -1,7 +1,7 @@
 """``heron serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-The HTTP server starts at once and answers /health with 503 until the engine
-core process reports ready; errors always use OpenAI's error shape.
+The HTTP server starts at once and answers /health and every /v1 route with 503
+until the engine core process reports ready; errors always use OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
     BodySizeLimitMiddleware,
     GatewayMiddleware,
+    ReadinessMiddleware,
     TokenBucketLimiter,
     collect_api_keys,
 )
@@ -39,7 +40,7 @@ from heron.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
-from heron.entrypoints.openai.serving_common import ServingContext, invalid_input
+from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable, invalid_input
 from heron.entrypoints.openai.serving_completion import create_completion
 from heron.gc_freeze import freeze_startup_objects
 
@@ -82,6 +83,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="heron", version=__version__, lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(ReadinessMiddleware, unavailable=lambda: engine_unavailable(engine))
     app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter)  # outermost: before the body is read
 
     @app.exception_handler(APIError)
@@ -229,7 +231,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, settings: Gatew
         logger.info(
             "heron is ready at %s (model %r). Try:\n  curl %s/v1/chat/completions%s "
             "-H 'Content-Type: application/json' -d '{\"model\": \"%s\", \"messages\": "
-            "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'",
+            "[{\"role\": \"user\", \"content\": \"What is the capital of Japan?\"}]}'",
             base_url, name, base_url, auth, name,
         )
 

@@ -46,6 +46,15 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def engine_unavailable(engine: AsyncLLM) -> APIError | None:
+    """The 503 to answer while the engine cannot serve (loading, or dead), else None."""
+    if engine.is_dead:
+        return unavailable(f"The engine is not running: {engine.dead_reason}", "engine_dead")
+    if not engine.is_ready:
+        return unavailable("The model is still loading; retry shortly.", "model_loading")
+    return None
+
+
 def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) -> None:
     """Model name, unknown fields, engine health and queue admission."""
     if model is not None and model != ctx.served_model_name:
@@ -54,10 +63,9 @@ def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) 
     if unknown:
         logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
     engine = ctx.engine
-    if engine.is_dead:
-        raise unavailable(f"The engine is not running: {engine.dead_reason}", "engine_dead")
-    if not engine.is_ready:
-        raise unavailable("The model is still loading; retry shortly.", "model_loading")
+    error = engine_unavailable(engine)
+    if error is not None:
+        raise error
     if ctx.max_waiting_requests is not None and engine.num_waiting_requests >= ctx.max_waiting_requests:
         raise too_many_requests(
             f"The server is overloaded: {engine.num_waiting_requests} requests are already waiting "

@@ -1,0 +1,81 @@
+"""What code a loaded engine runs each step, stated once at start-up: in the
+log, and in /metrics as the ``heron:compute_path_info`` gauge's labels.
+
+A fast path that is off (no C compiler, a bf16 model, a layer the native decode
+step does not cover) shows here with its reason, so it is never off silently.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heron.config import EngineConfig
+
+# the labels, in order (every value a short string)
+COMPUTE_PATH_KEYS = ("device", "dtype", "quantization", "cpu_isa", "linear", "attention", "decode", "cpu")
+
+
+def _low_bit_layers(model: nn.Module) -> list[nn.Module]:
+    from heron.models.quantization import _Int8InputLinear
+
+    return [module for module in model.modules() if isinstance(module, _Int8InputLinear)]
+
+
+def _linear_path(model: nn.Module, quantization: str) -> str:
+    low_bit = _low_bit_layers(model)
+    if not low_bit:
+        return "torch"
+    if all(module._native for module in low_bit):
+        return f"heron {quantization} C kernels"
+    return f"torch fallback for {quantization} (no native kernels)"
+
+
+def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool) -> str:
+    if device.type == "cuda":
+        return "cuda graphs" if use_cuda_graphs else "eager"
+    if getattr(model, "native_decoder", None) is not None:
+        return "native (one C call per step)"
+    if not _low_bit_layers(model):
+        return "torch"
+    if not hasattr(model, "native_decoder"):
+        return "torch (not a native Llama-family model)"
+    from heron.models.native_decode import NativeLowBitDecoder
+
+    return f"torch ({NativeLowBitDecoder.unsupported_reason(model)})"
+
+
+def _attention_path(backend_name: str, device: torch.device, dtype: torch.dtype, cpu_isa: str) -> str:
+    if device.type != "cpu" or backend_name != "torch":
+        return backend_name
+    if dtype == torch.float32 and cpu_isa != "none":
+        return "torch prefill, heron C paged decode"
+    return "torch"
+
+
+def describe_compute_path(
+    config: EngineConfig, model: nn.Module, backend_name: str, use_cuda_graphs: bool
+) -> dict[str, str]:
+    """The compute path as label -> value (``COMPUTE_PATH_KEYS``)."""
+    device = config.device
+    path = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "quantization": config.model.quantization,
+        "cpu_isa": "none",
+        "cpu": "",
+    }
+    if device.type == "cpu":
+        from heron.kernels.cpu.isa import cpu_summary
+        from heron.kernels.cpu.library import native_isa
+
+        path["cpu_isa"] = native_isa() or "none"
+        path["cpu"] = cpu_summary()
+    path["linear"] = _linear_path(model, config.model.quantization)
+    path["attention"] = _attention_path(backend_name, device, config.model.dtype, path["cpu_isa"])
+    path["decode"] = _decode_path(model, device, use_cuda_graphs)
+    return {key: path[key] for key in COMPUTE_PATH_KEYS}
+
+
+def format_compute_path(path: dict[str, str]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in path.items() if value)
