@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # imported where a value is resolved: the API server starts without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -20,15 +21,16 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 LOW_BIT_METHODS = ("int8", "int4")  # the CPU's weight formats with int8 inputs (models/quantization.py)
 QUANTIZATION_CHOICES = ("auto", "none", *LOW_BIT_METHODS)
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+# user spellings -> torch dtype names
+_DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -47,6 +49,8 @@ def cpu_has_native_bf16() -> bool:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: str = "none") -> torch.dtype:
     """Turn a user dtype ("auto", "float32", torch.bfloat16, ...) into a torch dtype.
     The CPU's low-bit modes (``quantization`` int8 / int4) run on float32 activations."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
@@ -60,7 +64,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: 
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(set(_DTYPE_NAMES))}, got {dtype!r}"
             )
-        resolved = _DTYPE_NAMES[dtype]
+        resolved = getattr(torch, _DTYPE_NAMES[dtype])
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
     if quantization in LOW_BIT_METHODS and resolved != torch.float32:
@@ -79,13 +83,13 @@ def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: to
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     if quantization != "auto":
         return quantization
-    wants_float32 = dtype == "auto" or dtype is torch.float32 or _DTYPE_NAMES.get(str(dtype)) is torch.float32
+    wants_float32 = dtype == "auto" or _DTYPE_NAMES.get(str(dtype).removeprefix("torch.")) == "float32"
     if device.type != "cpu" or source.format != "gguf" or not wants_float32:
         return "none"
-    from heron.loader.gguf_file import GGUFFile
+    from heron.loader.gguf_file import open_gguf
     from heron.loader.gguf_model import linear_weight_types
 
-    types = linear_weight_types(GGUFFile(source.path))
+    types = linear_weight_types(open_gguf(source.path))
     if types and types <= {"Q4_0", "Q4_1"}:
         method = "int4"
     elif types and types <= {"Q4_0", "Q4_1", "Q8_0"}:
@@ -97,6 +101,8 @@ def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: to
 
 
 def resolve_device(device: str | None) -> torch.device:
+    import torch
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
@@ -251,6 +257,19 @@ class EngineConfig:
     draft_model: ModelConfig | None = None  # the draft model of speculative "draft_model"
     # schedule and prepare step N+1 while the device runs step N (see engine/core.py)
     async_scheduling: bool = False
+
+    def resolved_summary(self) -> dict[str, Any]:
+        """The resolved values two processes resolving the same arguments must agree on."""
+        model = self.model
+        return {
+            "model": model.model,
+            "served_model_name": model.served_model_name,
+            "max_model_len": model.max_model_len,
+            "dtype": str(model.dtype),
+            "quantization": model.quantization,
+            "vocab_size": model.vocab_size,
+            "device": str(self.device),
+        }
 
     @staticmethod
     def create(

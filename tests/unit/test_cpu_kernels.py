@@ -153,3 +153,17 @@ def test_kernel_sources_ship_in_the_package():
     patterns = pyproject["tool"]["setuptools"]["package-data"]["heron.kernels.cpu"]
     for name in cpu_library.SOURCES + cpu_library.HEADERS:
         assert any(fnmatch.fnmatch(f"csrc/{name}", pattern) for pattern in patterns), name
+
+
+@pytest.mark.parametrize("shape", [(40, 64), (13, 96), (1, 32)])
+def test_int4_packing_in_c_equals_the_torch_formula(shape):
+    """Load-time packing (csrc/quantize_weights.c) gives the torch path's tiles,
+    scales and minimums bit for bit, padding rows included; constant blocks too."""
+    from heron.models.quantization import quantize_q4_tiles_torch
+
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 0.1
+    weight[0, :32] = 0.25  # a constant block: d = 1, m = its value
+    weight[-1, -32:] = torch.linspace(-1, 1, 32)  # exact ties after scaling
+    packed = cpu_kernels.pack_q4_tiles(weight)
+    for got, expected in zip(packed, quantize_q4_tiles_torch(weight)):
+        assert torch.equal(got, expected)

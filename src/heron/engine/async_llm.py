@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from heron.config import EngineConfig
-from heron.engine.core_client import EngineCoreClient
+from heron.engine.core_client import EngineCoreClient, EngineCoreProcess
 from heron.engine.core_output import SchedulerStats
 from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
@@ -96,10 +96,18 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, *, log_level: str = "INFO", log_stats_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log_level: str = "INFO",
+        log_stats_interval_s: float = 10.0,
+        started: EngineCoreProcess | None = None,
+    ) -> None:
+        """``started``: an engine core already started on ``config``'s arguments."""
         self.config = config
         # start the engine core first: it loads the model while we load the tokenizer
-        self.client = EngineCoreClient(config, log_level)
+        self.client = EngineCoreClient(config, log_level, started)
         self.tokenizer = load_tokenizer(config.model)
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -255,6 +263,10 @@ class AsyncLLM:
             if kind == MessageKind.OUTPUTS:
                 self._handle_outputs(payload)
             elif kind == MessageKind.READY:
+                mismatch = _resolution_mismatch(self.config, payload.get("resolved") or {})
+                if mismatch:
+                    self._mark_dead(f"the engine core resolved the arguments differently: {mismatch}")
+                    return
                 self.engine_info = payload
                 self.metrics.set_compute_path(payload.get("compute_path") or {})
                 self._ready.set()
@@ -302,3 +314,10 @@ class AsyncLLM:
         self.client.fail_pending_calls(error)
         if self._ready is not None:
             self._ready.set()  # wake anyone waiting for readiness: they will see it dead
+
+
+def _resolution_mismatch(config: EngineConfig, resolved: dict[str, Any]) -> str:
+    """Where the engine core's resolved config differs from ``config`` ("" if nowhere)."""
+    ours = config.resolved_summary()
+    return ", ".join(f"{key} {ours[key]!r} here, {resolved[key]!r} there" for key in ours
+                     if key in resolved and resolved[key] != ours[key])

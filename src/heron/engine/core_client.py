@@ -1,5 +1,10 @@
 """The API server's handle on the engine-core process: spawns it, and sends and
-receives msgpack messages over two ZMQ IPC sockets (asyncio)."""
+receives msgpack messages over two ZMQ IPC sockets (asyncio).
+
+The process may be started before the API server has resolved its own config
+(``EngineCoreProcess.start`` with the engine's keyword arguments): both
+processes then resolve the same arguments at once, and the engine core reports
+what it resolved in its ready message so the two are checked to agree."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -24,26 +30,56 @@ from heron.request import EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 
-class EngineCoreClient:
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
-        self._socket_dir = tempfile.mkdtemp(prefix="heron-ipc-")
-        input_address = f"ipc://{os.path.join(self._socket_dir, 'input')}"
-        output_address = f"ipc://{os.path.join(self._socket_dir, 'output')}"
-        self.context = zmq.asyncio.Context()
-        self.input_socket = self.context.socket(zmq.PUSH)
-        self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(input_address)
-        self.output_socket = self.context.socket(zmq.PULL)
-        self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(output_address)
+@dataclass
+class EngineCoreProcess:
+    """A started engine-core process and the IPC addresses it connects to."""
+
+    process: subprocess.Popen[bytes]
+    socket_dir: str
+    input_address: str
+    output_address: str
+
+    @staticmethod
+    def start(engine: EngineConfig | dict[str, Any], log_level: str = "INFO") -> EngineCoreProcess:
+        """Start the process on a resolved config, or on ``EngineConfig.create``'s
+        keyword arguments (it resolves them itself, so it can start loading
+        before the caller has imported torch)."""
+        socket_dir = tempfile.mkdtemp(prefix="heron-ipc-")
+        input_address = f"ipc://{os.path.join(socket_dir, 'input')}"
+        output_address = f"ipc://{os.path.join(socket_dir, 'output')}"
         # A fresh interpreter (not multiprocessing's spawn, which re-imports the
         # caller's __main__): the config travels as a pickle file.
-        config_path = os.path.join(self._socket_dir, "config.pickle")
+        config_path = os.path.join(socket_dir, "config.pickle")
         with open(config_path, "wb") as config_file:
-            pickle.dump(config, config_file)
-        self.process = subprocess.Popen(
+            pickle.dump(engine, config_file)
+        process = subprocess.Popen(
             [sys.executable, "-m", "heron.engine.core_proc", config_path, input_address, output_address, log_level]
         )
+        return EngineCoreProcess(process, socket_dir, input_address, output_address)
+
+    def kill(self) -> None:
+        """Stop a process no client was made for (the caller's config failed)."""
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+class EngineCoreClient:
+    def __init__(
+        self, config: EngineConfig, log_level: str = "INFO", started: EngineCoreProcess | None = None
+    ) -> None:
+        """``started``: a process already started on ``config``'s arguments; else one is started."""
+        started = started or EngineCoreProcess.start(config, log_level)
+        self._socket_dir = started.socket_dir
+        self.process = started.process
+        self.context = zmq.asyncio.Context()
+        # the engine core connects to these; ZMQ retries until they are bound
+        self.input_socket = self.context.socket(zmq.PUSH)
+        self.input_socket.setsockopt(zmq.LINGER, 0)
+        self.input_socket.bind(started.input_address)
+        self.output_socket = self.context.socket(zmq.PULL)
+        self.output_socket.setsockopt(zmq.LINGER, 0)
+        self.output_socket.bind(started.output_address)
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future[Any]] = {}
         self._closed = False

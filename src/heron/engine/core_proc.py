@@ -41,8 +41,11 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(0)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str = "INFO") -> None:
-    """Process entry point (started by the API server's ``EngineCoreClient``)."""
+def run_engine_core(
+    config: EngineConfig | dict[str, Any], input_address: str, output_address: str, log_level: str = "INFO"
+) -> None:
+    """Process entry point (started by the API server's ``EngineCoreProcess``):
+    ``config`` resolved, or ``EngineConfig.create``'s keyword arguments."""
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     logging.basicConfig(
         level=getattr(logging, log_level, logging.INFO),
@@ -55,6 +58,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket.setsockopt(zmq.LINGER, 2000)
     output_socket.connect(output_address)
     try:
+        if isinstance(config, dict):
+            config = EngineConfig.create(**config)
         engine = EngineCore(config)
     except BaseException as exc:  # report why start-up failed, then exit
         message = f"{type(exc).__name__}: {exc}"
@@ -89,6 +94,7 @@ class EngineCoreProc:
                     "max_model_len": model.max_model_len,
                     "pid": os.getpid(),
                     "compute_path": engine.model_runner.compute_path,
+                    "resolved": engine.config.resolved_summary(),
                 },
             )
         )

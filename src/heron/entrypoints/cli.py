@@ -60,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_generate(args) if args.command == "generate" else run_chat(args)
         if args.command == "serve":
+            from heron.engine.core_client import EngineCoreProcess
+            from heron.entrypoints.engine_args import engine_kwargs_from_args
+
+            # first: the engine core loads the model while this process starts the server
+            started = EngineCoreProcess.start(engine_kwargs_from_args(args, usage="serve"), args.log_level)
             from heron.entrypoints.openai.server import run_server
 
-            return run_server(args)
+            return run_server(args, started)
         if args.command == "convert":
             from heron.entrypoints.engine_args import engine_config_from_args
             from heron.loader.export import export_hf_directory

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from heron.config import QUANTIZATION_CHOICES, EngineConfig
 
@@ -64,9 +65,10 @@ def _json_dict(text: str) -> dict:
     return value
 
 
-def engine_config_from_args(args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
-    return EngineConfig.create(
-        args.model,
+def engine_kwargs_from_args(args: argparse.Namespace, usage: str = "offline") -> dict[str, Any]:
+    """``EngineConfig.create``'s keyword arguments from the flags (nothing resolved yet)."""
+    return dict(
+        model=args.model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -92,8 +94,12 @@ def engine_config_from_args(args: argparse.Namespace, usage: str = "offline") ->
         quantization=args.quantization,
         speculative_config=args.speculative_config,
         async_scheduling=args.async_scheduling,
-        usage=usage,  # type: ignore[arg-type]
+        usage=usage,
     )
+
+
+def engine_config_from_args(args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
+    return EngineConfig.create(**engine_kwargs_from_args(args, usage))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:

@@ -12,6 +12,8 @@ ggml order, type, offset), padding to ``general.alignment``, then tensor data.
 
 from __future__ import annotations
 
+import functools
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -184,3 +186,16 @@ def _tensor_num_bytes(dims: list[int], ggml_type: int) -> int:
         raise GGUFFormatError(f"unknown GGML tensor type {ggml_type}") from exc
     num_elements = int(np.prod(dims)) if dims else 1
     return num_elements // block_size * type_size
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The parsed file, shared by everyone who reads it in this process (config,
+    quantization choice, tokenizer: parsing the embedded model's 49k-token
+    vocabulary costs about 0.4 s); a file changed on disk is parsed again."""
+    stat = os.stat(path)
+    return _open_cached(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)

@@ -16,10 +16,10 @@ def load_hf_config(source: ModelSource, model_impl: str = "auto") -> Any:
     (GGUF files always; HF directories unless ``model_impl="transformers"``),
     otherwise transformers' own config object."""
     if source.format == "gguf":
-        from heron.loader.gguf_file import GGUFFile
+        from heron.loader.gguf_file import open_gguf
         from heron.loader.gguf_model import gguf_to_hf_config
 
-        return gguf_to_hf_config(GGUFFile(source.path))
+        return gguf_to_hf_config(open_gguf(source.path))
     config_path = os.path.join(source.path, "config.json")
     try:
         with open(config_path, encoding="utf-8") as handle:

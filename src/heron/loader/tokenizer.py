@@ -49,9 +49,9 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
 
 
 def load_gguf_tokenizer(path: str) -> Any:
-    from heron.loader.gguf_file import GGUFFile
+    from heron.loader.gguf_file import open_gguf
 
-    gguf = GGUFFile(path)
+    gguf = open_gguf(path)
     if gguf.metadata.get("tokenizer.ggml.model") == "gpt2":
         return _byte_level_bpe_tokenizer(gguf.metadata)
     from transformers import AutoTokenizer

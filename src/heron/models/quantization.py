@@ -158,19 +158,16 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
+        from heron.kernels.cpu.library import native_library
+
         weight = weight.detach().float()
         out_features, in_features = weight.shape
-        blocks = weight.reshape(out_features, in_features // INT4_BLOCK, INT4_BLOCK)
-        low = blocks.amin(dim=2)
-        scale = (blocks.amax(dim=2) - low) / 15.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = ((blocks - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-        padding = -out_features % TILE_COLUMNS  # zero columns: q = 0, m = 0
-        if padding:
-            q = torch.cat([q, q.new_zeros(padding, *q.shape[1:])])
-            scale = torch.cat([scale, scale.new_ones(padding, scale.shape[1])])
-            low = torch.cat([low, low.new_zeros(padding, low.shape[1])])
-        self.tiles, self.scales, self.mins = _to_column_tiles(q, scale, low)
+        if native_library() is not None:  # the same values, about 10x faster
+            from heron.kernels.cpu.ops import pack_q4_tiles
+
+            self.tiles, self.scales, self.mins = pack_q4_tiles(weight)
+        else:
+            self.tiles, self.scales, self.mins = quantize_q4_tiles_torch(weight)
         self.bias = None if bias is None else bias.detach().float()
         self.in_features = in_features
         self.out_features = out_features
@@ -188,6 +185,24 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only (blocks of 32)"
+
+
+def quantize_q4_tiles_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [n, k] in 4-bit blocks of 32 (GGUF's Q4_1 rule: m = min, d = range / 15,
+    q = round((w - m) / d)), in the column tiles; rows padded to a multiple of 8
+    (q = 0, d = 1, m = 0). csrc/quantize_weights.c computes the same values."""
+    out_features, in_features = weight.shape
+    blocks = weight.reshape(out_features, in_features // INT4_BLOCK, INT4_BLOCK)
+    low = blocks.amin(dim=2)
+    scale = (blocks.amax(dim=2) - low) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((blocks - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    padding = -out_features % TILE_COLUMNS  # zero columns: q = 0, m = 0
+    if padding:
+        q = torch.cat([q, q.new_zeros(padding, *q.shape[1:])])
+        scale = torch.cat([scale, scale.new_ones(padding, scale.shape[1])])
+        low = torch.cat([low, low.new_zeros(padding, low.shape[1])])
+    return _to_column_tiles(q, scale, low)
 
 
 # A block's input 16 h + 4 (2 * nibble + j) + i of column c sits in the nibble of byte

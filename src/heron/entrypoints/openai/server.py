@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from heron import __version__
 from heron.config import EngineConfig
 from heron.engine.async_llm import AsyncLLM
+from heron.engine.core_client import EngineCoreProcess
 from heron.engine.input_processor import InvalidRequestError
 from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from heron.entrypoints.openai.gateway import (
@@ -191,20 +192,32 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
-def run_server(args: argparse.Namespace) -> int:
-    from heron.entrypoints.engine_args import engine_config_from_args
+def run_server(args: argparse.Namespace, started: EngineCoreProcess | None = None) -> int:
+    """Serve. ``started``: the engine core, already started on the same flags
+    (``heron serve`` starts it before importing the web stack or torch: it
+    resolves the flags itself and loads the model while this process resolves
+    them too and loads the tokenizer)."""
+    from heron.entrypoints.engine_args import engine_kwargs_from_args
 
-    config = engine_config_from_args(args, usage="serve")
+    engine_kwargs = engine_kwargs_from_args(args, usage="serve")
+    started = started or EngineCoreProcess.start(engine_kwargs, args.log_level)
+    try:
+        config = EngineConfig.create(**engine_kwargs)
+    except BaseException:
+        started.kill()
+        raise
     settings = gateway_settings_from_args(args)
     logger.info("starting heron %s (loading %s)", __version__, config.model.served_model_name)
-    return asyncio.run(_serve(args, config, settings))
+    return asyncio.run(_serve(args, config, settings, started))
 
 
-async def _serve(args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings) -> int:
+async def _serve(
+    args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings, started: EngineCoreProcess | None = None
+) -> int:
     import uvicorn
 
     # created inside the event loop: its ZMQ sockets belong to this loop
-    engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval)
+    engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started)
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(engine, settings),

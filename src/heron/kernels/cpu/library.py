@@ -25,7 +25,7 @@ from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_i
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_decode.c")
+SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_decode.c", "quantize_weights.c")
 HEADERS = ("lowbit_input.h", "simd.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DISABLE_ENV = "HERON_DISABLE_NATIVE"
@@ -84,6 +84,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     rounding = library.heron_round_q8_f32
     rounding.restype = ctypes.c_int
     rounding.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    pack = library.heron_pack_q4_tiles
+    pack.restype = ctypes.c_int
+    pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
     library.heron_kernel_isa.restype = ctypes.c_char_p
     library.heron_kernel_isa.argtypes = []
     return library

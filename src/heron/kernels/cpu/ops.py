@@ -98,3 +98,22 @@ def round_q8(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tenso
     if library.heron_round_q8_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()) != 0:
         raise ValueError(f"rounding needs a multiple of 32 inputs, got {x.shape[1]}")
     return out
+
+
+def pack_q4_tiles(
+    weight: torch.Tensor, library: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [n, k] float32 in the int4 layers' column tiles (Q4_1 rule per
+    block of 32): tiles [ceil(n / 8), k / 32, 128] uint8, scales and mins
+    [ceil(n / 8), k / 32, 8] float32 (see csrc/quantize_weights.c)."""
+    library = library or native_library()
+    assert library is not None
+    weight = weight.detach().float().contiguous()
+    n, k = weight.shape
+    num_tiles = -(-n // 8)
+    tiles = torch.empty(num_tiles, k // 32, 128, dtype=torch.uint8)
+    scales = torch.empty(num_tiles, k // 32, 8, dtype=torch.float32)
+    mins = torch.empty_like(scales)
+    if library.heron_pack_q4_tiles(weight.data_ptr(), n, k, tiles.data_ptr(), scales.data_ptr(), mins.data_ptr()) != 0:
+        raise ValueError(f"int4 packing needs a multiple of 32 inputs, got {k}")
+    return tiles, scales, mins
