@@ -9,6 +9,7 @@ max_model_len, KV-cache size) against the model and the machine.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -46,36 +47,37 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: str = "none") -> torch.dtype:
-    """Turn a user dtype ("auto", "float32", torch.bfloat16, ...) into a torch dtype.
-    The CPU's low-bit modes (``quantization`` int8 / int4) run on float32 activations."""
-    import torch
-
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
+def resolve_dtype(dtype: str | torch.dtype, device: str, quantization: str = "none") -> str:
+    """A user dtype ("auto", "float32", torch.bfloat16, ...) as a torch dtype name, for
+    ``device`` (a ``resolve_device`` name). The CPU's low-bit modes (``quantization``
+    int8 / int4) run on float32 activations. Imports torch only for CUDA's "auto"."""
+    if not isinstance(dtype, str):  # a torch.dtype
+        name = str(dtype).removeprefix("torch.")
     elif dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.startswith("cuda"):
+            import torch
+
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         if quantization in LOW_BIT_METHODS:
-            return torch.float32
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            return "float32"
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
     else:
         if dtype not in _DTYPE_NAMES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(set(_DTYPE_NAMES))}, got {dtype!r}"
             )
-        resolved = getattr(torch, _DTYPE_NAMES[dtype])
-    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
-    if quantization in LOW_BIT_METHODS and resolved != torch.float32:
+        name = _DTYPE_NAMES[dtype]
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {name}; use float32, bfloat16 or float16")
+    if quantization in LOW_BIT_METHODS and name != "float32":
         raise ValueError(
             f"quantization={quantization!r} runs its kernels on float32 activations; "
-            f"use dtype 'auto' or 'float32' with it, or quantization 'none' for {str(resolved).removeprefix('torch.')}"
+            f"use dtype 'auto' or 'float32' with it, or quantization 'none' for {name}"
         )
-    return resolved
+    return name
 
 
-def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: torch.device, source: Any) -> str:
+def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: str, source: Any) -> str:
     """"auto": a GGUF whose linear layers are all Q4_0/Q4_1 runs in heron's int4
     format (which holds those weights exactly), all Q4_0/Q4_1/Q8_0 with some Q8_0
     in int8; on the CPU only, with dtype "auto" or float32. Anything else: "none"."""
@@ -84,7 +86,7 @@ def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: to
     if quantization != "auto":
         return quantization
     wants_float32 = dtype == "auto" or _DTYPE_NAMES.get(str(dtype).removeprefix("torch.")) == "float32"
-    if device.type != "cpu" or source.format != "gguf" or not wants_float32:
+    if device != "cpu" or source.format != "gguf" or not wants_float32:
         return "none"
     from heron.loader.gguf_file import open_gguf
     from heron.loader.gguf_model import linear_weight_types
@@ -100,17 +102,33 @@ def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: to
     return method
 
 
-def resolve_device(device: str | None) -> torch.device:
+# device nodes of a GPU that torch may drive (NVIDIA, AMD ROCm, WSL)
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def resolve_device(device: str | None) -> str:
+    """"cpu", "cuda" or "cuda:N". "auto" on a machine without GPU device nodes is
+    "cpu" without importing torch (so the API server starts without it); elsewhere
+    torch decides."""
+    if device in (None, "auto"):
+        if not any(os.path.exists(node) for node in _GPU_DEVICE_NODES):
+            return "cpu"
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return "cpu"
     import torch
 
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}") from exc
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-    return resolved
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    return str(resolved)
 
 
 @dataclass(frozen=True)
@@ -122,13 +140,19 @@ class ModelConfig:
     served_model_name: str
     source_format: Literal["hf", "gguf"]
     hf_config: Any = field(repr=False)
-    dtype: torch.dtype
+    dtype_name: str  # "float32" | "bfloat16" | "float16" (a name: the API server never imports torch)
     max_model_len: int
     architecture: str  # the HF architecture name, e.g. "LlamaForCausalLM"
     model_impl: Literal["auto", "native", "transformers"] = "auto"
     quantization: str = "none"  # resolved: "none" | "int8" | "int4" (CPU, int8 inputs)
     seed: int = 0
     tokenizer: str | None = None  # override; defaults to the model's own
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def vocab_size(self) -> int:
@@ -248,7 +272,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    device: torch.device
+    device_name: str  # "cpu", "cuda" or "cuda:N"
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # no CUDA graphs
@@ -258,6 +282,12 @@ class EngineConfig:
     # schedule and prepare step N+1 while the device runs step N (see engine/core.py)
     async_scheduling: bool = False
 
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device_name)
+
     def resolved_summary(self) -> dict[str, Any]:
         """The resolved values two processes resolving the same arguments must agree on."""
         model = self.model
@@ -265,10 +295,10 @@ class EngineConfig:
             "model": model.model,
             "served_model_name": model.served_model_name,
             "max_model_len": model.max_model_len,
-            "dtype": str(model.dtype),
+            "dtype": model.dtype_name,
             "quantization": model.quantization,
             "vocab_size": model.vocab_size,
-            "device": str(self.device),
+            "device": self.device_name,
         }
 
     @staticmethod
@@ -329,12 +359,12 @@ class EngineConfig:
         if max_num_seqs is None:
             # a GPU step reads the weights once for the whole batch: wide batches are
             # nearly free there (vLLM's default is 256 too); a CPU step's cost grows with it
-            max_num_seqs = 256 if resolved_device.type == "cuda" else 64
+            max_num_seqs = 256 if resolved_device.startswith("cuda") else 64
         if max_num_batched_tokens is None:
             # Serving on a CPU: the budget bounds how long running decodes wait behind
             # a new prompt; a 512-token step takes about a second and keeps 95% of the
             # prefill rate of 2048-token steps. Offline, nobody waits: take the rate.
-            serving_cpu = usage == "serve" and resolved_device.type == "cpu"
+            serving_cpu = usage == "serve" and resolved_device == "cpu"
             max_num_batched_tokens = max(512 if serving_cpu else 2048, max_num_seqs)
         architectures = getattr(hf_config, "architectures", None) or []
         model_config = ModelConfig(
@@ -342,7 +372,7 @@ class EngineConfig:
             served_model_name=served_model_name or source.name,
             source_format=source.format,
             hf_config=hf_config,
-            dtype=resolve_dtype(dtype, resolved_device, quantization),
+            dtype_name=resolve_dtype(dtype, resolved_device, quantization),
             max_model_len=max_model_len,
             architecture=architectures[0] if architectures else "",
             model_impl=model_impl,  # type: ignore[arg-type]
@@ -350,20 +380,20 @@ class EngineConfig:
             seed=seed,
             tokenizer=tokenizer,
         )
-        from heron.models.registry import select_implementation
+        from heron.models.implementation import select_implementation
 
         select_implementation(model_config)  # unsupported architectures fail here, early
         speculative = SpeculativeConfig.from_dict(speculative_config)
         draft_model = _draft_model_config(speculative, model_config, model_impl) if speculative else None
-        if draft_model is not None and draft_model.quantization != "none" and resolved_device.type != "cpu":
+        if draft_model is not None and draft_model.quantization != "none" and resolved_device != "cpu":
             raise ValueError(f"speculative_config.quantization={draft_model.quantization!r} runs on the CPU only")
-        if quantization != "none" and resolved_device.type != "cpu":
+        if quantization != "none" and resolved_device != "cpu":
             raise ValueError(f"quantization={quantization!r} runs on the CPU only; use bfloat16 on CUDA")
         if async_scheduling and speculative is not None:
             raise ValueError("async_scheduling does not support speculative decoding yet; turn one of them off")
         if async_scheduling is None:
             # overlapping needs a device that runs beside the host: on a CPU both are the same cores
-            async_scheduling = resolved_device.type == "cuda" and speculative is None
+            async_scheduling = resolved_device.startswith("cuda") and speculative is None
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -380,7 +410,7 @@ class EngineConfig:
                 policy=scheduling_policy,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
-            device=resolved_device,
+            device_name=resolved_device,
             profiler=ProfilerConfig(directory=profile_dir, num_steps=profile_steps),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager or compile_model,

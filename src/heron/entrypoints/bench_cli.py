@@ -164,7 +164,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
     from heron.engine.llm import LLM
 
     config = engine_config_from_args(args)
-    reference_config = replace(config, model=replace(config.model, quantization="none", dtype=torch.float32))
+    reference_config = replace(config, model=replace(config.model, quantization="none", dtype_name="float32"))
     result = compare(LLM.from_config(reference_config), LLM.from_config(config))
     result["mode"] = {"dtype": str(config.model.dtype).removeprefix("torch."), "quantization": config.model.quantization}
     print(json.dumps(result, indent=2))

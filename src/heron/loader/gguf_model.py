@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from heron.loader.arch_config import ArchConfig, arch_config_from_dict
 from heron.loader.gguf_file import GGUFFile
+
+if TYPE_CHECKING:  # the config and tokenizer read GGUF files in the API server, which never imports torch
+    import torch
 
 # GGUF architecture -> (HF model_type, HF architecture)
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -122,6 +124,8 @@ def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def iterate_gguf_weights(gguf: GGUFFile, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, float32 tensor) for every tensor of the file."""
+    import torch
+
     permute_qk = gguf.architecture == "llama"
     num_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(hf_config.num_key_value_heads)

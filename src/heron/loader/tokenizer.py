@@ -38,13 +38,13 @@ _TOKEN_TYPE_USER_DEFINED = 4
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
-    """Return a transformers tokenizer (fast) for the model."""
-    from transformers import AutoTokenizer
+    """Return a transformers tokenizer (fast) for the model. (AutoTokenizer is
+    imported only where it is used: it imports torch, which a GGUF's byte-level
+    BPE tokenizer, built here, does not need in the API server.)"""
+    if model_config.tokenizer or model_config.source_format == "hf":
+        from transformers import AutoTokenizer
 
-    if model_config.tokenizer:
-        return AutoTokenizer.from_pretrained(model_config.tokenizer)
-    if model_config.source_format == "hf":
-        return AutoTokenizer.from_pretrained(model_config.model)
+        return AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
     return load_gguf_tokenizer(model_config.model)
 
 

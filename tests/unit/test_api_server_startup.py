@@ -1,0 +1,54 @@
+"""What `heron serve`'s API process does before the engine core is ready: it
+resolves the same flags as the engine core (checked to agree), without
+importing torch (the engine core, started first, loads the model meanwhile)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from heron.config import EngineConfig
+from heron.engine.async_llm import _resolution_mismatch
+
+
+def test_the_api_process_resolves_its_config_without_torch():
+    code = (
+        "import sys\n"
+        "from heron.config import EngineConfig\n"
+        "from heron.loader.tokenizer import load_tokenizer\n"
+        "import heron.entrypoints.openai.server\n"
+        "config = EngineConfig.create(usage='serve')\n"
+        "load_tokenizer(config.model)\n"
+        "assert config.device_name == 'cpu' and config.model.quantization == 'int4', config\n"
+        "assert 'torch' not in sys.modules, 'the API process imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_differently_resolved_engine_core_is_caught():
+    config = EngineConfig.create(device="cpu", max_model_len=256)
+    same = config.resolved_summary()
+    assert _resolution_mismatch(config, same) == ""
+    other = {**same, "max_model_len": 512, "quantization": "none"}
+    mismatch = _resolution_mismatch(config, other)
+    assert "max_model_len 256 here, 512 there" in mismatch and "quantization" in mismatch
+
+
+def test_bad_flags_fail_fast_and_leave_no_engine_core(tmp_path):
+    """The engine core starts before the flags are checked here; a bad flag still
+    ends the command at once with the reason, and the started core with it."""
+    def engine_cores() -> set[str]:
+        listing = subprocess.run(["pgrep", "-f", "heron.engine.core_proc"], capture_output=True, text=True)
+        return set(listing.stdout.split())
+
+    before = engine_cores()
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", "0", "--model", str(tmp_path / "missing.gguf")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "missing.gguf" in result.stderr
+    assert time.monotonic() - started < 60
+    assert engine_cores() <= before  # (an orphan would linger a second before its watchdog ends it)
