@@ -79,14 +79,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, quantization: str = "no
 
 def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: str, source: Any) -> str:
     """"auto": a GGUF whose linear layers are all Q4_0/Q4_1 runs in heron's int4
-    format (which holds those weights exactly), all Q4_0/Q4_1/Q8_0 with some Q8_0
-    in int8; on the CPU only, with dtype "auto" or float32. Anything else: "none"."""
+    format, all Q4_0/Q4_1/Q8_0 with some Q8_0 in int8; on a CPU with AVX2 (or
+    better) only, with dtype "auto" or float32. Anything else: "none"."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     if quantization != "auto":
         return quantization
     wants_float32 = dtype == "auto" or _DTYPE_NAMES.get(str(dtype).removeprefix("torch.")) == "float32"
     if device != "cpu" or source.format != "gguf" or not wants_float32:
+        return "none"
+    from heron.kernels.cpu.isa import supported_isas
+
+    if "avx2" not in supported_isas():  # the low-bit kernels would run their (slow) portable reference
+        logger.info("quantization auto: none (this CPU has no AVX2 for heron's low-bit kernels)")
         return "none"
     from heron.loader.gguf_file import open_gguf
     from heron.loader.gguf_model import linear_weight_types

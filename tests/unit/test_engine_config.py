@@ -34,3 +34,12 @@ def test_default_is_the_low_bit_fast_path_on_every_cpu(monkeypatch, native_bf16)
     assert plain.model.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     explicit = EngineConfig.create(device="cpu", dtype="bfloat16")
     assert (explicit.model.quantization, explicit.model.dtype) == ("none", torch.bfloat16)
+
+
+def test_auto_quantization_needs_vectorized_kernels(monkeypatch):
+    """Without AVX2 the low-bit kernels would run their portable reference (20-90x
+    slower than AVX2's): "auto" keeps such a CPU unquantized."""
+    from heron.kernels.cpu import isa
+
+    monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar"])
+    assert EngineConfig.create(device="cpu").model.quantization == "none"

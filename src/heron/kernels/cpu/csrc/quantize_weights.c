@@ -32,7 +32,10 @@ int heron_pack_q4_tiles(const float *w, int64_t n, int64_t k, uint8_t *tiles, fl
                 if (row < n) {
                     const float *x = w + row * k + b * 32;
                     float low = x[0], high = x[0];
-                    for (int i = 1; i < 32; i++) low = fminf(low, x[i]), high = fmaxf(high, x[i]);
+                    for (int i = 1; i < 32; i++) { /* comparisons, not fminf: they vectorize */
+                        low = x[i] < low ? x[i] : low;
+                        high = x[i] > high ? x[i] : high;
+                    }
                     d = (high - low) / 15.0f;
                     if (!(d > 0.0f)) d = 1.0f;
                     m = low;
