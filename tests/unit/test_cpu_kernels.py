@@ -167,3 +167,20 @@ def test_int4_packing_in_c_equals_the_torch_formula(shape):
     packed = cpu_kernels.pack_q4_tiles(weight)
     for got, expected in zip(packed, quantize_q4_tiles_torch(weight)):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_holds_gguf_4bit_blocks_exactly(qtype):
+    """Weights dequantized from Q4_0 or Q4_1 blocks come back bit for bit: each
+    block goes on the grid of the rule that made it (in C and in torch alike)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from heron.models.quantization import _from_column_tiles, quantize_q4_tiles_torch
+
+    kind = GGMLQuantizationType[qtype]
+    source = torch.randn(24, 256, generator=torch.Generator().manual_seed(2)).numpy()
+    weight = torch.from_numpy(dequantize(quantize(source, kind), kind).reshape(24, 256).copy())
+    for packed in (cpu_kernels.pack_q4_tiles(weight), quantize_q4_tiles_torch(weight)):
+        q, scale, low = _from_column_tiles(*packed)
+        assert torch.equal((q.float() * scale[..., None] + low[..., None]).reshape(24, 256), weight)

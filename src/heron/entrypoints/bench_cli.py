@@ -158,8 +158,6 @@ def _bench_quality(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
 
-    import torch
-
     from heron.benchmarks.quality import compare
     from heron.engine.llm import LLM
 

@@ -124,7 +124,7 @@ class NativeLowBitDecoder:
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(
                 isinstance(linear, (Int4WeightOnlyLinear, Int8WeightInt8InputLinear))
-                and linear._native
+                and linear.uses_native_kernel
                 and linear.bias is None
                 and linear.out_features % TILE_COLUMNS == 0
                 for linear in linears

@@ -116,6 +116,11 @@ class _Int8InputLinear(nn.Module):
         self._dequantized = None if self._native else self._dequantize()
 
     @property
+    def uses_native_kernel(self) -> bool:
+        """Whether this layer runs heron's C kernel (else the torch fallback)."""
+        return self._native
+
+    @property
     def dequantized(self) -> torch.Tensor:
         """The weights as float32 ``[out, in]`` (kept only where the torch path needs them)."""
         return self._dequantized if self._dequantized is not None else self._dequantize()
@@ -188,21 +193,42 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
 
 
 def quantize_q4_tiles_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight`` [n, k] in 4-bit blocks of 32 (GGUF's Q4_1 rule: m = min, d = range / 15,
-    q = round((w - m) / d)), in the column tiles; rows padded to a multiple of 8
-    (q = 0, d = 1, m = 0). csrc/quantize_weights.c computes the same values."""
+    """``weight`` [n, k] in 4-bit blocks of 32, in the column tiles; rows padded to a
+    multiple of 8 (q = 0, d = 1, m = 0). Each block takes the better (smaller largest
+    error) of two grids d * q + m, the rules GGUF's types quantize with, so blocks of
+    either type come back exactly: Q4_1's range (m = min, d = (max - min) / 15,
+    q = round((w - m) / d)) and Q4_0's symmetric grid (d = -x / 8 for x the first
+    weight of largest magnitude, m = -8 d, q = round(w / d + 8)).
+    csrc/quantize_weights.c computes the same values."""
     out_features, in_features = weight.shape
     blocks = weight.reshape(out_features, in_features // INT4_BLOCK, INT4_BLOCK)
     low = blocks.amin(dim=2)
     scale = (blocks.amax(dim=2) - low) / 15.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = ((blocks - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    q = ((blocks - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    error = _largest_error(q, scale, low, blocks)
+    # the symmetric grid, where the range is inexact
+    extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    symmetric_scale = extreme / -8.0
+    usable = symmetric_scale != 0
+    safe_scale = torch.where(usable, symmetric_scale, torch.ones_like(symmetric_scale))
+    symmetric_q = (blocks / safe_scale[..., None] + 8.0).round().clamp(0, 15)
+    symmetric_low = safe_scale * -8.0
+    better = usable & (error > 0) & (_largest_error(symmetric_q, safe_scale, symmetric_low, blocks) < error)
+    q = torch.where(better[..., None], symmetric_q, q).to(torch.uint8)
+    scale = torch.where(better, safe_scale, scale)
+    low = torch.where(better, symmetric_low, low)
     padding = -out_features % TILE_COLUMNS  # zero columns: q = 0, m = 0
     if padding:
         q = torch.cat([q, q.new_zeros(padding, *q.shape[1:])])
         scale = torch.cat([scale, scale.new_ones(padding, scale.shape[1])])
         low = torch.cat([low, low.new_zeros(padding, low.shape[1])])
     return _to_column_tiles(q, scale, low)
+
+
+def _largest_error(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """max |q * d + m - w| per block, each step rounded as C rounds it."""
+    return (((q * scale[..., None]) + low[..., None]) - blocks).abs().amax(dim=2)
 
 
 # A block's input 16 h + 4 (2 * nibble + j) + i of column c sits in the nibble of byte
@@ -318,3 +344,8 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Mo
         if model.native_decoder is None:  # never silently: the step is several times slower
             logger.warning("%s decode steps take the torch path: %s", method, NativeLowBitDecoder.unsupported_reason(model))
     return model
+
+
+def low_bit_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's layers with int8 inputs (int4 and int8 weights)."""
+    return [module for module in model.modules() if isinstance(module, _Int8InputLinear)]

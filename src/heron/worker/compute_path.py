@@ -11,22 +11,17 @@ import torch
 from torch import nn
 
 from heron.config import EngineConfig
+from heron.models.quantization import low_bit_layers
 
 # the labels, in order (every value a short string)
 COMPUTE_PATH_KEYS = ("device", "dtype", "quantization", "cpu_isa", "linear", "attention", "decode", "cpu")
 
 
-def _low_bit_layers(model: nn.Module) -> list[nn.Module]:
-    from heron.models.quantization import _Int8InputLinear
-
-    return [module for module in model.modules() if isinstance(module, _Int8InputLinear)]
-
-
 def _linear_path(model: nn.Module, quantization: str) -> str:
-    low_bit = _low_bit_layers(model)
+    low_bit = low_bit_layers(model)
     if not low_bit:
         return "torch"
-    if all(module._native for module in low_bit):
+    if all(module.uses_native_kernel for module in low_bit):
         return f"heron {quantization} C kernels"
     return f"torch fallback for {quantization} (no native kernels)"
 
@@ -36,7 +31,7 @@ def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool) 
         return "cuda graphs" if use_cuda_graphs else "eager"
     if getattr(model, "native_decoder", None) is not None:
         return "native (one C call per step)"
-    if not _low_bit_layers(model):
+    if not low_bit_layers(model):
         return "torch"
     if not hasattr(model, "native_decoder"):
         return "torch (not a native Llama-family model)"

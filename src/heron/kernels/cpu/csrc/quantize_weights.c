@@ -4,9 +4,10 @@
  * of quantization.py, which compute the same values (they stay the reference
  * and the fallback without a C compiler; the tests check both agree bit for bit).
  *
- * Per output row and block of 32 inputs (GGUF's Q4_1 rule): m = min, d = (max - m) / 15
- * (1 where that is not positive), q = round-half-even((w - m) / d) clamped to 0..15.
- * Rows past n (up to the tiles' multiple of 8) are padding: q = 0, d = 1, m = 0.
+ * Per output row and block of 32 inputs: the better of GGUF's Q4_1 grid (m = min,
+ * d = (max - m) / 15, 1 where that is not positive) and Q4_0's (fit_block), q =
+ * round-half-even clamped to 0..15. Rows past n (up to the tiles' multiple of 8)
+ * are padding: q = 0, d = 1, m = 0.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +15,51 @@
 
 #define TILE_COLS 8
 #define TILE_BLOCK_BYTES 128
+
+/* q = clamp(round-half-even(x / d + offset), 0, 15); returns the largest error of q * d + m
+ * (a maximum: exact in any order, so the torch formula makes the same choice) */
+static float fit_grid(const float *x, float d, float offset, float m, uint8_t *q) {
+    float error = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const float v = nearbyintf(x[i] / d + offset);
+        q[i] = (uint8_t)(v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v);
+        const float back = fabsf((float)q[i] * d + m - x[i]);
+        error = back > error ? back : error;
+    }
+    return error;
+}
+
+/* One block of 32 weights on the better of two 16-level grids d * q + m, each the
+ * rule a GGUF type quantizes with, so either type's blocks come back exactly:
+ * the range (Q4_1: m = min, d = (max - min) / 15) and the symmetric grid (Q4_0:
+ * d = -x / 8 for x the first weight of largest magnitude, m = -8 d). */
+static void fit_block(const float *x, uint8_t *q, float *d, float *m) {
+    float low = x[0], high = x[0], extreme = x[0];
+    for (int i = 1; i < 32; i++) { /* comparisons, not fminf: they vectorize */
+        low = x[i] < low ? x[i] : low;
+        high = x[i] > high ? x[i] : high;
+        extreme = fabsf(x[i]) > fabsf(extreme) ? x[i] : extreme;
+    }
+    float range_d = (high - low) / 15.0f;
+    if (!(range_d > 0.0f)) range_d = 1.0f;
+    /* (x - low) / d as the torch formula computes it: offset folded as -low / d would round differently */
+    float error = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const float v = nearbyintf((x[i] - low) / range_d);
+        q[i] = (uint8_t)(v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v);
+        const float back = fabsf((float)q[i] * range_d + low - x[i]);
+        error = back > error ? back : error;
+    }
+    *d = range_d, *m = low;
+    const float symmetric_d = extreme / -8.0f;
+    if (error > 0.0f && symmetric_d != 0.0f) {
+        uint8_t symmetric[32];
+        if (fit_grid(x, symmetric_d, 8.0f, -8.0f * symmetric_d, symmetric) < error) {
+            memcpy(q, symmetric, 32);
+            *d = symmetric_d, *m = -8.0f * symmetric_d;
+        }
+    }
+}
 
 /* w [n, k] float (k a multiple of 32); tiles [ceil(n / 8), k / 32, 128];
  * scales, mins [ceil(n / 8), k / 32, 8]. 0, or -1 on bad shapes. */
@@ -29,21 +75,7 @@ int heron_pack_q4_tiles(const float *w, int64_t n, int64_t k, uint8_t *tiles, fl
                 const int64_t row = t * TILE_COLS + c;
                 float d = 1.0f, m = 0.0f;
                 uint8_t q[32] = {0};
-                if (row < n) {
-                    const float *x = w + row * k + b * 32;
-                    float low = x[0], high = x[0];
-                    for (int i = 1; i < 32; i++) { /* comparisons, not fminf: they vectorize */
-                        low = x[i] < low ? x[i] : low;
-                        high = x[i] > high ? x[i] : high;
-                    }
-                    d = (high - low) / 15.0f;
-                    if (!(d > 0.0f)) d = 1.0f;
-                    m = low;
-                    for (int i = 0; i < 32; i++) {
-                        const float v = nearbyintf((x[i] - low) / d);
-                        q[i] = (uint8_t)(v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v);
-                    }
-                }
+                if (row < n) fit_block(w + row * k + b * 32, q, &d, &m);
                 scales[(t * nb + b) * TILE_COLS + c] = d;
                 mins[(t * nb + b) * TILE_COLS + c] = m;
                 /* input 16 h + 4 (2 nibble + j) + i of column c: byte 64 h + 32 j + 4 c + i */
