@@ -122,3 +122,32 @@ def test_a_decode_path_that_is_off_says_why(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("HERON_DISABLE_NATIVE_DECODE", "1")
     llm = LLM(tiny_model_dir("llama"), quantization="int4", max_model_len=128, num_kv_blocks=64)
     assert llm.engine.engine_core.model_runner.compute_path["decode"] == "torch (HERON_DISABLE_NATIVE_DECODE is set)"
+
+
+def test_every_kernel_build_the_cpu_runs_gives_the_scalar_builds_tokens(tiny_model_dir, monkeypatch):
+    """The whole engine (prefill, native decode steps) on each instruction-set build
+    this CPU runs against the portable one: the same greedy tokens, logprobs within
+    float32 rounding (the linear layers are bit-identical; attention sums in
+    another order)."""
+    from heron.kernels.cpu import isa
+    from heron.kernels.cpu.library import native_library
+
+    prompts = random_prompts([6, 19, 33], seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    results = {}
+    try:
+        for build in isa.supported_isas()[::-1]:
+            monkeypatch.setenv(isa.ISA_ENV, build)
+            native_library.cache_clear()
+            llm = LLM(tiny_model_dir("llama"), quantization="int4", max_model_len=128, num_kv_blocks=64)
+            assert llm.engine.engine_core.model_runner.compute_path["cpu_isa"] == build
+            results[build] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        monkeypatch.delenv(isa.ISA_ENV)
+        native_library.cache_clear()
+    reference = results["scalar"]
+    for build, outputs in results.items():
+        for got, expected in zip(outputs, reference):
+            assert got.token_ids == expected.token_ids, build
+            for step, expected_step, token in zip(got.logprobs, expected.logprobs, expected.token_ids):
+                assert abs(step[token].logprob - expected_step[token].logprob) < 1e-3, build
