@@ -47,13 +47,18 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _dtype_name(dtype: str | torch.dtype) -> str | None:
+    """A user spelling or a torch.dtype as a torch dtype name (None: not a known spelling)."""
+    if not isinstance(dtype, str):
+        return str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(dtype)
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str, quantization: str = "none") -> str:
     """A user dtype ("auto", "float32", torch.bfloat16, ...) as a torch dtype name, for
     ``device`` (a ``resolve_device`` name). The CPU's low-bit modes (``quantization``
     int8 / int4) run on float32 activations. Imports torch only for CUDA's "auto"."""
-    if not isinstance(dtype, str):  # a torch.dtype
-        name = str(dtype).removeprefix("torch.")
-    elif dtype == "auto":
+    if dtype == "auto":
         if device.startswith("cuda"):
             import torch
 
@@ -61,12 +66,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, quantization: str = "no
         if quantization in LOW_BIT_METHODS:
             return "float32"
         return "bfloat16" if cpu_has_native_bf16() else "float32"
-    else:
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(set(_DTYPE_NAMES))}, got {dtype!r}"
-            )
-        name = _DTYPE_NAMES[dtype]
+    name = _dtype_name(dtype)
+    if name is None:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(set(_DTYPE_NAMES))}, got {dtype!r}")
     if name not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unsupported dtype {name}; use float32, bfloat16 or float16")
     if quantization in LOW_BIT_METHODS and name != "float32":
@@ -85,7 +87,7 @@ def resolve_quantization(quantization: str, dtype: str | torch.dtype, device: st
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     if quantization != "auto":
         return quantization
-    wants_float32 = dtype == "auto" or _DTYPE_NAMES.get(str(dtype).removeprefix("torch.")) == "float32"
+    wants_float32 = dtype == "auto" or _dtype_name(dtype) == "float32"
     if device != "cpu" or source.format != "gguf" or not wants_float32:
         return "none"
     from heron.kernels.cpu.isa import supported_isas

@@ -164,7 +164,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     reference_config = replace(config, model=replace(config.model, quantization="none", dtype_name="float32"))
     result = compare(LLM.from_config(reference_config), LLM.from_config(config))
-    result["mode"] = {"dtype": str(config.model.dtype).removeprefix("torch."), "quantization": config.model.quantization}
+    result["mode"] = {"dtype": config.model.dtype_name, "quantization": config.model.quantization}
     print(json.dumps(result, indent=2))
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as handle:

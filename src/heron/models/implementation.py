@@ -4,10 +4,22 @@ with it without importing torch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from heron.config import ModelConfig
+
+class ModelDescription(Protocol):
+    """What the choice reads (config.ModelConfig has it; no import of config here,
+    which imports this module)."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def hf_config(self) -> Any: ...
+    @property
+    def model_impl(self) -> str: ...
+    @property
+    def source_format(self) -> str: ...
+
 
 NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("heron.models.llama", "LlamaForCausalLM"),
@@ -19,13 +31,13 @@ _NATIVE_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def native_architecture(model_config: ModelConfig) -> str | None:
+def native_architecture(model_config: ModelDescription) -> str | None:
     if model_config.architecture in NATIVE_ARCHITECTURES:
         return model_config.architecture
     return _NATIVE_MODEL_TYPES.get(getattr(model_config.hf_config, "model_type", ""))
 
 
-def select_implementation(model_config: ModelConfig) -> str:
+def select_implementation(model_config: ModelDescription) -> str:
     """"native" or "transformers", or a ValueError naming what is supported."""
     native = native_architecture(model_config)
     if model_config.model_impl != "transformers" and native is not None:

@@ -93,14 +93,26 @@ class TokenBucketLimiter:
 
 
 class GatewayMiddleware:
-    """API keys and the rate limit for ``/v1`` routes, as a plain ASGI middleware:
-    Starlette's ``@app.middleware("http")`` would pass every streamed chunk
-    through an extra task and memory stream, which costs CPU per token."""
+    """API keys, the rate limit and readiness for ``/v1`` routes, as a plain ASGI
+    middleware: Starlette's ``@app.middleware("http")`` would pass every streamed
+    chunk through an extra task and memory stream, which costs CPU per token.
 
-    def __init__(self, app: ASGIApp, keys: APIKeyChecker, limiter: TokenBucketLimiter | None) -> None:
+    ``unavailable`` gives the 503 to answer while the engine cannot serve
+    (loading or dead), so every /v1 route, /v1/models included, says so: a
+    client or load balancer that treats any /v1 answer as readiness sends no
+    request too early."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: APIKeyChecker,
+        limiter: TokenBucketLimiter | None,
+        unavailable: Callable[[], APIError | None] = lambda: None,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.limiter = limiter
+        self.unavailable = unavailable
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
@@ -112,26 +124,11 @@ class GatewayMiddleware:
                 if self.limiter is not None:
                     client = scope.get("client")
                     self.limiter.acquire(key or (client[0] if client else "anonymous"))
+                error = self.unavailable()
+                if error is not None:
+                    raise error
             except APIError as exc:
                 await exc.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class ReadinessMiddleware:
-    """Every ``/v1`` route answers 503 (with Retry-After) until the engine can
-    serve, and once it has died: a client or load balancer that treats any /v1
-    answer, /v1/models included, as readiness sends no request too early."""
-
-    def __init__(self, app: ASGIApp, unavailable: Callable[[], APIError | None]) -> None:
-        self.app = app
-        self.unavailable = unavailable
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            error = self.unavailable()
-            if error is not None:
-                await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

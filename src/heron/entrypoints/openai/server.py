@@ -29,7 +29,6 @@ from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
     BodySizeLimitMiddleware,
     GatewayMiddleware,
-    ReadinessMiddleware,
     TokenBucketLimiter,
     collect_api_keys,
 )
@@ -84,8 +83,8 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="heron", version=__version__, lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    app.add_middleware(ReadinessMiddleware, unavailable=lambda: engine_unavailable(engine))
-    app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter)  # outermost: before the body is read
+    # outermost: keys, rate limit and readiness before the body is read
+    app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -56,16 +56,14 @@ def engine_unavailable(engine: AsyncLLM) -> APIError | None:
 
 
 def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) -> None:
-    """Model name, unknown fields, engine health and queue admission."""
+    """Model name, unknown fields and queue admission (engine health: the gateway
+    answered 503 before this ran, and generate raises if the engine dies since)."""
     if model is not None and model != ctx.served_model_name:
         raise model_not_found(model)
     unknown = request.unknown_fields()
     if unknown:
         logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
     engine = ctx.engine
-    error = engine_unavailable(engine)
-    if error is not None:
-        raise error
     if ctx.max_waiting_requests is not None and engine.num_waiting_requests >= ctx.max_waiting_requests:
         raise too_many_requests(
             f"The server is overloaded: {engine.num_waiting_requests} requests are already waiting "
