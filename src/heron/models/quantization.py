@@ -205,16 +205,15 @@ def quantize_q4_tiles_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     low = blocks.amin(dim=2)
     scale = (blocks.amax(dim=2) - low) / 15.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = ((blocks - low[..., None]) / scale[..., None]).round().clamp(0, 15)
-    error = _largest_error(q, scale, low, blocks)
+    q, error = _fit_grid(blocks, low, scale, 0.0, low)
     # the symmetric grid, where the range is inexact
     extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True)).squeeze(2)
     symmetric_scale = extreme / -8.0
     usable = symmetric_scale != 0
     safe_scale = torch.where(usable, symmetric_scale, torch.ones_like(symmetric_scale))
-    symmetric_q = (blocks / safe_scale[..., None] + 8.0).round().clamp(0, 15)
     symmetric_low = safe_scale * -8.0
-    better = usable & (error > 0) & (_largest_error(symmetric_q, safe_scale, symmetric_low, blocks) < error)
+    symmetric_q, symmetric_error = _fit_grid(blocks, torch.zeros_like(low), safe_scale, 8.0, symmetric_low)
+    better = usable & (error > 0) & (symmetric_error < error)
     q = torch.where(better[..., None], symmetric_q, q).to(torch.uint8)
     scale = torch.where(better, safe_scale, scale)
     low = torch.where(better, symmetric_low, low)
@@ -226,9 +225,14 @@ def quantize_q4_tiles_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return _to_column_tiles(q, scale, low)
 
 
-def _largest_error(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """max |q * d + m - w| per block, each step rounded as C rounds it."""
-    return (((q * scale[..., None]) + low[..., None]) - blocks).abs().amax(dim=2)
+def _fit_grid(
+    blocks: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, offset: float, low: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q = clamp(round((w - shift) / d + offset), 0, 15) per block, and the block's
+    largest error |q d + m - w|, each step rounded as csrc/quantize_weights.c rounds it."""
+    q = ((blocks - shift[..., None]) / scale[..., None] + offset).round().clamp(0, 15)
+    error = (((q * scale[..., None]) + low[..., None]) - blocks).abs().amax(dim=2)
+    return q, error
 
 
 # A block's input 16 h + 4 (2 * nibble + j) + i of column c sits in the nibble of byte

@@ -17,13 +17,17 @@ from heron.kernels.cpu.library import native_library
 _MAX_HEADS = 256  # the paged kernel's per-task arrays hold up to this many query heads
 
 
+def supports_paged_decode(dtype: torch.dtype, num_heads: int) -> bool:
+    """Whether the paged decode kernel covers a model's attention (float32, at most
+    ``_MAX_HEADS`` query heads) on this machine (the kernels are built)."""
+    return dtype == torch.float32 and num_heads <= _MAX_HEADS and native_library() is not None
+
+
 def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and query.dtype == torch.float32
         and kv_cache.dtype == torch.float32
-        and query.shape[1] <= _MAX_HEADS
-        and native_library() is not None
+        and supports_paged_decode(query.dtype, query.shape[1])
     )
 
 

@@ -22,6 +22,21 @@
  * overflow to inf near float's smallest normals (quantization.py uses the same bound) */
 #define MIN_BLOCK_MAX 1e-30f
 
+#if defined(HERON_AVX2)
+static inline float max8(__m256 m) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+static inline int sum8(__m256i s) {
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+    return _mm_cvtsi128_si32(sum4);
+}
+#endif
+
 /* x [rows, k] -> p [rows, k] int8; per 32-block: e [rows, nb, 8] (the low half's
  * scale four times, then the high half's) and
  * s [rows, nb] (the block's rounded sum, e0 * sum p[0:16] + e1 * sum p[16:32]) */
@@ -35,25 +50,15 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
 #if defined(HERON_AVX512)
         const __m512 v16 = _mm512_loadu_ps(v);
         const __m512 magnitude = _mm512_abs_ps(v16);
-        const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(magnitude), _mm512_extractf32x8_ps(magnitude, 1));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        amax = max8(_mm256_max_ps(_mm512_castps512_ps256(magnitude), _mm512_extractf32x8_ps(magnitude, 1)));
         const __m512 inverse = _mm512_set1_ps(amax >= MIN_BLOCK_MAX ? 127.0f / amax : 0.0f);
         const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v16, inverse)); /* nearest even, as lrintf */
         _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(rounded));
-        const __m256i sum8 = _mm256_add_epi32(_mm512_castsi512_si256(rounded), _mm512_extracti64x4_epi64(rounded, 1));
-        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
-        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
-        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
-        total = _mm_cvtsi128_si32(sum4);
+        total = sum8(_mm256_add_epi32(_mm512_castsi512_si256(rounded), _mm512_extracti64x4_epi64(rounded, 1)));
 #elif defined(HERON_AVX2)
         const __m256 sign = _mm256_set1_ps(-0.0f);
         const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-        __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        amax = max8(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)));
         const __m256 inverse = _mm256_set1_ps(amax >= MIN_BLOCK_MAX ? 127.0f / amax : 0.0f);
         /* cvtps rounds to nearest even, as lrintf does in the default mode */
         const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inverse));
@@ -61,11 +66,7 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
         const __m256i i16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);  /* 16 x int16, in order */
         const __m128i i8 = _mm_packs_epi16(_mm256_castsi256_si128(i16), _mm256_extracti128_si256(i16, 1));
         _mm_storeu_si128((__m128i *)q, i8);
-        __m256i sum = _mm256_add_epi32(i0, i1);
-        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
-        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
-        total = _mm_cvtsi128_si32(sum4);
+        total = sum8(_mm256_add_epi32(i0, i1));
 #else
         for (int i = 0; i < ACT_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
         const float inverse = amax >= MIN_BLOCK_MAX ? 127.0f / amax : 0.0f;

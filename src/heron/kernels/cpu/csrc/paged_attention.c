@@ -63,44 +63,10 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-#if defined(HERON_AVX512)
-/* exp_nonpositive on 16 lanes: the same steps, so each lane's value is the same */
-static inline __m512 exp_nonpositive_16(__m512 x) {
-    const __m512 lowest = _mm512_set1_ps(-87.0f);
-    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lowest);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(p, _mm512_castsi512_ps(scale)));
-}
-#endif
-
 /* row[i] = e^(row[i] - maximum); returns their sum */
 static float exp_and_sum(float *row, int64_t count, float maximum) {
     int64_t i = 0;
     float total = 0.0f;
-#if defined(HERON_AVX512)
-    const __m512 shift16 = _mm512_set1_ps(maximum);
-    __m512 sum16 = _mm512_setzero_ps();
-    for (; i + 16 <= count; i += 16) {
-        const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift16));
-        _mm512_storeu_ps(row + i, e);
-        sum16 = _mm512_add_ps(sum16, e);
-    }
-    float lanes16[16];
-    _mm512_storeu_ps(lanes16, sum16);
-    for (int lane = 0; lane < 16; lane++) total += lanes16[lane];
-#endif
 #if defined(HERON_AVX2)
     const __m256 shift = _mm256_set1_ps(maximum);
     __m256 sum = _mm256_setzero_ps();

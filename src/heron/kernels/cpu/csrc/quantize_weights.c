@@ -16,12 +16,13 @@
 #define TILE_COLS 8
 #define TILE_BLOCK_BYTES 128
 
-/* q = clamp(round-half-even(x / d + offset), 0, 15); returns the largest error of q * d + m
- * (a maximum: exact in any order, so the torch formula makes the same choice) */
-static float fit_grid(const float *x, float d, float offset, float m, uint8_t *q) {
+/* q = clamp(round-half-even((x - shift) / d + offset), 0, 15); returns the largest
+ * error of q * d + m (a maximum: exact in any order, so the torch formula makes
+ * the same choice). shift 0 and offset 0 change no value: one formula serves both grids. */
+static float fit_grid(const float *x, float shift, float d, float offset, float m, uint8_t *q) {
     float error = 0.0f;
     for (int i = 0; i < 32; i++) {
-        const float v = nearbyintf(x[i] / d + offset);
+        const float v = nearbyintf((x[i] - shift) / d + offset);
         q[i] = (uint8_t)(v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v);
         const float back = fabsf((float)q[i] * d + m - x[i]);
         error = back > error ? back : error;
@@ -42,19 +43,12 @@ static void fit_block(const float *x, uint8_t *q, float *d, float *m) {
     }
     float range_d = (high - low) / 15.0f;
     if (!(range_d > 0.0f)) range_d = 1.0f;
-    /* (x - low) / d as the torch formula computes it: offset folded as -low / d would round differently */
-    float error = 0.0f;
-    for (int i = 0; i < 32; i++) {
-        const float v = nearbyintf((x[i] - low) / range_d);
-        q[i] = (uint8_t)(v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v);
-        const float back = fabsf((float)q[i] * range_d + low - x[i]);
-        error = back > error ? back : error;
-    }
+    const float error = fit_grid(x, low, range_d, 0.0f, low, q);
     *d = range_d, *m = low;
     const float symmetric_d = extreme / -8.0f;
     if (error > 0.0f && symmetric_d != 0.0f) {
         uint8_t symmetric[32];
-        if (fit_grid(x, symmetric_d, 8.0f, -8.0f * symmetric_d, symmetric) < error) {
+        if (fit_grid(x, 0.0f, symmetric_d, 8.0f, -8.0f * symmetric_d, symmetric) < error) {
             memcpy(q, symmetric, 32);
             *d = symmetric_d, *m = -8.0f * symmetric_d;
         }
