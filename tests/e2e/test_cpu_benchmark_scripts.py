@@ -27,7 +27,7 @@ def test_startup_time_waits_for_a_successful_completion():
 
 def test_dtype_compare_reports_both_dtypes():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cpu_dtype_compare.py"), "--requests", "2", "--output-len", "4"],
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_dtype_compare.py"), "--requests", "2", "--output-len", "16"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     figures = json.loads(result.stdout)

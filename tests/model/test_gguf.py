@@ -178,7 +178,7 @@ def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     ({**dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"], Q.Q4_1),
       "ffn_down": Q.F16}, "none"),
 ])
-def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tokenizer, types, expected):
+def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tokenizer, monkeypatch, types, expected):
     """A GGUF of Q4_0/Q4_1 linears loads in int4, which holds those weights
     exactly (each block on the grid of its own type), with Q8_0 among them in
     int8, anything else unquantized; an explicit bf16 or quantization keeps what
@@ -186,7 +186,9 @@ def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tok
     from transformers import AutoModelForCausalLM
 
     from heron.config import EngineConfig
+    from heron.kernels.cpu import isa
 
+    monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar", "avx2"])  # the same choice on any CPU
     directory = str(tmp_path / "src")
     build_tiny_model(directory, dict(model_type="llama", intermediate_size=128, hidden_size=128,
                                      num_attention_heads=4, num_key_value_heads=2), embedded_tokenizer)
