@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from heron.engine.core_output import EngineCoreOutput  # noqa: E402
+from heron.step_outputs import EngineCoreOutput  # noqa: E402
 from heron.engine.input_processor import ProcessedPrompt  # noqa: E402
 from heron.engine.output_processor import OutputProcessor  # noqa: E402
 from heron.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402

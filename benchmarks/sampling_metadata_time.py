@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from heron.core.scheduler_output import NewRequestData  # noqa: E402
 from heron.sampling_params import SamplingParams  # noqa: E402
-from heron.worker.input_batch import CachedRequestState, SamplingMetadataBuilder, build_sampling_metadata  # noqa: E402
+from heron.worker.request_state import CachedRequestState  # noqa: E402
+from heron.worker.sampling_metadata import SamplingMetadataBuilder, build_sampling_metadata  # noqa: E402
 
 VOCAB = 128256
 MIXES = {

@@ -82,7 +82,7 @@ def test_bf16_agrees_on_first_tokens(tiny_llama):
 
 
 def test_cuda_defaults(tiny_llama):
-    from heron.config import EngineConfig
+    from heron.engine.args import EngineArgs
 
-    config = EngineConfig.create(tiny_llama, device="cuda", usage="serve")
+    config = EngineArgs(model=tiny_llama, device="cuda", usage="serve").create_engine_config()
     assert config.scheduler.max_num_seqs == 256 and config.scheduler.max_num_batched_tokens == 2048

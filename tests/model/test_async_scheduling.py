@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from heron import LLM, SamplingParams
-from heron.worker.input_batch import PendingInputIds
+from heron.worker.step_inputs import PendingInputIds
 from tests.model.conftest import load_reference, random_prompts, reference_greedy
 
 NEW_TOKENS = 12

@@ -157,10 +157,11 @@ def test_tiny_mixed_quant_gguf_matches_transformers(tiny_gguf):
 
 
 def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
-    from heron.config import EngineConfig
+    from heron.engine.args import EngineArgs
     from heron.loader.export import export_hf_directory
 
-    output = export_hf_directory(EngineConfig.create(tiny_gguf, dtype="float32", max_model_len=128), str(tmp_path / "hf"))
+    config = EngineArgs(model=tiny_gguf, dtype="float32", max_model_len=128).create_engine_config()
+    output = export_hf_directory(config, str(tmp_path / "hf"))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(output))
     prompts = random_prompts([9], seed=4)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -185,7 +186,7 @@ def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tok
     was asked."""
     from transformers import AutoModelForCausalLM
 
-    from heron.config import EngineConfig
+    from heron.engine.args import EngineArgs
     from heron.kernels.cpu import isa
 
     monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar", "avx2"])  # the same choice on any CPU
@@ -195,12 +196,12 @@ def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tok
     path = str(tmp_path / "tiny.gguf")
     write_tiny_llama_gguf(path, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32),
                           {"token_embd": Q.Q8_0, "output": Q.Q6_K, **types})
-    config = EngineConfig.create(path, device="cpu", max_model_len=64)
+    config = EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config()
     assert config.model.quantization == expected
     assert config.model.dtype == torch.float32
-    assert EngineConfig.create(path, device="cpu", dtype="bfloat16", max_model_len=64).model.quantization == "none"
-    assert EngineConfig.create(path, device="cpu", quantization="none", max_model_len=64).model.quantization == "none"
-    assert EngineConfig.create(directory, device="cpu", max_model_len=64).model.quantization == "none"  # not a GGUF
+    assert EngineArgs(model=path, device="cpu", dtype="bfloat16", max_model_len=64).create_engine_config().model.quantization == "none"
+    assert EngineArgs(model=path, device="cpu", quantization="none", max_model_len=64).create_engine_config().model.quantization == "none"
+    assert EngineArgs(model=directory, device="cpu", max_model_len=64).create_engine_config().model.quantization == "none"  # not a GGUF
     if expected == "int4":  # Q4_0 and Q4_1 blocks alike are held exactly (attn_q is Q4_0, attn_k Q4_1)
         llm = LLM(path, max_model_len=64, num_kv_blocks=16)
         reference = LLM(path, quantization="none", max_model_len=64, num_kv_blocks=16)
@@ -211,7 +212,7 @@ def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tok
 
 
 def test_quantization_names_are_checked():
-    from heron.config import EngineConfig
+    from heron.engine.args import EngineArgs
 
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4"):
-        EngineConfig.create(quantization="int3")
+    with pytest.raises(ValueError, match="quantization must be one of 'auto', 'none', 'int8', 'int4'"):
+        EngineArgs(quantization="int3").create_engine_config()

@@ -8,17 +8,17 @@ import subprocess
 import sys
 import time
 
-from heron.config import EngineConfig
+from heron.engine.args import EngineArgs
 from heron.engine.async_llm import _resolution_mismatch
 
 
 def test_the_api_process_resolves_its_config_without_torch():
     code = (
         "import sys\n"
-        "from heron.config import EngineConfig\n"
+        "from heron.engine.args import EngineArgs\n"
         "from heron.loader.tokenizer import load_tokenizer\n"
         "import heron.entrypoints.openai.server\n"
-        "config = EngineConfig.create(usage='serve')\n"
+        "config = EngineArgs(usage='serve').create_engine_config()\n"
         "load_tokenizer(config.model)\n"
         "assert config.device_name == 'cpu' and config.model.quantization == 'int4', config\n"
         "assert 'torch' not in sys.modules, 'the API process imported torch'\n"
@@ -27,7 +27,7 @@ def test_the_api_process_resolves_its_config_without_torch():
 
 
 def test_a_differently_resolved_engine_core_is_caught():
-    config = EngineConfig.create(device="cpu", max_model_len=256)
+    config = EngineArgs(device="cpu", max_model_len=256).create_engine_config()
     same = config.resolved_summary()
     assert _resolution_mismatch(config, same) == ""
     other = {**same, "max_model_len": 512, "quantization": "none"}

@@ -13,7 +13,7 @@ import torch
 
 from heron.attention.backend import BatchLayout
 from heron.worker.cuda_graphs import DecodeGraphRunner, graph_buckets
-from heron.worker.input_batch import PendingInputIds
+from heron.worker.step_inputs import PendingInputIds
 
 triton_backend = pytest.importorskip("heron.attention.triton_backend")
 if not triton_backend.triton_available():

@@ -1,21 +1,21 @@
-"""Defaults that depend on the device and the use (EngineConfig.create)."""
+"""Defaults that depend on the device and the use (EngineArgs.create_engine_config)."""
 
 from __future__ import annotations
 
 import pytest
 
-from heron.config import EngineConfig
+from heron.engine.args import EngineArgs
 
 
 def test_cpu_defaults_for_offline_use_and_serving():
-    offline = EngineConfig.create(device="cpu")
+    offline = EngineArgs(device="cpu").create_engine_config()
     assert offline.scheduler.max_num_seqs == 64 and offline.scheduler.max_num_batched_tokens == 2048
-    serving = EngineConfig.create(device="cpu", usage="serve")
+    serving = EngineArgs(device="cpu", usage="serve").create_engine_config()
     assert serving.scheduler.max_num_batched_tokens == 512  # bounds a decode's wait behind a prompt
-    wide = EngineConfig.create(device="cpu", usage="serve", max_num_seqs=600)
+    wide = EngineArgs(device="cpu", usage="serve", max_num_seqs=600).create_engine_config()
     assert wide.scheduler.max_num_seqs == 600 and wide.scheduler.max_num_batched_tokens == 600
     with pytest.raises(ValueError, match="max_num_seqs"):
-        EngineConfig.create(device="cpu", max_num_seqs=0)
+        EngineArgs(device="cpu", max_num_seqs=0).create_engine_config()
 
 
 @pytest.mark.parametrize("native_bf16", [False, True])
@@ -25,16 +25,16 @@ def test_default_is_the_low_bit_fast_path_on_every_cpu(monkeypatch, native_bf16)
     decode path switched itself off); unquantized, "auto" follows the CPU."""
     import torch
 
-    from heron import config as config_module
+    from heron.engine import resolve
     from heron.kernels.cpu import isa
 
-    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(resolve, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar", "avx2"])  # what the CPU is does not matter here
-    default = EngineConfig.create(device="cpu")
+    default = EngineArgs(device="cpu").create_engine_config()
     assert (default.model.quantization, default.model.dtype) == ("int4", torch.float32)
-    plain = EngineConfig.create(device="cpu", quantization="none")
+    plain = EngineArgs(device="cpu", quantization="none").create_engine_config()
     assert plain.model.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
-    explicit = EngineConfig.create(device="cpu", dtype="bfloat16")
+    explicit = EngineArgs(device="cpu", dtype="bfloat16").create_engine_config()
     assert (explicit.model.quantization, explicit.model.dtype) == ("none", torch.bfloat16)
 
 
@@ -44,4 +44,42 @@ def test_auto_quantization_needs_vectorized_kernels(monkeypatch):
     from heron.kernels.cpu import isa
 
     monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar"])
-    assert EngineConfig.create(device="cpu").model.quantization == "none"
+    assert EngineArgs(device="cpu").create_engine_config().model.quantization == "none"
+
+
+def test_every_engine_argument_has_one_flag_built_from_its_field():
+    """The flags come from EngineArgs' fields: types, choices and defaults are
+    the fields' own, so the CLI and LLM(**kwargs) cannot drift apart."""
+    import argparse
+    from dataclasses import fields
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    defaults = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert defaults == EngineArgs()
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--no-enable-prefix-caching", "--kv-cache-memory-bytes", "2GiB", "--compile", "--quantization", "int8",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--profile", "/tmp/p",
+         "--max-num-seqs", "8", "--kv-cache-memory-fraction", "0.5"]), usage="serve")
+    assert (args.enable_prefix_caching, args.kv_cache_memory_bytes, args.compile_model) == (False, 2 << 30, True)
+    assert (args.quantization, args.profile_dir, args.max_num_seqs, args.usage) == ("int8", "/tmp/p", 8, "serve")
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    assert args.kv_cache_memory_fraction == 0.5
+    dests = {action.dest for action in parser._actions}
+    assert {spec.name for spec in fields(EngineArgs)} - dests == {"usage"}
+    for bad in (["--quantization", "int3"], ["--attention-backend", "cuda"], ["--speculative-config", "[1]"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_unknown_or_invalid_engine_arguments_are_named():
+    from heron.engine.llm import LLM
+
+    with pytest.raises(TypeError, match=r"unknown engine argument\(s\) \['max_seqs'\]"):
+        LLM(max_seqs=4)
+    with pytest.raises(ValueError, match="attention_backend must be one of 'auto', 'torch', 'triton'"):
+        EngineArgs(attention_backend="flash").create_engine_config()
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="int3").create_engine_config()
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        EngineArgs(device="cpu", scheduling_policy="lifo").create_engine_config()

@@ -23,7 +23,7 @@ def test_prefix_hit_shares_blocks_and_leaves_a_token_to_compute():
     second = make_request(36, token_offset=0)  # same first 36 tokens
     hits, num_hit = manager.get_computed_blocks(second)
     assert hits.get_block_ids() == [0, 1] and num_hit == 32
-    new = manager.allocate_slots(second, 36 - 32, hits, num_hit)
+    new = manager.allocate_slots(second, 36 - 32, new_computed_blocks=hits, num_new_computed_tokens=num_hit)
     assert new is not None and new.get_block_ids() == [3]
     assert manager.get_block_ids(second.request_id) == [0, 1, 3]
     assert manager.block_pool.blocks[0].ref_cnt == 2
@@ -70,7 +70,7 @@ def test_a_hit_on_a_free_block_counts_against_free_space():
     again = make_request(33, token_offset=0)
     hits, num_hit = manager.get_computed_blocks(again)
     assert num_hit == 32
-    assert manager.allocate_slots(again, 1, hits, num_hit) is not None
+    assert manager.allocate_slots(again, 1, new_computed_blocks=hits, num_new_computed_tokens=num_hit) is not None
     assert manager.get_block_ids(again.request_id) == [0, 1, 2]
     manager.check_integrity()
 

@@ -9,7 +9,7 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from heron.engine.core_output import SchedulerStats
+from heron.step_outputs import SchedulerStats
 from heron.metrics.logging_stats import LoggingStatLogger
 from heron.metrics.prometheus import EXPORTED_METRICS, PrometheusStatLogger
 from heron.metrics.stats import IterationStats, RequestTimes

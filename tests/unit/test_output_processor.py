@@ -2,13 +2,13 @@
 
 import pytest
 
-from heron.engine.core_output import EngineCoreOutput
+from heron.step_outputs import EngineCoreOutput
 from heron.engine.input_processor import ProcessedPrompt
 from heron.engine.output_processor import _TEXT_BATCH as TEXT_BATCH
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.stop_strings import StopStringMatcher
 from heron.sampling_params import RequestOutputKind, SamplingParams
-from heron.worker.runner_output import TokenLogprobs
+from heron.step_outputs import TokenLogprobs
 
 
 def test_stop_string_matcher_finds_the_earliest_match_in_new_text():

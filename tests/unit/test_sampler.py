@@ -7,7 +7,8 @@ from heron.core.scheduler_output import NewRequestData
 from heron.sample.ops import apply_penalties, apply_top_k_top_p
 from heron.sample.sampler import Sampler
 from heron.sampling_params import SamplingParams
-from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
+from heron.worker.request_state import CachedRequestState
+from heron.worker.sampling_metadata import build_sampling_metadata
 
 VOCAB = 8
 
@@ -159,7 +160,7 @@ def metadata_fields(metadata) -> dict:
 
 
 def test_the_metadata_builder_keeps_the_parameters_part_and_redoes_what_changes_per_step():
-    from heron.worker.input_batch import SamplingMetadataBuilder
+    from heron.worker.sampling_metadata import SamplingMetadataBuilder
 
     cpu = torch.device("cpu")
     mixes = [

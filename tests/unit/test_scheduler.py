@@ -6,9 +6,9 @@ from __future__ import annotations
 from heron.config import CacheConfig, SchedulerConfig
 from heron.core.scheduler import Scheduler
 from heron.core.scheduler_output import SchedulerOutput
-from heron.engine.core_output import EngineCoreOutputs
+from heron.step_outputs import EngineCoreOutputs
 from heron.request import Request, RequestStatus
-from heron.worker.runner_output import ModelRunnerOutput
+from heron.step_outputs import ModelRunnerOutput
 from tests.helpers import make_request
 
 
@@ -142,7 +142,8 @@ def test_preemption_frees_the_latest_request_and_it_resumes_by_recompute():
     assert out.num_scheduled_tokens == {first.request_id: 1}
     assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
     assert scheduler.num_preemptions == 1 and scheduler.waiting.peek() is second
-    assert second.request_id in out.finished_req_ids  # the runner must forget it
+    # the runner must forget it; it did not finish
+    assert second.request_id in out.forgotten_req_ids and second.request_id not in out.finished_req_ids
     while first.request_id in scheduler.requests:
         step(scheduler)
     # second resumes: prompt + its sampled token are recomputed (from the prefix cache)

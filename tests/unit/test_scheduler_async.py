@@ -9,7 +9,7 @@ from heron.core.scheduler import Scheduler
 from heron.core.scheduler_output import SchedulerOutput
 from heron.request import RequestStatus
 from heron.sampling_params import SamplingParams
-from heron.worker.runner_output import ModelRunnerOutput
+from heron.step_outputs import ModelRunnerOutput
 from tests.helpers import make_request
 
 

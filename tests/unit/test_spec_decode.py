@@ -13,7 +13,7 @@ from heron.config import SpeculativeConfig
 from heron.sample.metadata import SamplingMetadata
 from heron.sample.rejection import RejectionSampler
 from heron.spec_decode.ngram import NgramProposer
-from heron.worker.runner_output import ModelRunnerOutput
+from heron.step_outputs import ModelRunnerOutput
 from tests.helpers import make_request
 from tests.unit.test_scheduler import add, make_scheduler
 

@@ -1,4 +1,4 @@
-"""The attention-backend interface (DESIGN.md §2, "Attention backends").
+"""The attention-backend interface (docs/architecture.md, "Attention").
 
 A backend does two things for every attention layer of a step: store the step's
 new K/V into their paged slots, then attend each request's queries over that
@@ -114,25 +114,3 @@ class AttentionBackend(ABC):
         ``kv_cache`` (backends with ``attends_from_cache`` only)."""
         raise NotImplementedError(f"the {self.name} backend attends over the key/value it is given")
 
-
-def get_attention_backend(
-    device: torch.device, num_heads: int, num_kv_heads: int, name: str | None = None
-) -> AttentionBackend:
-    """The backend for a device: "triton" on CUDA when Triton is installed,
-    otherwise "torch" (plain torch ops, any device). Triton is imported only for
-    CUDA devices: on a CPU it would only cost start-up time."""
-    if name in (None, "auto"):
-        name = "torch"
-        if device.type == "cuda":
-            from heron.attention.triton_backend import triton_available
-
-            name = "triton" if triton_available() else "torch"
-    if name == "torch":
-        from heron.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from heron.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(num_heads // num_kv_heads)
-    raise ValueError(f"unknown attention backend {name!r}; available: 'auto', 'torch', 'triton'")

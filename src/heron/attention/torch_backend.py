@@ -17,8 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from heron.kernels.cpu import ops as cpu_kernels
 from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from heron.kernels.cpu import ops as cpu_kernels
+from heron.utils import cdiv
 
 
 @dataclass
@@ -92,7 +93,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode_rows = np.flatnonzero(query_lens == 1)
         if decode_rows.size:
             seq_lens = layout.seq_lens[decode_rows]
-            max_blocks = int(-(-seq_lens.max() // layout.block_size))
+            max_blocks = int(cdiv(seq_lens.max(), layout.block_size))
             metadata.decode_token_index = torch.from_numpy(
                 layout.query_start_loc[decode_rows].astype(np.int64)
             ).to(device)
@@ -104,7 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.all_decode = decode_rows.size == layout.num_reqs
         for row in np.flatnonzero(query_lens > 1):
             seq_len = int(layout.seq_lens[row])
-            num_blocks = -(-seq_len // layout.block_size)
+            num_blocks = cdiv(seq_len, layout.block_size)
             metadata.prefills.append(
                 PrefillSpan(
                     start=int(layout.query_start_loc[row]),

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from heron import envs
 from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from heron.utils import cdiv
 
 try:
     import triton
@@ -213,7 +215,7 @@ def choose_kv_splits(programs: int, num_sms: int, max_kv_splits: int) -> int:
 
 def max_kv_splits_setting() -> int:
     """``HERON_ATTENTION_MAX_KV_SPLITS`` (1 turns split-KV decode off)."""
-    raw = os.environ.get("HERON_ATTENTION_MAX_KV_SPLITS", str(DEFAULT_MAX_KV_SPLITS))
+    raw = envs.get(envs.HERON_ATTENTION_MAX_KV_SPLITS, str(DEFAULT_MAX_KV_SPLITS))
     try:
         value = int(raw)
     except ValueError:
@@ -225,7 +227,7 @@ def max_kv_splits_setting() -> int:
 
 def plan_work(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
     """One entry per (request, query tile)."""
-    tiles = -(-query_lens // block_q)
+    tiles = cdiv(query_lens, block_q)
     work_seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), tiles)
     offsets = np.arange(int(tiles.sum()), dtype=np.int32) - np.repeat(np.cumsum(tiles) - tiles, tiles).astype(np.int32)
     return work_seq, offsets * block_q

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from heron.core.block_pool import BlockPool, KVCacheBlock
 from heron.core.hashing import update_block_hashes
 from heron.request import Request
+from heron.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -99,6 +96,7 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
+        *,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,

@@ -1,5 +1,5 @@
 """The scheduler: one rule for prefill, chunked prefill, decode, prefix hits,
-speculative verification and recompute after preemption (DESIGN.md §2).
+speculative verification and recompute after preemption (docs/architecture.md).
 
 Each step, every request is granted new tokens so that ``num_computed_tokens``
 catches up with its token count (``num_tokens_with_spec``), within a per-step token
@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from heron.config import CacheConfig, SchedulerConfig
-from heron.core.kv_cache_manager import KVCacheManager
+from heron.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from heron.core.request_queue import create_request_queue
 from heron.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs, EngineEventType, SchedulerStats
 from heron.request import Request, RequestStatus
-from heron.worker.runner_output import ModelRunnerOutput
+from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, EngineEventType, ModelRunnerOutput, SchedulerStats
 
 if TYPE_CHECKING:
     from heron.structured_output.manager import StructuredOutputManager
@@ -52,6 +51,29 @@ class SpecDecodingCounters:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+
+
+@dataclass
+class _StepPlan:
+    """What ``schedule()`` has granted so far in one step."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted_ids: set[str] = field(default_factory=set)
+    # running requests granted tokens -> their newly allocated block ids
+    running_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+
+    def grant(self, request: Request, num_new: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new
+        self.token_budget -= num_new
+
+    def take_back(self, request: Request) -> None:
+        """Undo a running request's grant (it was preempted later in the step)."""
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.spec_tokens.pop(request.request_id, None)
+        self.running_block_ids.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -143,121 +165,138 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs = CachedRequestData()
-        spec_tokens: dict[str, list[int]] = {}
-        preempted_ids: set[str] = set()
-        now = time.monotonic()
+        """One step's grants: running requests first, in order (preempting when
+        the pool is short), then waiting ones unless this step had to preempt
+        (the pool is full)."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_ids:
+            self._schedule_waiting(plan, time.monotonic())
+        return self._emit(plan)
 
-        # 1. running requests, in order
-        scheduled_running: list[tuple[Request, list[int]]] = []
+    def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and (
-                request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
-            ):
-                index += 1  # the token in flight is its last one
-                continue
-            num_new = min(
-                request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens,
-                token_budget,
-                self.max_model_len - 1 - request.num_computed_tokens,
-            )
+            num_new = self._num_running_tokens(request, plan.token_budget)
             if num_new <= 0:
                 index += 1
                 continue
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
-                )
-                if new_blocks is not None:
-                    break
-                victim = self._pick_preemption_victim()
-                victim_index = self.running.index(victim)
-                self._preempt(victim)
-                preempted_ids.add(victim.request_id)
-                if victim is request:
-                    break
-                if victim_index < index:  # already granted tokens this step: take them back
-                    index -= 1
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    spec_tokens.pop(victim.request_id, None)
-                    scheduled_running = [e for e in scheduled_running if e[0] is not victim]
-            if request.request_id in preempted_ids:
+            new_blocks, index = self._allocate_or_preempt(request, num_new, index, plan)
+            if new_blocks is None:
                 continue  # it preempted itself; ``index`` now points at the next one
-            num_scheduled_tokens[request.request_id] = num_new
-            token_budget -= num_new
-            scheduled_running.append((request, new_blocks.get_block_ids()))
+            plan.grant(request, num_new)
+            plan.running_block_ids[request.request_id] = new_blocks.get_block_ids()
             if request.spec_token_ids:
                 num_spec = num_new + request.num_computed_tokens - request.num_tokens
                 if num_spec > 0:
-                    spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                    plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             index += 1
-        for request, new_block_ids in scheduled_running:
-            cached_reqs.add(request.request_id, new_block_ids, request.num_computed_tokens)
 
-        # 2. waiting requests, unless this step had to preempt (the pool is full)
-        not_ready: list[Request] = []  # grammars still compiling: they keep their place
-        if not preempted_ids:
-            while (
-                len(self.waiting) > 0
-                and token_budget > 0
-                and len(self.running) < self.config.max_num_seqs
+    def _num_running_tokens(self, request: Request, token_budget: int) -> int:
+        """Tokens a running request may compute this step (<= 0: none)."""
+        if request.num_output_placeholders and (
+            request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+        ):
+            return 0  # the token in flight is its last one
+        return min(
+            request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens,
+            token_budget,
+            self.max_model_len - 1 - request.num_computed_tokens,
+        )
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, index: int, plan: _StepPlan
+    ) -> tuple[KVCacheBlocks | None, int]:
+        """Slots for ``num_new`` tokens of ``self.running[index]``, preempting
+        victims until they fit. Returns the new blocks (None: the request
+        preempted itself) and the request's index after the preemptions; a victim
+        granted tokens earlier this step gives them back."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            )
+            if new_blocks is not None:
+                return new_blocks, index
+            victim = self._pick_preemption_victim()
+            victim_index = self.running.index(victim)
+            self._preempt(victim)
+            plan.preempted_ids.add(victim.request_id)
+            if victim is request:
+                return None, index
+            if victim_index < index:
+                index -= 1
+                plan.take_back(victim)
+
+    def _schedule_waiting(self, plan: _StepPlan, now: float) -> None:
+        """Admit waiting requests in queue order while the budget, the sequence
+        cap and the pool allow; requests not ready yet keep their place."""
+        not_ready: list[Request] = []
+        while len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if request.num_output_placeholders or (
+                request.sampling_params.structured_outputs is not None and not self._grammar_ready(request)
             ):
-                request = self.waiting.peek()
-                if request.num_output_placeholders or (
-                    request.sampling_params.structured_outputs is not None and not self._grammar_ready(request)
-                ):
-                    # preempted while its last token was in flight, or its grammar still compiles
-                    not_ready.append(self.waiting.pop())  # after peek: this request
-                    continue
-                computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit_tokens
-                if num_new > token_budget:
-                    if not self.config.enable_chunked_prefill:
-                        break
-                    num_new = token_budget
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new, computed_blocks, num_hit_tokens, self.num_lookahead_tokens
-                )
-                if new_blocks is None:
-                    break
-                self.waiting.pop()
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-                request.record_event(EngineEventType.SCHEDULED, now)
-                num_scheduled_tokens[request.request_id] = num_new
-                token_budget -= num_new
-                new_reqs.append(
-                    NewRequestData.from_request(
-                        request, self.kv_cache_manager.get_block_ids(request.request_id)
-                    )
-                )
-
+                # preempted while its last token was in flight, or its grammar still compiles
+                not_ready.append(self.waiting.pop())  # after peek: this request
+                continue
+            if not self._admit(request, plan, now):
+                break
         for request in reversed(not_ready):
             if request.is_finished:  # its grammar failed to compile
                 self._free_request(request)
             else:
                 self.waiting.add_preempted(request)
+
+    def _admit(self, request: Request, plan: _StepPlan, now: float) -> bool:
+        """Move the head of the waiting queue to running with its cached prefix
+        and a (possibly chunked) grant; False when it does not fit."""
+        computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit_tokens
+        if num_new > plan.token_budget:
+            if not self.config.enable_chunked_prefill:
+                return False
+            num_new = plan.token_budget
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request,
+            num_new,
+            new_computed_blocks=computed_blocks,
+            num_new_computed_tokens=num_hit_tokens,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.record_event(EngineEventType.SCHEDULED, now)
+        plan.grant(request, num_new)
+        plan.new_reqs.append(
+            NewRequestData.from_request(request, self.kv_cache_manager.get_block_ids(request.request_id))
+        )
+        return True
+
+    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step's output. The step will compute what was granted: progress
+        advances now, so the next ``schedule()`` sees it even before this step's
+        output is processed."""
+        cached_reqs = CachedRequestData()
+        for request_id, new_block_ids in plan.running_block_ids.items():
+            cached_reqs.add(request_id, new_block_ids, self.requests[request_id].num_computed_tokens)
         output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
+            scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            scheduled_spec_decode_tokens=spec_tokens,
-            finished_req_ids=self._finished_req_ids | preempted_ids,
-            preempted_req_ids=preempted_ids,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=plan.preempted_ids,
         )
         self._finished_req_ids = set()
-        # The step will compute what was granted: advance progress now, so the next
-        # schedule() sees it even before this step's output is processed.
-        for request_id, num_new in num_scheduled_tokens.items():
+        for request_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:

@@ -61,9 +61,15 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # request id -> draft tokens to verify this step (speculative decoding)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # requests the runner must forget: finished, aborted or preempted since last step
+    # requests that finished or were aborted since the last step
     finished_req_ids: set[str] = field(default_factory=set)
+    # requests preempted this step (they return later as new requests)
     preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def forgotten_req_ids(self) -> set[str]:
+        """Requests whose state the runner drops: finished or preempted."""
+        return self.finished_req_ids | self.preempted_req_ids
 
     @property
     def is_empty(self) -> bool:

@@ -6,7 +6,7 @@ Each request gets a ``RequestOutputCollector``: when the consumer reads slower
 than tokens arrive, streamed deltas are merged into one pending output instead
 of queueing, so a slow reader holds at most its own (max_tokens-bounded) output.
 
-    llm = AsyncLLM(EngineConfig.create())
+    llm = AsyncLLM(EngineArgs().create_engine_config())
     await llm.wait_until_ready()
     async for output in llm.generate(prompt, params, "request-1"):
         print(output.outputs[0].text, end="")
@@ -22,7 +22,6 @@ from typing import Any
 
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient, EngineCoreProcess
-from heron.engine.core_output import SchedulerStats
 from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.serialization import MessageKind, decode_outputs
@@ -32,6 +31,7 @@ from heron.metrics.prometheus import PrometheusStatLogger
 from heron.metrics.stats import IterationStats
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParams
+from heron.step_outputs import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,9 @@ class AsyncLLM:
 
     # ---- lifecycle -----------------------------------------------------------------
 
-    def _ensure_started(self) -> asyncio.Event:
+    def start(self) -> asyncio.Event:
+        """Start the output loop and the engine watch (once; inside the event
+        loop that serves requests). The event is set when the engine is ready."""
         if self._ready is None:
             self._ready = asyncio.Event()
             self._tasks = [
@@ -142,7 +144,7 @@ class AsyncLLM:
         return self.dead_reason is not None
 
     async def wait_until_ready(self, timeout: float | None = None) -> None:
-        ready = self._ensure_started()
+        ready = self.start()
         waiter = asyncio.create_task(ready.wait())
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -183,7 +185,7 @@ class AsyncLLM:
         """Validate the request now (raising before anything is streamed), then
         return the stream of its outputs (per ``params.output_kind``) until it
         finishes. Cancelling the consumer (e.g. a client disconnect) aborts it."""
-        self._ensure_started()
+        self.start()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if not self.is_ready:

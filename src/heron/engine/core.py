@@ -19,12 +19,11 @@ import logging
 from heron.config import EngineConfig
 from heron.core.scheduler import Scheduler
 from heron.core.scheduler_output import SchedulerOutput
-from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from heron.profiling import StepProfiler, phase
 from heron.request import EngineCoreRequest, Request, RequestStatus
+from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, PendingRunnerOutput
 from heron.worker.kv_cache_sizing import determine_num_kv_blocks, gpu_kv_cache_budget
 from heron.worker.model_runner import ModelRunner, StructuredStep
-from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 receives msgpack messages over two ZMQ IPC sockets (asyncio).
 
 The process may be started before the API server has resolved its own config
-(``EngineCoreProcess.start`` with the engine's keyword arguments): both
+(``EngineCoreProcess.start`` with the ``EngineArgs``): both
 processes then resolve the same arguments at once, and the engine core reports
 what it resolved in its ready message so the two are checked to agree."""
 
@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from heron.config import EngineConfig
+from heron.engine.args import EngineArgs
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
 
@@ -40,10 +41,10 @@ class EngineCoreProcess:
     output_address: str
 
     @staticmethod
-    def start(engine: EngineConfig | dict[str, Any], log_level: str = "INFO") -> EngineCoreProcess:
-        """Start the process on a resolved config, or on ``EngineConfig.create``'s
-        keyword arguments (it resolves them itself, so it can start loading
-        before the caller has imported torch)."""
+    def start(engine: EngineConfig | EngineArgs, log_level: str = "INFO") -> EngineCoreProcess:
+        """Start the process on a resolved config, or on ``EngineArgs`` (it
+        resolves them itself, so it can start loading before the caller has
+        imported torch)."""
         socket_dir = tempfile.mkdtemp(prefix="heron-ipc-")
         input_address = f"ipc://{os.path.join(socket_dir, 'input')}"
         output_address = f"ipc://{os.path.join(socket_dir, 'output')}"

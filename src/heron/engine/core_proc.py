@@ -23,10 +23,11 @@ from typing import Any
 import zmq
 
 from heron.config import EngineConfig
+from heron.engine.args import EngineArgs
 from heron.engine.core import EngineCore
-from heron.engine.core_output import EngineCoreOutputs
 from heron.engine.serialization import MessageKind, decode_request, encode_outputs, pack, unpack
 from heron.gc_freeze import freeze_startup_objects
+from heron.step_outputs import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +43,10 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def run_engine_core(
-    config: EngineConfig | dict[str, Any], input_address: str, output_address: str, log_level: str = "INFO"
+    config: EngineConfig | EngineArgs, input_address: str, output_address: str, log_level: str = "INFO"
 ) -> None:
     """Process entry point (started by the API server's ``EngineCoreProcess``):
-    ``config`` resolved, or ``EngineConfig.create``'s keyword arguments."""
+    ``config`` resolved, or the ``EngineArgs`` to resolve."""
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     logging.basicConfig(
         level=getattr(logging, log_level, logging.INFO),
@@ -58,8 +59,8 @@ def run_engine_core(
     output_socket.setsockopt(zmq.LINGER, 2000)
     output_socket.connect(output_address)
     try:
-        if isinstance(config, dict):
-            config = EngineConfig.create(**config)
+        if isinstance(config, EngineArgs):
+            config = config.create_engine_config()
         engine = EngineCore(config)
     except BaseException as exc:  # report why start-up failed, then exit
         message = f"{type(exc).__name__}: {exc}"

@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from heron.config import EngineConfig
+from heron.engine.args import EngineArgs
 from heron.engine.input_processor import ProcessedPrompt
 from heron.engine.llm_engine import LLMEngine
 from heron.outputs import RequestOutput
@@ -23,58 +24,10 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        kv_cache_memory_fraction: float = 0.25,
-        num_kv_blocks: int | None = None,
-        scheduling_policy: str = "fcfs",
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        device: str | None = None,
-        model_impl: str = "auto",
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        compile_model: bool = False,
-        gpu_memory_utilization: float = 0.9,
-        quantization: str = "auto",
-        speculative_config: dict[str, Any] | None = None,
-        async_scheduling: bool | None = None,
-    ) -> None:
-        config = EngineConfig.create(
-            model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            kv_cache_memory_fraction=kv_cache_memory_fraction,
-            num_kv_blocks=num_kv_blocks,
-            scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
-            enable_chunked_prefill=enable_chunked_prefill,
-            seed=seed,
-            device=device,
-            model_impl=model_impl,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            compile_model=compile_model,
-            gpu_memory_utilization=gpu_memory_utilization,
-            quantization=quantization,
-            speculative_config=speculative_config,
-            async_scheduling=async_scheduling,
-        )
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """``model`` and any ``EngineArgs`` field as a keyword (``heron/engine/args.py``
+        lists them with their defaults), e.g. ``LLM(max_model_len=4096, seed=1)``."""
+        config = EngineArgs.from_kwargs("LLM()", model=model, **engine_args).create_engine_config()
         self.engine = LLMEngine(config)
 
     @classmethod

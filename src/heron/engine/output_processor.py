@@ -12,14 +12,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from heron.engine.core_output import EngineCoreOutput
 from heron.engine.detokenizer import make_detokenizer
 from heron.engine.input_processor import ProcessedPrompt, child_request_id
 from heron.engine.stop_strings import StopStringMatcher
 from heron.metrics.stats import IterationStats, RequestTimes
 from heron.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from heron.sampling_params import RequestOutputKind, SamplingParams
-from heron.worker.runner_output import TokenLogprobs
+from heron.step_outputs import EngineCoreOutput, TokenLogprobs
 
 # text_at_end requests: detokenize at most this many tokens at a time (bounds the
 # burst of host work in one step; a finishing request flushes the rest). Requests

@@ -13,10 +13,9 @@ from typing import Any
 
 import msgpack
 
-from heron.engine.core_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from heron.request import EngineCoreRequest
 from heron.sampling_params import RequestOutputKind, SamplingParams
-from heron.worker.runner_output import TokenLogprobs
+from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, TokenLogprobs
 
 
 class MessageKind(enum.IntEnum):

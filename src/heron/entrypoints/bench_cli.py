@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from heron.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heron.engine.args import EngineArgs
 
 
 def add_bench_parsers(subcommands: Any) -> None:
@@ -41,7 +41,7 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--disable-tqdm", action="store_true")
 
     throughput = kinds.add_parser("throughput", help="offline throughput through LLM (all requests at once)")
-    add_engine_args(throughput)
+    EngineArgs.add_cli_args(throughput)
     _add_dataset_args(throughput)
     throughput.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
     throughput.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
@@ -54,24 +54,20 @@ def add_bench_parsers(subcommands: Any) -> None:
         help='constrain every request, e.g. \'{"json": {"type": "array"}}\' or \'{"regex": "[a-z ]+"}\'',
     )
     throughput.add_argument("--output-json", default=None)
-    throughput.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace here")
-    throughput.add_argument("--profile-steps", type=int, default=32)
     throughput.add_argument("--disable-tqdm", action="store_true")
 
     latency = kinds.add_parser("latency", help="latency of one fixed batch, repeated")
-    add_engine_args(latency)
+    EngineArgs.add_cli_args(latency)
     latency.add_argument("--batch-size", type=int, default=8)
     latency.add_argument("--input-len", type=int, default=32)
     latency.add_argument("--output-len", type=int, default=128)
     latency.add_argument("--num-iters-warmup", type=int, default=2)
     latency.add_argument("--num-iters", type=int, default=10)
     latency.add_argument("--output-json", default=None)
-    latency.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace here")
-    latency.add_argument("--profile-steps", type=int, default=32)
     latency.add_argument("--disable-tqdm", action="store_true")
 
     quality = kinds.add_parser("quality", help="perplexity and agreement of a fast mode with float32")
-    add_engine_args(quality)
+    EngineArgs.add_cli_args(quality)
     quality.add_argument("--output-json", default=None)
 
     compare = kinds.add_parser("compare", help="side-by-side table of saved bench serve results")
@@ -161,7 +157,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
     from heron.benchmarks.quality import compare
     from heron.engine.llm import LLM
 
-    config = engine_config_from_args(args)
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     reference_config = replace(config, model=replace(config.model, quantization="none", dtype_name="float32"))
     result = compare(LLM.from_config(reference_config), LLM.from_config(config))
     result["mode"] = {"dtype": config.model.dtype_name, "quantization": config.model.quantization}
@@ -176,7 +172,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
     from heron.benchmarks import offline
     from heron.engine.llm import LLM
 
-    llm = LLM.from_config(engine_config_from_args(args))
+    llm = LLM.from_config(EngineArgs.from_cli_args(args).create_engine_config())
     if args.bench_command == "throughput":
         samples = _samples(args, llm.get_tokenizer())
         result = offline.run_throughput(

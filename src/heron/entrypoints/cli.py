@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from heron.entrypoints.engine_args import add_engine_args, add_sampling_args
+from heron.engine.args import EngineArgs
+from heron.entrypoints.sampling_args import add_sampling_args
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -27,23 +28,23 @@ def build_parser() -> argparse.ArgumentParser:
     generate = subcommands.add_parser("generate", help="complete one prompt, streaming the text")
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    add_engine_args(generate)
+    EngineArgs.add_cli_args(generate)
     add_sampling_args(generate)
 
     chat = subcommands.add_parser("chat", help="interactive multi-turn chat in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
     add_sampling_args(chat, max_tokens=512)
 
     from heron.entrypoints.openai.cli_args import add_serve_args
 
     serve = subcommands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
     add_serve_args(serve)
 
     convert = subcommands.add_parser("convert", help="write a model (e.g. a GGUF file) as a Hugging Face directory")
     convert.add_argument("--output", required=True, help="directory to write")
-    add_engine_args(convert)
+    EngineArgs.add_cli_args(convert)
 
     from heron.entrypoints.bench_cli import add_bench_parsers
 
@@ -61,18 +62,16 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args) if args.command == "generate" else run_chat(args)
         if args.command == "serve":
             from heron.engine.core_client import EngineCoreProcess
-            from heron.entrypoints.engine_args import engine_kwargs_from_args
 
             # first: the engine core loads the model while this process starts the server
-            started = EngineCoreProcess.start(engine_kwargs_from_args(args, usage="serve"), args.log_level)
+            started = EngineCoreProcess.start(EngineArgs.from_cli_args(args, usage="serve"), args.log_level)
             from heron.entrypoints.openai.server import run_server
 
             return run_server(args, started)
         if args.command == "convert":
-            from heron.entrypoints.engine_args import engine_config_from_args
             from heron.loader.export import export_hf_directory
 
-            print(export_hf_directory(engine_config_from_args(args), args.output))
+            print(export_hf_directory(EngineArgs.from_cli_args(args).create_engine_config(), args.output))
             return 0
         if args.command == "bench":
             from heron.entrypoints.bench_cli import run_bench

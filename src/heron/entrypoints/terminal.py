@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Any, TextIO
 
+from heron.engine.args import EngineArgs
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.engine.llm_engine import LLMEngine
-from heron.entrypoints.engine_args import engine_config_from_args
 from heron.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -48,7 +48,7 @@ def stream_completion(engine: LLMEngine, prompt: ProcessedPrompt, params: Sampli
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     params = sampling_params_from_args(args)
     processor = engine.input_processor
     if args.chat:
@@ -62,7 +62,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     params = sampling_params_from_args(args)
     history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
     out.write(f"heron chat with {engine.config.model.served_model_name}: /reset clears the history, /exit or Ctrl-D quits\n")

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from heron.utils import cdiv
+
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -98,7 +100,7 @@ class GGUFFile:
             offset = self._scalar(_UINT64)
             raw_infos.append((name, dims, ggml_type, offset))
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
-        data_start = -(-self._pos // alignment) * alignment
+        data_start = cdiv(self._pos, alignment) * alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, ggml_type, offset in raw_infos:
             self.tensors[name] = GGUFTensorInfo(

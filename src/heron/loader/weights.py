@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from heron import envs
 from heron.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,11 @@ def _iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _gguf_cache_path(path: str) -> str | None:
-    if os.environ.get("HERON_DISABLE_WEIGHT_CACHE"):
+    if envs.is_set(envs.HERON_DISABLE_WEIGHT_CACHE):
         return None
     stat = os.stat(path)
     key = hashlib.sha256(f"{_CACHE_FORMAT}|{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    base = os.environ.get("HERON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "heron")
-    return os.path.join(base, "weights", key.hexdigest()[:20] + ".safetensors")
+    return os.path.join(envs.cache_dir("weights"), key.hexdigest()[:20] + ".safetensors")
 
 
 def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

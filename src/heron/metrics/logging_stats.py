@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
-from heron.engine.core_output import SchedulerStats
 from heron.metrics.stats import IterationStats
+from heron.step_outputs import SchedulerStats
 
 logger = logging.getLogger("heron.stats")
 

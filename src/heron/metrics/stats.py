@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from heron.engine.core_output import EngineEventType
+from heron.step_outputs import EngineEventType
 
 
 @dataclass

@@ -14,7 +14,7 @@ weights are copied into their slices by ``load_weights``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from heron.models.layers.attention import Attention
 from heron.models.layers.fused import fused_kernels_for
 from heron.models.layers.norm import RMSNorm
 from heron.models.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from heron.models.native_decode import NativeLowBitDecoder
 
 
 class LlamaAttention(nn.Module):
@@ -135,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(hidden, float(config.rms_norm_eps))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, int(config.vocab_size), bias=False)
-        # set by quantize_model for low-bit (int4, int8) CPU models: runs decode steps in one C call
-        self.native_decoder: Any = None
+        # set by registry.build_model for low-bit (int4, int8) CPU models: runs decode steps in one C call
+        self.native_decoder: NativeLowBitDecoder | None = None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

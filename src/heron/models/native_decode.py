@@ -14,11 +14,11 @@ int8 linears without biases, no Q/K norms, SiLU, float32 KV cache);
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import torch
 
+from heron import envs
 from heron.kernels.cpu.library import native_library
 from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear, Int8WeightInt8InputLinear
 
@@ -106,7 +106,7 @@ class NativeLowBitDecoder:
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
         """Why the native path cannot run ``model``'s decode steps, or None when it can."""
-        if os.environ.get("HERON_DISABLE_NATIVE_DECODE"):
+        if envs.is_set(envs.HERON_DISABLE_NATIVE_DECODE):
             return "HERON_DISABLE_NATIVE_DECODE is set"
         if native_library() is None:
             return "no native CPU kernels (no C compiler, or HERON_DISABLE_NATIVE)"

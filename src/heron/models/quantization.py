@@ -341,12 +341,6 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Mo
             else Int8WeightOnlyLinear(weight)
         )
     logger.info("quantized %d linear layers to %s (the LM head to int8), int8 inputs", count, method)
-    if hasattr(model, "native_decoder"):
-        from heron.models.native_decode import NativeLowBitDecoder
-
-        model.native_decoder = NativeLowBitDecoder.build(model)
-        if model.native_decoder is None:  # never silently: the step is several times slower
-            logger.warning("%s decode steps take the torch path: %s", method, NativeLowBitDecoder.unsupported_reason(model))
     return model
 
 

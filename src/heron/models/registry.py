@@ -66,4 +66,18 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     model.load_weights(
         (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config)
     )
-    return quantize_model(model.eval(), model_config.quantization, device)
+    model = quantize_model(model.eval(), model_config.quantization, device)
+    if model_config.quantization != "none":
+        _attach_native_decoder(model, model_config.quantization)
+    return model
+
+
+def _attach_native_decoder(model: nn.Module, method: str) -> None:
+    """Run a low-bit native model's decode steps in one C call where the native
+    path covers it; say so (never silently) where it does not: the step is then
+    several times slower."""
+    from heron.models.native_decode import NativeLowBitDecoder
+
+    model.native_decoder = NativeLowBitDecoder.build(model)
+    if model.native_decoder is None:
+        logger.warning("%s decode steps take the torch path: %s", method, NativeLowBitDecoder.unsupported_reason(model))

@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from heron.attention.backend import BatchLayout, get_attention_backend, positions_and_slots
+from heron.attention.backend import BatchLayout, positions_and_slots
+from heron.attention.registry import get_attention_backend
 from heron.models.registry import build_model
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 
 if TYPE_CHECKING:
     from heron.config import EngineConfig
-    from heron.worker.input_batch import CachedRequestState
+    from heron.worker.request_state import CachedRequestState
 
 
 class DraftModelProposer:

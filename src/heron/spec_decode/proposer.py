@@ -14,7 +14,7 @@ from heron.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from heron.config import EngineConfig
-    from heron.worker.input_batch import CachedRequestState
+    from heron.worker.request_state import CachedRequestState
 
 
 class DraftProposer(Protocol):

@@ -20,7 +20,7 @@ import torch
 
 from heron.attention.backend import BatchLayout
 from heron.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
-from heron.worker.input_batch import PendingInputIds
+from heron.worker.step_inputs import PendingInputIds
 
 logger = logging.getLogger(__name__)
 

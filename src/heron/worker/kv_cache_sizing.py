@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from heron.config import CacheConfig
+from heron.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def determine_num_kv_blocks(
     tokens could ever use. Fails with a clear message when the pool could not hold
     even one full-length request."""
     block_size = cache_config.block_size
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = cdiv(max_model_len, block_size)
     if cache_config.num_kv_blocks is not None:
         num_blocks = cache_config.num_kv_blocks
         budget_source = "num_kv_blocks"

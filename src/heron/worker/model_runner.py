@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from heron.attention.backend import BatchLayout, get_attention_backend, positions_and_slots
+from heron.attention.backend import BatchLayout, positions_and_slots
+from heron.attention.registry import get_attention_backend
 from heron.config import EngineConfig
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
@@ -25,49 +26,17 @@ from heron.profiling import phase
 from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from heron.spec_decode.proposer import DraftProposer, build_proposer
+from heron.step_outputs import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
+from heron.utils import cdiv
 from heron.worker.block_table import BlockTableRows
 from heron.worker.compute_path import describe_compute_path, format_compute_path
-from heron.worker.input_batch import CachedRequestState, PendingInputIds, SamplingMetadataBuilder, on_device
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
-from heron.worker.runner_output import ModelRunnerOutput, PendingRunnerOutput, TokenLogprobs
+from heron.worker.request_state import CachedRequestState
+from heron.worker.sampling_metadata import SamplingMetadataBuilder
 from heron.worker.spec_verify import verify_drafts
+from heron.worker.step_inputs import PendingInputIds, StepInputs, build_step_inputs, on_device
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    """One step's flat batch, in batch order (the scheduler's order)."""
-
-    request_ids: list[str]
-    states: list[CachedRequestState]
-    num_scheduled: np.ndarray  # [B] tokens per request this step
-    num_computed: np.ndarray  # [B] tokens cached before this step
-    query_start_loc: np.ndarray  # [B + 1]
-    sample_rows: list[int]  # requests whose last scheduled token is their last token
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    layout: BatchLayout
-    use_graph: bool  # replay a captured CUDA graph for this step
-    drafts: list[list[int]]  # [B] draft tokens each request verifies this step
-    # async scheduling: flat positions whose input id is the previous step's
-    # sampled token (still on the device), and that token's row in its output
-    pending_positions: list[int]
-    pending_rows: list[int]
-
-    def logits_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The flat token positions whose logits are needed (each sample row's
-        last token, preceded by one per draft it verifies), and the offsets of
-        each sample row's logits rows in that list (``[len(sample_rows) + 1]``)."""
-        sample_rows = np.asarray(self.sample_rows, dtype=np.int64)
-        if not any(self.drafts):  # one logits row per sample row, its last token
-            return self.query_start_loc[1:][sample_rows] - 1, np.arange(len(sample_rows) + 1, dtype=np.int64)
-        counts = np.fromiter((len(self.drafts[row]) + 1 for row in self.sample_rows), dtype=np.int64, count=len(sample_rows))
-        offsets = np.zeros(len(sample_rows) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        ends = self.query_start_loc[1:][sample_rows]
-        index = np.repeat(ends - counts - offsets[:-1], counts) + np.arange(int(offsets[-1]))
-        return index, offsets
 
 
 @dataclass
@@ -79,6 +48,34 @@ class StructuredStep:
     request_ids: list[str]
     bitmask: Any
     apply: Callable[[torch.Tensor, Any, list[int]], None]
+
+
+@dataclass
+class _SampledTokens:
+    """Per request of the step: the tokens it emitted ([] if none) and their
+    logprobs (None where not asked for)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+
+    @staticmethod
+    def none(num_reqs: int) -> _SampledTokens:
+        return _SampledTokens([[] for _ in range(num_reqs)], [None] * num_reqs)
+
+
+@dataclass
+class _PlainSample:
+    """The sampler's output for the step rows ``rows`` (requests ``states``)."""
+
+    rows: list[int]
+    states: list[CachedRequestState]
+    output: SamplerOutput
+
+    def record_into(self, sampled: _SampledTokens) -> None:
+        entries = _split_logprobs(self.output, self.states)
+        for row, token_id, entry in zip(self.rows, self.output.sampled_token_ids.tolist(), entries):
+            sampled.token_ids[row] = [token_id]
+            sampled.logprobs[row] = None if entry is None else [entry]
 
 
 class ModelRunner:
@@ -109,7 +106,7 @@ class ModelRunner:
         self.proposer: DraftProposer | None = build_proposer(config, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         self.block_rows = BlockTableRows(
-            config.scheduler.max_num_seqs, -(-config.model.max_model_len // config.cache.block_size)
+            config.scheduler.max_num_seqs, cdiv(config.model.max_model_len, config.cache.block_size)
         )
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: Any = None  # a cuda_graphs.DecodeGraphRunner on CUDA
@@ -145,7 +142,7 @@ class ModelRunner:
                 self.model,
                 self.backend,
                 max_num_seqs=self.config.scheduler.max_num_seqs,
-                max_blocks_per_seq=-(-self.config.model.max_model_len // self.block_size),
+                max_blocks_per_seq=cdiv(self.config.model.max_model_len, self.block_size),
                 block_size=self.block_size,
                 scratch_slot=num_blocks * self.block_size,
                 device=self.device,
@@ -166,7 +163,7 @@ class ModelRunner:
         num_seqs = max(1, min(num_seqs, num_tokens))
         lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
         lengths = [min(length, max_len) for length in lengths if length > 0]
-        blocks_needed = sum(-(-length // self.block_size) for length in lengths)
+        blocks_needed = sum(cdiv(length, self.block_size) for length in lengths)
         self._bind_kv_caches(blocks_needed)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -174,15 +171,16 @@ class ModelRunner:
         query_start_loc = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=query_start_loc[1:])
         total = int(query_start_loc[-1])
-        block_table = np.zeros((len(lengths), max(-(-n // self.block_size) for n in lengths)), dtype=np.int32)
+        block_table = np.zeros((len(lengths), max(cdiv(n, self.block_size) for n in lengths)), dtype=np.int32)
         cursor = 0
         for row, length in enumerate(lengths):
-            count = -(-length // self.block_size)
+            count = cdiv(length, self.block_size)
             block_table[row, :count] = np.arange(cursor, cursor + count)
             cursor += count
-        positions = np.concatenate([np.arange(n) for n in lengths])
-        rows = np.repeat(np.arange(len(lengths)), lengths)
-        slots = block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        counts = np.array(lengths, dtype=np.int64)
+        positions, slots = positions_and_slots(
+            query_start_loc, np.zeros_like(counts), counts, block_table, self.block_size
+        )
         layout = BatchLayout(len(lengths), total, query_start_loc, np.array(lengths, dtype=np.int64), block_table,
                              torch.from_numpy(slots).to(self.device), self.block_size)
         hidden = self.model(
@@ -211,7 +209,7 @@ class ModelRunner:
             self.block_rows.remove(state.block_row)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for request_id in scheduler_output.finished_req_ids:
+        for request_id in scheduler_output.forgotten_req_ids:
             self._forget(request_id)
             if self.proposer is not None:
                 self.proposer.remove_request(request_id)
@@ -281,85 +279,15 @@ class ModelRunner:
         return PendingInputIds(self._last_sampled.index_select(0, rows), positions)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        request_ids = list(scheduler_output.num_scheduled_tokens)
-        states = [self.requests[request_id] for request_id in request_ids]
-        num_scheduled = np.fromiter(
-            scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(request_ids)
-        )
-        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        block_table = self.block_rows.gather(
-            np.fromiter((s.block_row for s in states), dtype=np.int64, count=len(states))
-        )
-        sample_rows: list[int] = []
-        pending_positions: list[int] = []
-        pending_rows: list[int] = []
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        drafts = [spec_tokens.get(request_id, []) for request_id in request_ids]
-        starts, offsets = num_computed.tolist(), query_start_loc.tolist()
-        for row, (state, count) in enumerate(zip(states, num_scheduled.tolist())):
-            start, offset = starts[row], offsets[row]
-            end = start + count
-            # this step's tokens: positions [start, end) of token_ids + drafts
-            token_ids = state.token_ids
-            if count == 1 and start < len(token_ids):  # a decode
-                input_ids[offset] = token_ids[start]
-                known = end
-            else:
-                draft = drafts[row]
-                assert start <= len(token_ids) + len(draft), state.request_id
-                tokens = token_ids[start:end]
-                if draft and end > len(token_ids):
-                    tokens += draft[max(0, start - len(token_ids)) : end - len(token_ids)]
-                known = start + len(tokens)
-                input_ids[offset : offset + len(tokens)] = tokens
-            if known < end:  # its last token is the step in flight's sample
-                assert known + 1 == end and state.num_pending_tokens == 1, state.request_id
-                input_ids[offset + count - 1] = 0
-                pending_positions.append(offset + count - 1)
-                pending_rows.append(self._last_sampled_rows[state.request_id])
-            if end >= state.num_tokens:
-                sample_rows.append(row)
-        positions, slot_mapping = positions_and_slots(
-            query_start_loc, num_computed, num_scheduled, block_table, self.block_size
-        )
-        # a CUDA graph replays decode-only steps where every request samples (no
-        # mid-prompt chunk needing prompt logprobs) and the batch fits a bucket
-        use_graph = (
-            self.decode_graphs is not None
-            and bool((num_scheduled == 1).all())
-            and len(sample_rows) == len(states)
-            and self.decode_graphs.bucket_for(len(states)) is not None
-        )
-        layout = BatchLayout(
-            num_reqs=len(states),
-            num_tokens=num_tokens,
-            query_start_loc=query_start_loc,
-            seq_lens=num_computed + num_scheduled,
-            block_table=block_table,
-            # the graph runner stages its own copy of the host array
-            slot_mapping=torch.empty(0) if use_graph else on_device(slot_mapping, torch.int64, self.device),
+        graphs = self.decode_graphs
+        return build_step_inputs(
+            scheduler_output,
+            self.requests,
+            self.block_rows,
             block_size=self.block_size,
-            host_slot_mapping=slot_mapping,
-        )
-        return StepInputs(
-            request_ids=request_ids,
-            states=states,
-            num_scheduled=num_scheduled,
-            num_computed=num_computed,
-            query_start_loc=query_start_loc,
-            sample_rows=sample_rows,
-            input_ids=input_ids,
-            positions=positions,
-            layout=layout,
-            use_graph=use_graph,
-            drafts=drafts,
-            pending_positions=pending_positions,
-            pending_rows=pending_rows,
+            device=self.device,
+            last_sampled_rows=self._last_sampled_rows,
+            graph_fits=None if graphs is None else (lambda num_reqs: graphs.bucket_for(num_reqs) is not None),
         )
 
     def _sample(
@@ -370,93 +298,112 @@ class ModelRunner:
         structured: StructuredStep | None = None,
         defer_output: bool = False,
     ) -> ModelRunnerOutput | PendingRunnerOutput:
-        """Sample the rows that reached their last token. Either ``hidden`` (all
-        tokens) or ``decode_logits`` (one row per request, from a CUDA graph) is given."""
-        states = step.states
+        """Sample the rows that reached their last token, in order: select their
+        logits rows -> apply grammar masks -> sample (plain rows) or verify drafts
+        (speculative rows) -> advance the states. Either ``hidden`` (all tokens)
+        or ``decode_logits`` (one row per request, from a CUDA graph) is given."""
         prompt_logprobs = self._prompt_logprobs(step, hidden) if hidden is not None else {}
-        sampled_token_ids: list[list[int]] = [[] for _ in states]
-        logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
+        sampled = _SampledTokens.none(len(step.states))
+        plain: _PlainSample | None = None
         if step.sample_rows:
-            if decode_logits is not None:  # one token per request: no drafts
-                offsets = np.arange(len(step.sample_rows) + 1, dtype=np.int64)
-                if len(step.sample_rows) == len(states):
-                    logits = decode_logits
-                else:
-                    logits = decode_logits[on_device(step.sample_rows, torch.int64, self.device)]
-            else:
-                assert hidden is not None
-                index, offsets = step.logits_rows()
-                logits = self.model.compute_logits(hidden.index_select(0, on_device(index, torch.int64, self.device)))
+            logits, offsets = self._select_logits(step, hidden, decode_logits)
             if structured is not None:
-                position = {step.request_ids[row]: i for i, row in enumerate(step.sample_rows)}
-                members = [position[request_id] for request_id in structured.request_ids]
-                structured.apply(logits, structured.bitmask, _logits_rows_of(offsets, members).tolist())
-            plain = [i for i, row in enumerate(step.sample_rows) if not step.drafts[row]]
-            spec = [i for i, row in enumerate(step.sample_rows) if step.drafts[row]]
-            if plain:
-                plain_logits = logits if not spec else logits[on_device(offsets[plain], torch.int64, self.device)]
-                plain_states = [states[step.sample_rows[i]] for i in plain]
-                output = self.sampler(plain_logits, self.sampling_metadata.build(plain_states))
-                if defer_output:
-                    assert not spec, "async scheduling does not verify drafts"
-                    return self._defer_output(step, output, plain_states, prompt_logprobs)
-                row_logprobs = _split_logprobs(output, plain_states)
-                for i, token_id, entry in zip(plain, output.sampled_token_ids.tolist(), row_logprobs):
-                    row = step.sample_rows[i]
-                    sampled_token_ids[row] = [token_id]
-                    if entry is not None:
-                        logprobs[row] = [entry]
-            if spec:
-                spec_rows = [step.sample_rows[i] for i in spec]
-                tokens, spec_logprobs = verify_drafts(
-                    self.rejection_sampler,
-                    logits[on_device(_logits_rows_of(offsets, spec), torch.int64, self.device)],
-                    [states[row] for row in spec_rows],
-                    [step.drafts[row] for row in spec_rows],
-                    self.vocab_size,
-                    self.device,
-                )
-                for row, emitted, entry in zip(spec_rows, tokens, spec_logprobs):
-                    sampled_token_ids[row] = emitted
-                    logprobs[row] = entry
-            for row in step.sample_rows:
-                states[row].token_ids.extend(sampled_token_ids[row])
-        for row, state in enumerate(states):
-            # rejected drafts' K/V will be overwritten: they do not count as computed
-            num_rejected = len(step.drafts[row]) + 1 - len(sampled_token_ids[row]) if step.drafts[row] else 0
-            state.num_computed_tokens += int(step.num_scheduled[row]) - num_rejected
+                self._apply_grammar(step, structured, logits, offsets)
+            plain = self._sample_plain_rows(step, logits, offsets)
+            if plain is not None and not defer_output:
+                plain.record_into(sampled)
+            self._verify_draft_rows(step, logits, offsets, sampled)
+        self._advance_states(step, sampled.token_ids)
+        if defer_output and plain is not None:
+            assert not any(step.drafts), "async scheduling does not verify drafts"
+            return self._defer_output(step, plain, prompt_logprobs)
         draft_token_ids = {}
         if self.proposer is not None:
             with phase("propose"):
-                sampled = [bool(tokens) for tokens in sampled_token_ids]
-                draft_token_ids = self.proposer.propose(states, sampled)
+                draft_token_ids = self.proposer.propose(step.states, [bool(ids) for ids in sampled.token_ids])
         return ModelRunnerOutput(
             req_ids=step.request_ids,
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
+            sampled_token_ids=sampled.token_ids,
+            logprobs=sampled.logprobs,
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=draft_token_ids,
         )
 
+    def _select_logits(
+        self, step: StepInputs, hidden: torch.Tensor | None, decode_logits: torch.Tensor | None
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """The logits rows to sample (each sample row's last token, preceded by one
+        per draft it verifies) and each sample row's offset into them."""
+        if decode_logits is not None:  # one token per request: no drafts
+            offsets = np.arange(len(step.sample_rows) + 1, dtype=np.int64)
+            if len(step.sample_rows) == len(step.states):
+                return decode_logits, offsets
+            return decode_logits[on_device(step.sample_rows, torch.int64, self.device)], offsets
+        assert hidden is not None
+        index, offsets = step.logits_rows()
+        return self.model.compute_logits(hidden.index_select(0, on_device(index, torch.int64, self.device))), offsets
+
+    @staticmethod
+    def _apply_grammar(step: StepInputs, structured: StructuredStep, logits: torch.Tensor, offsets: np.ndarray) -> None:
+        position = {step.request_ids[row]: i for i, row in enumerate(step.sample_rows)}
+        members = [position[request_id] for request_id in structured.request_ids]
+        structured.apply(logits, structured.bitmask, _logits_rows_of(offsets, members).tolist())
+
+    def _sample_plain_rows(self, step: StepInputs, logits: torch.Tensor, offsets: np.ndarray) -> _PlainSample | None:
+        """Sample the rows without drafts in one batched call (None: there are none)."""
+        plain = [i for i, row in enumerate(step.sample_rows) if not step.drafts[row]]
+        if not plain:
+            return None
+        if len(plain) < len(step.sample_rows):  # some rows verify drafts: keep the others' rows
+            logits = logits[on_device(offsets[plain], torch.int64, self.device)]
+        rows = [step.sample_rows[i] for i in plain]
+        states = [step.states[row] for row in rows]
+        return _PlainSample(rows, states, self.sampler(logits, self.sampling_metadata.build(states)))
+
+    def _verify_draft_rows(
+        self, step: StepInputs, logits: torch.Tensor, offsets: np.ndarray, sampled: _SampledTokens
+    ) -> None:
+        """Verify the drafts of the rows that have them (rejection sampling)."""
+        spec = [i for i, row in enumerate(step.sample_rows) if step.drafts[row]]
+        if not spec:
+            return
+        spec_rows = [step.sample_rows[i] for i in spec]
+        tokens, spec_logprobs = verify_drafts(
+            self.rejection_sampler,
+            logits[on_device(_logits_rows_of(offsets, spec), torch.int64, self.device)],
+            [step.states[row] for row in spec_rows],
+            [step.drafts[row] for row in spec_rows],
+            self.vocab_size,
+            self.device,
+        )
+        for row, emitted, entry in zip(spec_rows, tokens, spec_logprobs):
+            sampled.token_ids[row] = emitted
+            sampled.logprobs[row] = entry
+
+    @staticmethod
+    def _advance_states(step: StepInputs, sampled_token_ids: list[list[int]]) -> None:
+        """Append each row's emitted tokens and count its computed tokens:
+        rejected drafts' K/V will be overwritten, so they do not count."""
+        for row, state in enumerate(step.states):
+            emitted = sampled_token_ids[row]
+            state.token_ids.extend(emitted)
+            num_rejected = len(step.drafts[row]) + 1 - len(emitted) if step.drafts[row] else 0
+            state.num_computed_tokens += int(step.num_scheduled[row]) - num_rejected
+
     def _defer_output(
-        self,
-        step: StepInputs,
-        output: SamplerOutput,
-        sampled_states: list[CachedRequestState],
-        prompt_logprobs: dict[str, list[TokenLogprobs]],
+        self, step: StepInputs, plain: _PlainSample, prompt_logprobs: dict[str, list[TokenLogprobs]]
     ) -> PendingRunnerOutput:
         """Start copying this step's samples to the host and return at once; the
         states count the tokens as pending until ``get()`` appends them."""
-        for row, state in enumerate(step.states):
-            state.num_computed_tokens += int(step.num_scheduled[row])
-        for state in sampled_states:
+        for state in plain.states:
             state.num_pending_tokens += 1
-        self._last_sampled = output.sampled_token_ids
-        self._last_sampled_rows = {state.request_id: i for i, state in enumerate(sampled_states)}
-        host = SamplerOutput(*(
+        self._last_sampled = plain.output.sampled_token_ids
+        self._last_sampled_rows = {state.request_id: i for i, state in enumerate(plain.states)}
+        output = plain.output
+        host = _PlainSample(plain.rows, plain.states, SamplerOutput(*(
             None if tensor is None else tensor.to("cpu", non_blocking=True)  # pinned, in stream order
             for tensor in (output.sampled_token_ids, output.logprob_token_ids, output.logprobs, output.sampled_ranks)
-        ))
+        )))
         copied = torch.cuda.Event() if self.device.type == "cuda" else None
         if copied is not None:
             copied.record()
@@ -464,16 +411,12 @@ class ModelRunner:
         def resolve() -> ModelRunnerOutput:
             if copied is not None:
                 copied.synchronize()  # this step's copy only, not the steps queued since
-            token_ids = host.sampled_token_ids.tolist()
-            entries = _split_logprobs(host, sampled_states)
-            sampled: list[list[int]] = [[] for _ in step.states]
-            logprobs: list[list[TokenLogprobs] | None] = [None] * len(step.states)
-            for row, state, token_id, entry in zip(step.sample_rows, sampled_states, token_ids, entries):
-                state.token_ids.append(token_id)
+            sampled = _SampledTokens.none(len(step.states))
+            host.record_into(sampled)
+            for state, token_ids in zip(host.states, (sampled.token_ids[row] for row in host.rows)):
+                state.token_ids.extend(token_ids)
                 state.num_pending_tokens -= 1
-                sampled[row] = [token_id]
-                logprobs[row] = None if entry is None else [entry]
-            return ModelRunnerOutput(step.request_ids, sampled, logprobs, prompt_logprobs)
+            return ModelRunnerOutput(step.request_ids, sampled.token_ids, sampled.logprobs, prompt_logprobs)
 
         return PendingRunnerOutput(resolve)
 

@@ -15,8 +15,9 @@ import torch
 
 from heron.sample.rejection import RejectionSampler
 from heron.sample.sampler import gather_logprobs
-from heron.worker.input_batch import CachedRequestState, build_sampling_metadata
-from heron.worker.runner_output import TokenLogprobs
+from heron.step_outputs import TokenLogprobs
+from heron.worker.request_state import CachedRequestState
+from heron.worker.sampling_metadata import build_sampling_metadata
 
 
 def row_states(state: CachedRequestState, drafts: list[int], device: torch.device) -> list[CachedRequestState]:

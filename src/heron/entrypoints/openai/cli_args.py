@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from heron.entrypoints.engine_args import parse_size
+from heron.engine.args import parse_size
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -14,8 +14,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats log lines")
-    group.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace of engine steps here")
-    group.add_argument("--profile-steps", type=int, default=32, help="how many engine steps to profile")
     gateway = parser.add_argument_group("gateway")
     gateway.add_argument("--api-key", action="append", default=None,
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")

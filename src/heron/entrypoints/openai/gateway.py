@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from heron import envs
 from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
 
 Scope = dict[str, Any]
@@ -19,14 +19,14 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-API_KEY_ENV = "HERON_API_KEY"
+API_KEY_ENV = envs.HERON_API_KEY
 
 
 def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[str]:
     """Keys from --api-key (repeatable), the HERON_API_KEY variable (comma
     separated) and --api-key-file (one per line, # comments)."""
     keys = list(cli_keys or [])
-    keys += [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    keys += envs.api_keys()
     if key_file:
         with open(key_file, encoding="utf-8") as handle:
             keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]

@@ -1,7 +1,8 @@
 """``heron serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 The HTTP server starts at once and answers /health and every /v1 route with 503
-until the engine core process reports ready; errors always use OpenAI's error shape.
+until the engine core process reports ready; errors always use OpenAI's error
+shape. The routes live in ``routes.py``; this module assembles the app and runs it.
 """
 
 from __future__ import annotations
@@ -10,21 +11,17 @@ import argparse
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
 from heron import __version__
 from heron.config import EngineConfig
+from heron.engine.args import EngineArgs
 from heron.engine.async_llm import AsyncLLM
 from heron.engine.core_client import EngineCoreProcess
-from heron.engine.input_processor import InvalidRequestError
-from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
     BodySizeLimitMiddleware,
@@ -32,16 +29,8 @@ from heron.entrypoints.openai.gateway import (
     TokenBucketLimiter,
     collect_api_keys,
 )
-from heron.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-)
-from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
-from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable, invalid_input
-from heron.entrypoints.openai.serving_completion import create_completion
+from heron.entrypoints.openai.routes import install_error_handlers, router
+from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
 from heron.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -58,126 +47,38 @@ class GatewaySettings:
 
 
 def build_app(engine: AsyncLLM, settings: GatewaySettings) -> FastAPI:
+    """The app: gateway middleware (keys, rate limit, readiness, body size),
+    OpenAI-shaped errors, and the routes of ``routes.py``."""
     model = engine.config.model
-    ctx = ServingContext(
-        engine=engine,
-        served_model_name=model.served_model_name,
-        max_model_len=model.max_model_len,
-        max_waiting_requests=settings.max_waiting_requests,
-        request_timeout_s=settings.request_timeout_s,
-    )
     keys = APIKeyChecker(settings.api_keys)
     limiter = (
         TokenBucketLimiter(settings.rate_limit, settings.rate_limit_burst or max(1.0, 2 * settings.rate_limit))
         if settings.rate_limit
         else None
     )
-    created = int(time.time())
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
-        engine._ensure_started()
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
         freeze_startup_objects("API server")
         yield
         engine.shutdown()
 
     app = FastAPI(title="heron", version=__version__, lifespan=lifespan)
+    app.state.serving = ServingContext(
+        engine=engine,
+        served_model_name=model.served_model_name,
+        max_model_len=model.max_model_len,
+        max_waiting_requests=settings.max_waiting_requests,
+        request_timeout_s=settings.request_timeout_s,
+    )
+    app.state.created = int(time.time())
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     # outermost: keys, rate limit and readiness before the body is read
     app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine))
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(InvalidRequestError)
-    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return invalid_input(exc).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request body"))
-        return bad_request(message, param).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), error_type).response()
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error")
-        return APIError(500, f"Internal server error: {type(exc).__name__}", "server_error").response()
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.is_dead:
-            return JSONResponse({"status": "dead", "reason": engine.dead_reason}, status_code=503)
-        if not engine.is_ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{
-                "id": ctx.served_model_name,
-                "object": "model",
-                "created": created,
-                "owned_by": "heron",
-                "root": model.model,
-                "max_model_len": ctx.max_model_len,
-            }],
-        }
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request) -> Any:
-        return await create_completion(ctx, request, raw_request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Any:
-        return await create_chat_completion(ctx, request, raw_request)
-
-    @app.post("/tokenize")
-    async def tokenize(body: dict[str, Any]) -> dict[str, Any]:
-        if "messages" in body:
-            chat_request = TokenizeChatRequest.model_validate(body)
-            _check_model(ctx, chat_request.model)
-            token_ids = chat_prompt(ctx, chat_request).token_ids
-        else:
-            completion_request = TokenizeCompletionRequest.model_validate(body)
-            _check_model(ctx, completion_request.model)
-            token_ids = engine.tokenizer.encode(
-                completion_request.prompt, add_special_tokens=completion_request.add_special_tokens
-            )
-        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": ctx.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
-        _check_model(ctx, request.model)
-        bad = [t for t in request.tokens if not 0 <= t < model.vocab_size]
-        if bad:
-            raise bad_request(f"token ids outside the vocabulary (size {model.vocab_size}): {bad[:5]}", "tokens")
-        return {"prompt": engine.tokenizer.decode(request.tokens)}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
+    install_error_handlers(app)
+    app.include_router(router)
     return app
-
-
-def _check_model(ctx: ServingContext, name: str | None) -> None:
-    if name is not None and name != ctx.served_model_name:
-        raise model_not_found(name)
 
 
 def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -196,12 +97,10 @@ def run_server(args: argparse.Namespace, started: EngineCoreProcess | None = Non
     (``heron serve`` starts it before importing the web stack or torch: it
     resolves the flags itself and loads the model while this process resolves
     them too and loads the tokenizer)."""
-    from heron.entrypoints.engine_args import engine_kwargs_from_args
-
-    engine_kwargs = engine_kwargs_from_args(args, usage="serve")
-    started = started or EngineCoreProcess.start(engine_kwargs, args.log_level)
+    engine_args = EngineArgs.from_cli_args(args, usage="serve")
+    started = started or EngineCoreProcess.start(engine_args, args.log_level)
     try:
-        config = EngineConfig.create(**engine_kwargs)
+        config = engine_args.create_engine_config()
     except BaseException:
         started.kill()
         raise

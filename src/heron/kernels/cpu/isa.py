@@ -9,13 +9,14 @@ asking for more than the CPU has is an error, never a silent downgrade.
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from typing import Literal
 
+from heron import envs
+
 CpuIsa = Literal["scalar", "avx2", "avx512", "avx512_vnni"]
 ISAS: tuple[CpuIsa, ...] = ("scalar", "avx2", "avx512", "avx512_vnni")  # weakest first
-ISA_ENV = "HERON_CPU_ISA"
+ISA_ENV = envs.HERON_CPU_ISA
 
 # /proc/cpuinfo flags each build needs
 _REQUIRED_FLAGS: dict[CpuIsa, tuple[str, ...]] = {
@@ -83,7 +84,7 @@ def compile_flags(isa: CpuIsa) -> list[str]:
 def selected_isa() -> CpuIsa:
     """``HERON_CPU_ISA`` if set (and not "auto"), else the CPU's best."""
     supported = supported_isas()
-    requested = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    requested = envs.get(ISA_ENV, "auto").strip().lower() or "auto"
     if requested == "auto":
         return supported[-1]
     if requested not in ISAS:

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from importlib import resources
 
+from heron import envs
 from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_isa
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_decode.c", "quantize_weights.c")
 HEADERS = ("lowbit_input.h", "simd.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-DISABLE_ENV = "HERON_DISABLE_NATIVE"
+DISABLE_ENV = envs.HERON_DISABLE_NATIVE
 
 
 class KernelBuildError(RuntimeError):
@@ -36,8 +37,7 @@ class KernelBuildError(RuntimeError):
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("HERON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "heron")
-    return os.path.join(base, "kernels")
+    return envs.cache_dir("kernels")
 
 
 def _compiler() -> str | None:
@@ -113,7 +113,7 @@ def native_library() -> ctypes.CDLL | None:
     """The kernel library for the selected instruction set, or None (logged
     once) when there is no C compiler or it fails. A ``HERON_CPU_ISA`` the CPU
     cannot run raises ValueError."""
-    if os.environ.get(DISABLE_ENV):
+    if envs.is_set(DISABLE_ENV):
         return None
     isa = selected_isa()
     try:

@@ -13,6 +13,7 @@ import ctypes
 import torch
 
 from heron.kernels.cpu.library import native_library
+from heron.utils import cdiv
 
 _MAX_HEADS = 256  # the paged kernel's per-task arrays hold up to this many query heads
 
@@ -114,7 +115,7 @@ def pack_q4_tiles(
     assert library is not None
     weight = weight.detach().float().contiguous()
     n, k = weight.shape
-    num_tiles = -(-n // 8)
+    num_tiles = cdiv(n, 8)
     tiles = torch.empty(num_tiles, k // 32, 128, dtype=torch.uint8)
     scales = torch.empty(num_tiles, k // 32, 8, dtype=torch.float32)
     mins = torch.empty_like(scales)

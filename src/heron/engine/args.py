@@ -1,0 +1,255 @@
+"""``EngineArgs``: every engine knob, declared once (name, type, default, help).
+
+The command-line flags of ``heron serve`` / ``generate`` / ``chat`` / ``bench`` /
+``convert`` are built from these fields (``add_cli_args``), ``LLM(**kwargs)``
+accepts exactly these fields, and ``create_engine_config`` resolves the "auto"
+values against the model and the machine and validates everything, giving the
+frozen ``EngineConfig`` the engine runs on. Flag names follow vLLM's, so
+commands carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from heron.config import (
+    AttentionBackendName,
+    CacheConfig,
+    Device,
+    DType,
+    EngineConfig,
+    ModelConfig,
+    ModelImpl,
+    ProfilerConfig,
+    Quantization,
+    SchedulerConfig,
+    SchedulingPolicy,
+    SpeculativeConfig,
+    Usage,
+    check_choice,
+)
+from heron.engine.resolve import (
+    architecture_of,
+    draft_model_config,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_quantization,
+)
+from heron.loader.model_config import load_hf_config
+from heron.loader.model_source import resolve_model_source
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MB', '1e9' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    for suffix, factor in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * factor)
+    return int(float(lowered))
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _arg(default: Any, help: str, *, flags: tuple[str, ...] = (), parse: Any = None, cli: bool = True,
+         metavar: str | None = None) -> Any:
+    """A field of ``EngineArgs`` with its command-line spelling. ``flags``: the
+    option strings (default ``--field-name``); ``parse``: the argparse type when
+    the field's type does not say it."""
+    metadata = {"help": help, "flags": flags, "parse": parse, "cli": cli, "metavar": metavar}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class EngineArgs:
+    """Unresolved engine arguments, as a user gives them. ``dtype`` also takes a
+    ``torch.dtype`` and the short spellings ("bf16", "fp32", ...) from Python;
+    ``device`` also takes "cuda:N"."""
+
+    model: str | None = _arg(None, "HF directory, .gguf file or hub id (default: the embedded "
+                                   "SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _arg(None, "tokenizer to use instead of the model's own")
+    served_model_name: str | None = _arg(None, "model name reported by the API (default: the model's)")
+    dtype: DType = _arg("auto", "activation and weight dtype; auto: float32 on CPUs without native bf16 "
+                                "and for low-bit weights, bfloat16 on CUDA and bf16 CPUs")
+    max_model_len: int | None = _arg(None, "context length (default: the model's)")
+    max_num_seqs: int | None = _arg(None, "running sequences per step (default: 256 on CUDA, 64 on CPU)")
+    max_num_batched_tokens: int | None = _arg(
+        None, "tokens per step (default: 2048; 512 when serving on a CPU, so decodes wait less behind a prompt)")
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV of a shared prompt prefix")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV-cache budget, e.g. 2GiB", parse=parse_size, metavar="SIZE")
+    kv_cache_memory_fraction: float = _arg(0.25, "CPU: share of the memory left after the weights for the KV cache")
+    num_kv_blocks: int | None = _arg(None, "KV-cache blocks (overrides the memory budgets)")
+    scheduling_policy: SchedulingPolicy = _arg("fcfs", "admission order: first come first served, or by "
+                                                       "request priority")
+    seed: int = _arg(0, "seed of the random generator of requests sampled without a seed of their own")
+    device: Device = _arg("auto", "where the model runs (auto: CUDA when present)")
+    model_impl: ModelImpl = _arg("auto", "heron's own implementation (the Llama family) or transformers'")
+    attention_backend: AttentionBackendName = _arg("auto", "attention kernels (auto: torch on CPU, triton on CUDA)")
+    enforce_eager: bool = _arg(False, "no CUDA graphs")
+    compile_model: bool = _arg(False, "torch.compile the forward pass (instead of CUDA graphs)",
+                               flags=("--compile-model", "--compile"))
+    gpu_memory_utilization: float = _arg(0.9, "CUDA: share of the device memory heron may use in all")
+    quantization: Quantization = _arg(
+        "auto", "CPU low-bit weights with int8 inputs: int8 per output channel, or int4 in blocks of 32 (the LM "
+                "head int8); auto: the format matching a GGUF's Q4_0/Q4_1/Q8_0 weights on a CPU with AVX2, else none")
+    speculative_config: dict[str, Any] | None = _arg(
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+        parse=parse_json_object, metavar="JSON")
+    async_scheduling: bool | None = _arg(None, "schedule step N+1 while the device runs step N (default: on "
+                                               "for CUDA without speculative decoding)")
+    profile_dir: str | None = _arg(None, "write a torch profiler trace of engine steps here",
+                                   flags=("--profile",), metavar="DIR")
+    profile_steps: int = _arg(32, "how many engine steps to profile")
+    usage: Usage = _arg("offline", "what the engine is for (set by the command)", cli=False)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add a flag for every field (an "engine" argument group)."""
+        group = parser.add_argument_group("engine")
+        hints = get_type_hints(EngineArgs)
+        for spec in fields(EngineArgs):
+            if spec.metadata["cli"]:
+                flags = spec.metadata["flags"] or ("--" + spec.name.replace("_", "-"),)
+                group.add_argument(*flags, dest=spec.name, default=spec.default,
+                                   **_argparse_options(hints[spec.name], spec.metadata))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, usage: Usage = "offline") -> EngineArgs:
+        names = [spec.name for spec in fields(cls) if spec.metadata["cli"]]
+        return cls(**{name: getattr(args, name) for name in names}, usage=usage)
+
+    @classmethod
+    def from_kwargs(cls, caller: str, **kwargs: Any) -> EngineArgs:
+        """``EngineArgs(**kwargs)`` with an error that lists the known names."""
+        known = {spec.name for spec in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{caller} got unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve "auto" values against the model and the machine, validating all."""
+        for name, literal in (("attention_backend", AttentionBackendName), ("model_impl", ModelImpl),
+                              ("usage", Usage)):
+            check_choice(name, getattr(self, name), literal)
+        device = resolve_device(self.device)
+        model_config = self._model_config(device)
+        speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        draft_model = draft_model_config(speculative, model_config) if speculative else None
+        if draft_model is not None and draft_model.quantization != "none" and device != "cpu":
+            raise ValueError(f"speculative_config.quantization={draft_model.quantization!r} runs on the CPU only")
+        if model_config.quantization != "none" and device != "cpu":
+            raise ValueError(f"quantization={model_config.quantization!r} runs on the CPU only; use bfloat16 on CUDA")
+        if self.async_scheduling and speculative is not None:
+            raise ValueError("async_scheduling does not support speculative decoding yet; turn one of them off")
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            # overlapping needs a device that runs beside the host: on a CPU both are the same cores
+            async_scheduling = device.startswith("cuda") and speculative is None
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+                num_kv_blocks=self.num_kv_blocks,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler=self._scheduler_config(device),
+            device_name=device,
+            profiler=ProfilerConfig(directory=self.profile_dir, num_steps=self.profile_steps),
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager or self.compile_model,
+            compile_model=self.compile_model,
+            speculative=speculative,
+            draft_model=draft_model,
+            async_scheduling=async_scheduling,
+        )
+
+    def _model_config(self, device: str) -> ModelConfig:
+        from heron.models.implementation import select_implementation
+
+        source = resolve_model_source(self.model)
+        quantization = resolve_quantization(self.quantization, self.dtype, device, source)
+        hf_config = load_hf_config(source, self.model_impl)
+        model_config = ModelConfig(
+            model=source.path,
+            served_model_name=self.served_model_name or source.name,
+            source_format=source.format,
+            hf_config=hf_config,
+            dtype_name=resolve_dtype(self.dtype, device, quantization),
+            max_model_len=resolve_max_model_len(self.max_model_len, hf_config),
+            architecture=architecture_of(hf_config),
+            model_impl=self.model_impl,
+            quantization=quantization,
+            seed=self.seed,
+            tokenizer=self.tokenizer,
+        )
+        select_implementation(model_config)  # unsupported architectures fail here, early
+        return model_config
+
+    def _scheduler_config(self, device: str) -> SchedulerConfig:
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            # a GPU step reads the weights once for the whole batch: wide batches are
+            # nearly free there (vLLM's default is 256 too); a CPU step's cost grows with it
+            max_num_seqs = 256 if device.startswith("cuda") else 64
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            # Serving on a CPU: the budget bounds how long running decodes wait behind
+            # a new prompt; a 512-token step takes about a second and keeps 95% of the
+            # prefill rate of 2048-token steps. Offline, nobody waits: take the rate.
+            serving_cpu = self.usage == "serve" and device == "cpu"
+            max_num_batched_tokens = max(512 if serving_cpu else 2048, max_num_seqs)
+        return SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=self.scheduling_policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+
+
+def _argparse_options(hint: Any, metadata: Any) -> dict[str, Any]:
+    """argparse keywords for a field of type ``hint``: booleans get --x/--no-x,
+    ``Literal`` types their values as choices."""
+    options: dict[str, Any] = {"help": metadata["help"]}
+    if metadata["metavar"]:
+        options["metavar"] = metadata["metavar"]
+    base = _without_none(hint)
+    if base is bool:
+        options["action"] = argparse.BooleanOptionalAction
+    elif metadata["parse"] is not None:
+        options["type"] = metadata["parse"]
+    elif get_origin(base) is Literal:
+        options["choices"] = list(get_args(base))
+    elif base in (int, float, str):
+        options["type"] = base
+    else:
+        raise TypeError(f"EngineArgs: no command-line parser for {hint!r}; give the field parse=")
+    return options
+
+
+def _without_none(hint: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if get_origin(hint) in (Union, types.UnionType):
+        remaining = [arg for arg in get_args(hint) if arg is not type(None)]
+        if len(remaining) == 1:
+            return remaining[0]
+    return hint

@@ -1,0 +1,143 @@
+"""The HTTP routes of ``heron serve`` and the handlers that give every error
+OpenAI's shape. Each route finds the server's ``ServingContext`` on the app
+(``app.state.serving``, set by ``server.build_app``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from heron import __version__
+from heron.engine.input_processor import InvalidRequestError
+from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from heron.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
+from heron.entrypoints.openai.serving_common import ServingContext, invalid_input
+from heron.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def serving_context(request: Request) -> ServingContext:
+    return request.app.state.serving
+
+
+Serving = Annotated[ServingContext, Depends(serving_context)]
+
+
+@router.get("/health")
+async def health(ctx: Serving) -> Response:
+    engine = ctx.engine
+    if engine.is_dead:
+        return JSONResponse({"status": "dead", "reason": engine.dead_reason}, status_code=503)
+    if not engine.is_ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/v1/models")
+async def models(ctx: Serving, raw_request: Request) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{
+            "id": ctx.served_model_name,
+            "object": "model",
+            "created": raw_request.app.state.created,
+            "owned_by": "heron",
+            "root": ctx.engine.config.model.model,
+            "max_model_len": ctx.max_model_len,
+        }],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(request: CompletionRequest, raw_request: Request, ctx: Serving) -> Any:
+    return await create_completion(ctx, request, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: ChatCompletionRequest, raw_request: Request, ctx: Serving) -> Any:
+    return await create_chat_completion(ctx, request, raw_request)
+
+
+@router.post("/tokenize")
+async def tokenize(body: dict[str, Any], ctx: Serving) -> dict[str, Any]:
+    if "messages" in body:
+        chat_request = TokenizeChatRequest.model_validate(body)
+        _check_model(ctx, chat_request.model)
+        token_ids = chat_prompt(ctx, chat_request).token_ids
+    else:
+        completion_request = TokenizeCompletionRequest.model_validate(body)
+        _check_model(ctx, completion_request.model)
+        token_ids = ctx.engine.tokenizer.encode(
+            completion_request.prompt, add_special_tokens=completion_request.add_special_tokens
+        )
+    return {"tokens": token_ids, "count": len(token_ids), "max_model_len": ctx.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, ctx: Serving) -> dict[str, Any]:
+    _check_model(ctx, request.model)
+    vocab_size = ctx.engine.config.model.vocab_size
+    bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token ids outside the vocabulary (size {vocab_size}): {bad[:5]}", "tokens")
+    return {"prompt": ctx.engine.tokenizer.decode(request.tokens)}
+
+
+@router.get("/metrics")
+async def metrics(ctx: Serving) -> Response:
+    return Response(ctx.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _check_model(ctx: ServingContext, name: str | None) -> None:
+    if name is not None and name != ctx.served_model_name:
+        raise model_not_found(name)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error a route raises, and every unexpected one, as OpenAI's error object."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return invalid_input(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request body"))
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), error_type).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return APIError(500, f"Internal server error: {type(exc).__name__}", "server_error").response()
