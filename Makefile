@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.heron-installed
 
-.PHONY: setup run generate chat test test-all clean
+.PHONY: setup run generate chat lint test test-all clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,11 @@ generate: setup
 chat: setup
 	$(BIN)/heron chat
 
-test: setup
+lint: setup
+	$(BIN)/ruff check src/heron tools
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 test-all: setup

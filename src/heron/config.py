@@ -104,7 +104,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits and the admission policy (DESIGN.md §2, one scheduling rule)."""
+    """Per-step limits and the admission policy (docs/architecture.md, the one scheduling rule)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -153,7 +153,9 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}")
+            raise ValueError(
+                "speculative_config must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}"
+            )
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "quantization"}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -161,7 +163,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         method = value.get("method") or ("draft_model" if value.get("model") else None)
-        return SpeculativeConfig(**{**value, "method": method})  # type: ignore[arg-type]
+        return SpeculativeConfig(**{**value, "method": method})
 
     def __post_init__(self) -> None:
         check_choice("speculative_config.method", self.method, SpeculativeMethod)

@@ -1,6 +1,6 @@
 """A request as the engine core sees it: token ids, progress, and status.
 
-Invariants (DESIGN.md §2):
+Invariants (docs/architecture.md, the one scheduling rule):
 
 * ``all_token_ids`` = prompt + output so far; draft tokens live apart in
   ``spec_token_ids`` and count only in ``num_tokens_with_spec``.

@@ -51,7 +51,9 @@ class StructuredOutputsParams:
         if self.choice is not None and (
             not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
-            raise SamplingParamError("structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
+            raise SamplingParamError(
+                "structured_outputs", "structured_outputs.choice must be a non-empty list of strings"
+            )
 
     def key(self) -> tuple[str, str]:
         """(kind, specification) — what identifies a compiled grammar. JSON kinds

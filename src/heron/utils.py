@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeVar
 
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for integers (also for numpy integers and arrays)."""
+if TYPE_CHECKING:
+    import numpy as np
+
+IntOrArray = TypeVar("IntOrArray", int, "np.ndarray")
+
+
+def cdiv(a: IntOrArray, b: int) -> IntOrArray:
+    """``ceil(a / b)`` for integers, and elementwise for integer numpy arrays."""
     return -(-a // b)

@@ -135,8 +135,14 @@ class TorchAttentionBackend(AttentionBackend):
         if metadata.decode_token_index is not None:
             q = query if metadata.all_decode else query.index_select(0, metadata.decode_token_index)
             if layer.logits_soft_cap is None and cpu_kernels.can_run_paged_decode(q, kv_cache):
+                assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None
                 attended = cpu_kernels.paged_decode_attention(
-                    q, kv_cache, metadata.decode_block_table, metadata.decode_seq_lens, layer.scale, layer.sliding_window
+                    q,
+                    kv_cache,
+                    metadata.decode_block_table,
+                    metadata.decode_seq_lens,
+                    layer.scale,
+                    layer.sliding_window,
                 )
             else:
                 attended = self._decode_with_torch(layer, q, kv_cache, metadata)

@@ -101,7 +101,13 @@ def random_dataset(
 
 
 def prefix_repetition_dataset(
-    tokenizer: Any, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int = 0,
+    tokenizer: Any,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    seed: int = 0,
 ) -> list[SampleRequest]:
     """``num_prefixes`` random prefixes, each shared by ``num_prompts / num_prefixes``
     prompts that differ in a random suffix."""

@@ -12,7 +12,6 @@ Python (httpx) would itself run out of CPU before the server does.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -107,6 +106,6 @@ async def send_request(
         result.success = bool(texts)
         if not texts:
             result.error = "the server returned no text"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: bad JSON, over-long line
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, over-long line
         result.error = f"{type(exc).__name__}: {exc}"
     return result

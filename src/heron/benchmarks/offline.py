@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from heron.benchmarks.datasets import SampleRequest, WordTokens
 from heron.engine.llm import LLM
-from heron.sampling_params import SamplingParams
+from heron.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def run_throughput(
@@ -31,7 +31,7 @@ def run_throughput(
             top_p=1.0,
             ignore_eos=True,
             max_tokens=s.expected_output_len,
-            structured_outputs=dict(structured_outputs) if structured_outputs else None,
+            structured_outputs=StructuredOutputsParams(**structured_outputs) if structured_outputs else None,
         )
         for s in samples
     ]

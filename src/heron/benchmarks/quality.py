@@ -31,6 +31,7 @@ def teacher_forced(llm: LLM, text: str) -> tuple[float, list[int]]:
     """(perplexity, the top-1 token predicted at every position)."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
     [output] = llm.generate([text], params, use_tqdm=False)
+    assert output.prompt_logprobs is not None
     logprobs = []
     top1 = []
     for token_id, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):

@@ -38,7 +38,9 @@ PRINTED = [
 ]
 
 
-async def arrivals(samples: list[SampleRequest], rate: float, burstiness: float, seed: int) -> AsyncIterator[SampleRequest]:
+async def arrivals(
+    samples: list[SampleRequest], rate: float, burstiness: float, seed: int
+) -> AsyncIterator[SampleRequest]:
     rng = random.Random(seed)
     for sample in samples:
         yield sample

@@ -299,7 +299,10 @@ class Scheduler:
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
-            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
+            ):
                 request.num_output_placeholders += 1  # this step samples its next token
         return output
 
@@ -323,7 +326,10 @@ class Scheduler:
         ids = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests[request_id]
-            if request.sampling_params.structured_outputs is not None and request.num_computed_tokens >= request.num_tokens:
+            if (
+                request.sampling_params.structured_outputs is not None
+                and request.num_computed_tokens >= request.num_tokens
+            ):
                 ids.append(request_id)
         return ids
 

@@ -272,7 +272,9 @@ class AsyncLLM:
                 self.engine_info = payload
                 self.metrics.set_compute_path(payload.get("compute_path") or {})
                 self._ready.set()
-                logger.info("engine core ready (pid %s, %s KV blocks)", payload.get("pid"), payload.get("num_kv_blocks"))
+                logger.info(
+                    "engine core ready (pid %s, %s KV blocks)", payload.get("pid"), payload.get("num_kv_blocks")
+                )
             elif kind == MessageKind.FAILED:
                 self._mark_dead(f"the engine core failed: {payload}")
                 return

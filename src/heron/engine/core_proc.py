@@ -127,7 +127,9 @@ class EngineCoreProc:
                 result = self._utility(method, args)
                 self.output_queue.put(pack(MessageKind.UTILITY_RESULT, [call_id, True, result]))
             except Exception as exc:  # reported to the caller, the engine keeps running
-                self.output_queue.put(pack(MessageKind.UTILITY_RESULT, [call_id, False, f"{type(exc).__name__}: {exc}"]))
+                self.output_queue.put(
+                    pack(MessageKind.UTILITY_RESULT, [call_id, False, f"{type(exc).__name__}: {exc}"])
+                )
         elif kind == MessageKind.SHUTDOWN:
             self.engine.finish_profile()
             self._running = False

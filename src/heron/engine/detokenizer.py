@@ -26,7 +26,7 @@ from typing import Any
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers older than 0.21
-    DecodeStream = None
+    DecodeStream = None  # type: ignore[misc,assignment]
 
 _REPLACEMENT_CHAR = "\ufffd"
 _INITIAL_CONTEXT_TOKENS = 5
@@ -130,7 +130,8 @@ class StreamingDetokenizer:
             except Exception:  # noqa: BLE001 (as in push: hand the rest over to Python)
                 self._settle(token_ids[:index], settled)
                 pieces.append(self._hand_over(token_id))
-                pieces.append(self._fallback.push_many(token_ids[index + 1 :]))  # type: ignore[union-attr]
+                assert self._fallback is not None  # _hand_over made it
+                pieces.append(self._fallback.push_many(token_ids[index + 1 :]))
                 return "".join(pieces)
             if text is not None:
                 pieces.append(text)

@@ -115,7 +115,7 @@ class LLM:
         engine = self.engine
         request_ids = []
         # validate every request before adding any, so bad input wastes no work
-        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+        for prompt, params in zip(prompts, params_list):
             engine.input_processor.make_requests("validation", prompt, params)
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = engine.next_request_id()

@@ -23,7 +23,9 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     serve.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
-    serve.add_argument("--tokenizer", default=None, help="tokenizer for dataset lengths (default: the embedded model's)")
+    serve.add_argument(
+        "--tokenizer", default=None, help="tokenizer for dataset lengths (default: the embedded model's)"
+    )
     serve.add_argument("--label", action="append", default=None, help="a name per --base-url for the report")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     _add_dataset_args(serve)

@@ -21,7 +21,9 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="heron", description="heron: LLM inference engine and OpenAI-compatible server")
+    parser = argparse.ArgumentParser(
+        prog="heron", description="heron: LLM inference engine and OpenAI-compatible server"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     subcommands = parser.add_subparsers(dest="command", required=True)
 

@@ -26,7 +26,9 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def stream_completion(engine: LLMEngine, prompt: ProcessedPrompt, params: SamplingParams, out: TextIO) -> tuple[str, str | None]:
+def stream_completion(
+    engine: LLMEngine, prompt: ProcessedPrompt, params: SamplingParams, out: TextIO
+) -> tuple[str, str | None]:
     """Run one request to the end, writing text as it arrives; returns (text, finish reason)."""
     request_id = engine.next_request_id()
     engine.add_request(request_id, prompt, params)
@@ -65,7 +67,9 @@ def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: Te
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     params = sampling_params_from_args(args)
     history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
-    out.write(f"heron chat with {engine.config.model.served_model_name}: /reset clears the history, /exit or Ctrl-D quits\n")
+    out.write(
+        f"heron chat with {engine.config.model.served_model_name}: /reset clears the history, /exit or Ctrl-D quits\n"
+    )
     while True:
         out.write("\n> ")
         out.flush()

@@ -3,6 +3,8 @@ dashboards and alerts carry over. Each server owns its registry (no globals)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from heron.metrics.stats import IterationStats
@@ -41,7 +43,7 @@ class PrometheusStatLogger:
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(f"heron:{name}", doc, labels + (extra or []), registry=r)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(f"heron:{name}", doc, labels, buckets=buckets, registry=r)
 
         self.running = gauge("num_requests_running", "Requests in the running batch")
@@ -58,14 +60,22 @@ class PrometheusStatLogger:
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
-        self.tpot = histogram("request_time_per_output_token_seconds", "Mean decode time per output token", _LATENCY_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "Mean decode time per output token", _LATENCY_BUCKETS
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Queued to first scheduled", _REQUEST_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token", _REQUEST_BUCKETS)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token", _REQUEST_BUCKETS
+        )
         self.decode_time = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token", _REQUEST_BUCKETS)
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to last token", _REQUEST_BUCKETS
+        )
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS
+        )
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step", _TOKEN_BUCKETS)
         # what each step runs (labels: worker/compute_path.py), set once the engine is ready
         self.compute_path = Info("heron:compute_path", "The engine's compute path: device, dtype, kernels, decode path",
@@ -86,7 +96,9 @@ class PrometheusStatLogger:
             self.kv_usage.labels(name).set(scheduler_stats.kv_cache_usage)
             last = self._last_cumulative
             self.preemptions.labels(name).inc(max(0, scheduler_stats.num_preemptions - last.num_preemptions))
-            self.prefix_queries.labels(name).inc(max(0, scheduler_stats.prefix_cache_queries - last.prefix_cache_queries))
+            self.prefix_queries.labels(name).inc(
+                max(0, scheduler_stats.prefix_cache_queries - last.prefix_cache_queries)
+            )
             self.prefix_hits.labels(name).inc(max(0, scheduler_stats.prefix_cache_hits - last.prefix_cache_hits))
             self.spec_drafts.labels(name).inc(max(0, scheduler_stats.spec_num_drafts - last.spec_num_drafts))
             self.spec_draft_tokens.labels(name).inc(

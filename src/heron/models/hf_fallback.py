@@ -19,6 +19,7 @@ from torch import nn
 from heron.attention.backend import AttentionLayerSpec
 from heron.config import ModelConfig
 from heron.loader.model_config import head_dim_of
+from heron.models.base import CausalLM
 from heron.models.layers.attention import Attention
 
 ATTENTION_NAME = "heron_paged"
@@ -48,7 +49,8 @@ def _paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     layers: list[Attention] = kwargs["heron_layers"]
-    layer = layers[module.layer_idx]
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]  # set by transformers on its attention modules
+    layer = layers[layer_idx]
     spec = layer.spec
     sliding_window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
@@ -68,7 +70,7 @@ def _paged_attention(
     return output.unsqueeze(0), None  # [1, T, H, D]
 
 
-class TransformersCausalLM(nn.Module):
+class TransformersCausalLM(CausalLM):
     def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
@@ -76,7 +78,7 @@ class TransformersCausalLM(nn.Module):
         _register_with_transformers()
         self.hf_model = AutoModelForCausalLM.from_pretrained(
             model_config.model, dtype=model_config.dtype, attn_implementation=ATTENTION_NAME
-        ).to(device).eval()
+        ).to(device).eval()  # type: ignore[arg-type]  # transformers types .to for PreTrainedModel only
         config = self.hf_model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = int(text_config.num_attention_heads)

@@ -14,7 +14,7 @@ weights are copied into their slices by ``load_weights``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import nn
 from heron.attention.backend import AttentionLayerSpec
 from heron.loader.arch_config import sliding_window_of_layer
 from heron.loader.model_config import head_dim_of, rope_parameters
+from heron.models.base import CausalLM
 from heron.models.layers.attention import Attention
 from heron.models.layers.fused import fused_kernels_for
 from heron.models.layers.norm import RMSNorm
@@ -118,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
     def __init__(self, config: Any) -> None:
@@ -137,12 +138,17 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(hidden, float(config.rms_norm_eps))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, int(config.vocab_size), bias=False)
+        self.lm_head: nn.Module | None = (
+            None if self.tie_word_embeddings else nn.Linear(hidden, int(config.vocab_size), bias=False)
+        )
         # set by registry.build_model for low-bit (int4, int8) CPU models: runs decode steps in one C call
         self.native_decoder: NativeLowBitDecoder | None = None
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        return [layer.self_attn.attn for layer in self._decoder_layers()]
+
+    def _decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return cast(list[LlamaDecoderLayer], list(self.layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
@@ -196,8 +202,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
 
     def _expected_slices(self) -> set[tuple[str, int]]:
-        attn = self.layers[0].self_attn
-        intermediate = self.layers[0].mlp.intermediate
+        first = self._decoder_layers()[0]
+        attn, intermediate = first.self_attn, first.mlp.intermediate
         expected: set[tuple[str, int]] = set()
         for name, _ in self.named_parameters():
             if ".qkv_proj." in name:
@@ -216,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied to the embedding
-        attn = self.layers[0].self_attn
+        first = self._decoder_layers()[0]
+        attn = first.self_attn
         for proj, start, length in (
             ("q_proj", 0, attn.q_size),
             ("k_proj", attn.q_size, attn.kv_size),
@@ -224,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         ):
             if f".self_attn.{proj}." in name:
                 return name.replace(proj, "qkv_proj"), start, length
-        intermediate = self.layers[0].mlp.intermediate
+        intermediate = first.mlp.intermediate
         for proj, start in (("gate_proj", 0), ("up_proj", intermediate)):
             if f".mlp.{proj}." in name:
                 return name.replace(proj, "gate_up_proj"), start, intermediate

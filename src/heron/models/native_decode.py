@@ -24,7 +24,12 @@ from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear, Int8We
 
 
 class _LowBitWeight(ctypes.Structure):
-    _fields_ = [("tiles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p), ("bits", ctypes.c_int64)]
+    _fields_ = [
+        ("tiles", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("bits", ctypes.c_int64),
+    ]
 
 
 class _DecoderLayer(ctypes.Structure):

@@ -27,11 +27,14 @@ float32 but tripled perplexity, so it is not offered.
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=nn.Module)
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
 SMALL_BATCH_ROWS = 24
@@ -42,6 +45,10 @@ MIN_BLOCK_MAX = 1e-30  # input blocks with a smaller largest magnitude round to 
 
 
 class Int8WeightOnlyLinear(nn.Module):
+    qweight: torch.Tensor
+    scales_bf16: torch.Tensor
+    dequantized: torch.Tensor
+
     """y = bf16(bf16(x) @ (q * scale)^T) + b, q int8 per output channel: the
     fallback for layers whose input size is not a multiple of 32. Up to
     ``SMALL_BATCH_ROWS`` rows run torch's int8 weight-only kernel; larger inputs
@@ -57,7 +64,9 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16), persistent=False)
         # the same int8 weights in float32, for large inputs (exactly q * scale)
-        self.register_buffer("dequantized", qweight.float() * scales.to(torch.bfloat16).float()[:, None], persistent=False)
+        self.register_buffer(
+            "dequantized", qweight.float() * scales.to(torch.bfloat16).float()[:, None], persistent=False
+        )
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,7 +271,9 @@ def _from_column_tiles(
     """The inverse of ``_to_column_tiles``."""
     num_tiles, nb, _ = tiles.shape
     grouped = torch.stack([tiles & 0x0F, tiles >> 4], dim=-1)
-    grouped = grouped.reshape(num_tiles, nb, 2, 2, TILE_COLUMNS, 4, 2)  # tile, block, half, vector, column, input, nibble
+    grouped = grouped.reshape(
+        num_tiles, nb, 2, 2, TILE_COLUMNS, 4, 2
+    )  # tile, block, half, vector, column, input, nibble
     inverse = [_TILE_ORDER.index(axis) for axis in range(len(_TILE_ORDER))]
     q = grouped.permute(inverse).reshape(num_tiles * TILE_COLUMNS, nb, 32)
 
@@ -311,7 +322,7 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and inputs"
 
 
-def quantize_model(model: nn.Module, method: str, device: torch.device) -> nn.Module:
+def quantize_model(model: M, method: str, device: torch.device) -> M:
     """Replace the model's linear layers (and its LM head) with quantized ones,
     all with int8 inputs: ``int8`` weights per output channel everywhere;
     ``int4``: linear layers in 4-bit blocks, the LM head (often tied to the

@@ -12,38 +12,30 @@ import contextlib
 import importlib
 import logging
 from collections.abc import Iterator
-from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from heron.config import ModelConfig
+from heron.models.base import CausalLM
 from heron.models.implementation import NATIVE_ARCHITECTURES, native_architecture, select_implementation
-from heron.models.layers.attention import Attention
+from heron.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-class CausalLM(Protocol):
-    """What the model runner needs from a model, native or not."""
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor: ...
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-    def attention_layers(self) -> list[Attention]: ...
-
 
 @contextlib.contextmanager
 def _skip_weight_init() -> Iterator[None]:
     """Construct linear and embedding layers without their random initialization
     (a meta-device build would do the same, but costs 1.5 s of torch imports)."""
     saved = (nn.Linear.reset_parameters, nn.Embedding.reset_parameters)
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
 
 
-def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     """Instantiate the model on ``device`` in ``model_config.dtype`` with its weights."""
     from heron.models.quantization import quantize_model
 
@@ -54,8 +46,10 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         return quantize_model(TransformersCausalLM(model_config, device), model_config.quantization, device)
     from heron.loader.weights import iterate_weights
 
-    module_name, class_name = NATIVE_ARCHITECTURES[native_architecture(model_config)]  # type: ignore[index]
-    model_class = getattr(importlib.import_module(module_name), class_name)
+    architecture = native_architecture(model_config)
+    assert architecture is not None  # select_implementation chose "native"
+    module_name, class_name = NATIVE_ARCHITECTURES[architecture]
+    model_class: type[LlamaForCausalLM] = getattr(importlib.import_module(module_name), class_name)
     with _skip_weight_init():  # every weight is overwritten by the checkpoint
         model = model_class(model_config.hf_config)
     model = model.to(device=device, dtype=model_config.dtype)
@@ -67,12 +61,12 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config)
     )
     model = quantize_model(model.eval(), model_config.quantization, device)
-    if model_config.quantization != "none":
+    if model_config.quantization != "none" and isinstance(model, LlamaForCausalLM):
         _attach_native_decoder(model, model_config.quantization)
     return model
 
 
-def _attach_native_decoder(model: nn.Module, method: str) -> None:
+def _attach_native_decoder(model: LlamaForCausalLM, method: str) -> None:
     """Run a low-bit native model's decode steps in one C call where the native
     path covers it; say so (never silently) where it does not: the step is then
     several times slower."""

@@ -81,7 +81,9 @@ class RejectionSampler:
             probs = Sampler.probabilities(processed, metadata)
             uniform = _uniform(len(logits), metadata.generators, self.generator, device)
             draft_p = probs[draft_rows, drafts]
-            draft_q = draft_probs[torch.arange(len(drafts)), drafts] if draft_probs is not None else torch.ones_like(draft_p)
+            draft_q = (
+                draft_probs[torch.arange(len(drafts)), drafts] if draft_probs is not None else torch.ones_like(draft_p)
+            )
             random_accept = uniform[draft_rows] * draft_q < draft_p  # u < min(1, p / q)
             accepted = torch.where(greedy_row[draft_rows], accepted, random_accept)
             residual = probs.clone()

@@ -94,7 +94,9 @@ class DraftModelProposer:
         drafts = [current]
         # 2. k - 1 single-token forwards at the draft positions
         for step in range(1, self.num_speculative_tokens):
-            batch = [(state, len(state.token_ids) + step - 1, [token]) for state, token in zip(proposing, current.tolist())]
+            batch = [
+                (state, len(state.token_ids) + step - 1, [token]) for state, token in zip(proposing, current.tolist())
+            ]
             hidden, _ = self._forward(batch)
             current = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(current)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from heron.config import EngineConfig
+from heron.models.base import CausalLM
 from heron.models.quantization import low_bit_layers
 
 # the labels, in order (every value a short string)
@@ -49,7 +50,7 @@ def _attention_path(backend_name: str, device: torch.device, dtype: torch.dtype,
 
 
 def describe_compute_path(
-    config: EngineConfig, model: nn.Module, backend_name: str, use_cuda_graphs: bool
+    config: EngineConfig, model: CausalLM, backend_name: str, use_cuda_graphs: bool
 ) -> dict[str, str]:
     """The compute path as label -> value (``COMPUTE_PATH_KEYS``)."""
     device = config.device

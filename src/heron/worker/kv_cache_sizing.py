@@ -27,7 +27,11 @@ def layers_bytes_per_block(layers: list[Any], block_size: int, dtype: torch.dtyp
     """``kv_cache_bytes_per_block`` of a model's attention layers."""
     spec = layers[0].spec
     return kv_cache_bytes_per_block(
-        num_layers=len(layers), block_size=block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype
+        num_layers=len(layers),
+        block_size=block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=dtype,
     )
 
 

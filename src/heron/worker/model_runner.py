@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from heron.worker.request_state import CachedRequestState
 from heron.worker.sampling_metadata import SamplingMetadataBuilder
 from heron.worker.spec_verify import verify_drafts
 from heron.worker.step_inputs import PendingInputIds, StepInputs, build_step_inputs, on_device
+
+if TYPE_CHECKING:  # CUDA only: imported where graphs are captured
+    from heron.worker.cuda_graphs import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +112,12 @@ class ModelRunner:
             config.scheduler.max_num_seqs, cdiv(config.model.max_model_len, config.cache.block_size)
         )
         self.kv_caches: list[torch.Tensor] = []
-        self.decode_graphs: Any = None  # a cuda_graphs.DecodeGraphRunner on CUDA
+        self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only
         # the last deferred step's sampled ids (on the device) and each request's row
         self._last_sampled: torch.Tensor | None = None
         self._last_sampled_rows: dict[str, int] = {}
         if config.compile_model:
-            self.model.forward = torch.compile(self.model.forward, dynamic=True)
+            self.model.forward = torch.compile(self.model.forward, dynamic=True)  # type: ignore[method-assign]
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -136,8 +139,10 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.bind_kv_caches(num_allocated)
         if self.use_cuda_graphs:
+            from heron.attention.triton_backend import TritonAttentionBackend
             from heron.worker.cuda_graphs import DecodeGraphRunner
 
+            assert isinstance(self.backend, TritonAttentionBackend)  # use_cuda_graphs checks its name
             self.decode_graphs = DecodeGraphRunner(
                 self.model,
                 self.backend,
@@ -400,10 +405,12 @@ class ModelRunner:
         self._last_sampled = plain.output.sampled_token_ids
         self._last_sampled_rows = {state.request_id: i for i, state in enumerate(plain.states)}
         output = plain.output
-        host = _PlainSample(plain.rows, plain.states, SamplerOutput(*(
-            None if tensor is None else tensor.to("cpu", non_blocking=True)  # pinned, in stream order
-            for tensor in (output.sampled_token_ids, output.logprob_token_ids, output.logprobs, output.sampled_ranks)
-        )))
+        host = _PlainSample(plain.rows, plain.states, SamplerOutput(
+            _to_host(output.sampled_token_ids),
+            _to_host(output.logprob_token_ids),
+            _to_host(output.logprobs),
+            _to_host(output.sampled_ranks),
+        ))
         copied = torch.cuda.Event() if self.device.type == "cuda" else None
         if copied is not None:
             copied.record()
@@ -438,6 +445,15 @@ class ModelRunner:
             gathered = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, num_top)
             result[state.request_id] = _to_token_logprobs(gathered, num_top)
         return result
+
+
+@overload
+def _to_host(tensor: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _to_host(tensor: None) -> None: ...
+def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Start a copy to (pinned) host memory, in stream order: no wait."""
+    return None if tensor is None else tensor.to("cpu", non_blocking=True)
 
 
 def _logits_rows_of(offsets: np.ndarray, members: list[int]) -> np.ndarray:

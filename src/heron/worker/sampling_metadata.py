@@ -143,7 +143,11 @@ def _logit_bias(
                 values.append(value)
     if not rows:
         return None
-    return on_device(rows, torch.int64, device), on_device(tokens, torch.int64, device), on_device(values, torch.float32, device)
+    return (
+        on_device(rows, torch.int64, device),
+        on_device(tokens, torch.int64, device),
+        on_device(values, torch.float32, device),
+    )
 
 
 def _add_bans(

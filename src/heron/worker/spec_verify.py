@@ -53,7 +53,11 @@ def verify_drafts(
         gathered = gather_logprobs(raw, chosen, metadata.max_num_logprobs)
         assert gathered.logprob_token_ids is not None and gathered.logprobs is not None
         assert gathered.sampled_ranks is not None
-        ids, values, ranks = gathered.logprob_token_ids.tolist(), gathered.logprobs.tolist(), gathered.sampled_ranks.tolist()
+        ids, values, ranks = (
+            gathered.logprob_token_ids.tolist(),
+            gathered.logprobs.tolist(),
+            gathered.sampled_ranks.tolist(),
+        )
         cursor = 0
         for index, (state, tokens) in enumerate(zip(states, result.token_ids)):
             num_top = state.sampling_params.logprobs

@@ -70,7 +70,9 @@ class StepInputs:
         sample_rows = np.asarray(self.sample_rows, dtype=np.int64)
         if not any(self.drafts):  # one logits row per sample row, its last token
             return self.query_start_loc[1:][sample_rows] - 1, np.arange(len(sample_rows) + 1, dtype=np.int64)
-        counts = np.fromiter((len(self.drafts[row]) + 1 for row in self.sample_rows), dtype=np.int64, count=len(sample_rows))
+        counts = np.fromiter(
+            (len(self.drafts[row]) + 1 for row in self.sample_rows), dtype=np.int64, count=len(sample_rows)
+        )
         offsets = np.zeros(len(sample_rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         ends = self.query_start_loc[1:][sample_rows]

@@ -19,8 +19,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")
     gateway.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
     gateway.add_argument("--rate-limit", type=float, default=None, help="requests per second allowed per API key")
-    gateway.add_argument("--rate-limit-burst", type=float, default=None, help="burst size (default: 2x the rate, at least 1)")
+    gateway.add_argument(
+        "--rate-limit-burst", type=float, default=None, help="burst size (default: 2x the rate, at least 1)"
+    )
     gateway.add_argument("--max-waiting-requests", type=int, default=None,
                          help="requests without a first token beyond which new ones get 429")
     gateway.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
-    gateway.add_argument("--max-request-body-bytes", type=parse_size, default=10 << 20, help="largest accepted request body")
+    gateway.add_argument(
+        "--max-request-body-bytes", type=parse_size, default=10 << 20, help="largest accepted request body"
+    )

@@ -59,4 +59,10 @@ def unavailable(message: str, code: str) -> APIError:
 
 
 def timed_out(seconds: float) -> APIError:
-    return APIError(504, f"The request did not finish within {seconds:g} s and was aborted.", "timeout_error", None, "request_timeout")
+    return APIError(
+        504,
+        f"The request did not finish within {seconds:g} s and was aborted.",
+        "timeout_error",
+        None,
+        "request_timeout",
+    )

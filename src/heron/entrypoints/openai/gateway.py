@@ -7,17 +7,13 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from heron import envs
 from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 API_KEY_ENV = envs.HERON_API_KEY
 
@@ -151,7 +147,7 @@ class BodySizeLimitMiddleware:
                 return
         received = 0
 
-        async def counting_receive() -> dict[str, Any]:
+        async def counting_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -166,7 +162,9 @@ class BodySizeLimitMiddleware:
             await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        error = APIError(413, f"Request body larger than {self.max_bytes} bytes.", "invalid_request_error", None, "body_too_large")
+        error = APIError(
+            413, f"Request body larger than {self.max_bytes} bytes.", "invalid_request_error", None, "body_too_large"
+        )
         body = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

@@ -129,7 +129,9 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(location) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request body"))
+        message = (
+            f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request body"))
+        )
         return bad_request(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)

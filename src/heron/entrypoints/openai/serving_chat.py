@@ -37,7 +37,9 @@ def chat_prompt(ctx: ServingContext, request: Any) -> ProcessedPrompt:
     messages = []
     for index, message in enumerate(request.messages):
         if message.role not in CHAT_ROLES:
-            raise bad_request(f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}", "messages")
+            raise bad_request(
+                f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}", "messages"
+            )
         messages.append(message.model_dump(exclude_none=True))
     try:
         return ctx.engine.input_processor.process_chat(
@@ -91,7 +93,9 @@ class _ChatBuilder:
         self.tokenizer = ctx.engine.tokenizer
         last = request.messages[-1]
         self.echo_text = (
-            str(last.content or "") if request.echo and last.role == "assistant" and isinstance(last.content, str) else ""
+            str(last.content or "")
+            if request.echo and last.role == "assistant" and isinstance(last.content, str)
+            else ""
         )
 
     def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
@@ -102,7 +106,11 @@ class _ChatBuilder:
             token = self.tokenizer.decode([token_id])
             ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
             top = [
-                {"token": (text := lp.decoded_token or ""), "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode())}
+                {
+                    "token": (text := lp.decoded_token or ""),
+                    "logprob": max(lp.logprob, -9999.0),
+                    "bytes": list(text.encode()),
+                }
                 for _, lp in ranked[: self.top_logprobs]
             ]
             content.append({

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -73,7 +73,9 @@ def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) 
         )
 
 
-def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None, param: str, where: str) -> int:
+def resolve_max_tokens(
+    ctx: ServingContext, num_prompt_tokens: int, requested: int | None, param: str, where: str
+) -> int:
     """The completion budget; 400 naming both numbers when it does not fit."""
     limit = ctx.max_model_len
     if num_prompt_tokens >= limit:
@@ -311,7 +313,7 @@ async def sse_stream(
     yield SSE_DONE
 
 
-async def until_disconnected(raw_request: Request, work: Callable[[], Awaitable[T]]) -> T:
+async def until_disconnected(raw_request: Request, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run ``work`` but cancel it (aborting its requests) if the client goes away."""
     task = asyncio.create_task(work())
 

@@ -87,7 +87,12 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
 
 class _CompletionBuilder:
     def __init__(
-        self, ctx: ServingContext, request: CompletionRequest, prompts: list[ProcessedPrompt], request_id: str, created: int
+        self,
+        ctx: ServingContext,
+        request: CompletionRequest,
+        prompts: list[ProcessedPrompt],
+        request_id: str,
+        created: int,
     ) -> None:
         self.ctx = ctx
         self.request = request
@@ -149,7 +154,9 @@ class _CompletionBuilder:
                 continue
             token_logprobs.append(entry[token_id].logprob)
             ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
-            top.append({lp.decoded_token or self.tokenizer.decode([tid]): lp.logprob for tid, lp in ranked[: max(num_top, 1)]})
+            top.append(
+                {lp.decoded_token or self.tokenizer.decode([tid]): lp.logprob for tid, lp in ranked[: max(num_top, 1)]}
+            )
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -188,7 +195,12 @@ class _CompletionBuilder:
                     index = prompt_index * n + completion.index
                     echo = self.request.echo and index not in echoed
                     echoed.add(index)
-                    if not completion.text and not completion.token_ids and completion.finish_reason is None and not echo:
+                    if (
+                        not completion.text
+                        and not completion.token_ids
+                        and completion.finish_reason is None
+                        and not echo
+                    ):
                         continue
                     completion_tokens[index] += len(completion.token_ids)
                     choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo, text_offsets[index])

@@ -90,12 +90,12 @@ def selected_isa() -> CpuIsa:
     if requested not in ISAS:
         raise ValueError(f"{ISA_ENV}={requested!r}: choose 'auto' or one of {', '.join(ISAS)}")
     if requested not in supported:
-        missing = [flag for flag in _REQUIRED_FLAGS[requested] if flag not in cpu_flags()]  # type: ignore[index]
+        missing = [flag for flag in _REQUIRED_FLAGS[requested] if flag not in cpu_flags()]
         raise ValueError(
             f"{ISA_ENV}={requested} needs CPU features this CPU lacks ({', '.join(missing) or 'x86-64'}); "
             f"it runs {', '.join(supported)}"
         )
-    return requested  # type: ignore[return-value]
+    return requested
 
 
 def cpu_summary() -> str:

@@ -74,25 +74,25 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """Give the library's entry points their ctypes signatures."""
     attention = library.heron_paged_decode_attention_f32
     attention.restype = ctypes.c_int
-    attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+    attention.argtypes = [*[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int64]
     q4 = library.heron_q4_linear_f32
     q4.restype = ctypes.c_int
-    q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64]
     q8 = library.heron_q8_linear_f32
     q8.restype = ctypes.c_int
-    q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64]
     rounding = library.heron_round_q8_f32
     rounding.restype = ctypes.c_int
     rounding.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     pack = library.heron_pack_q4_tiles
     pack.restype = ctypes.c_int
-    pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
+    pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 3]
     library.heron_kernel_isa.restype = ctypes.c_char_p
     library.heron_kernel_isa.argtypes = []
     return library
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_library(isa: CpuIsa, emulate_with: str | None = None) -> ctypes.CDLL:
     """The kernels built for ``isa``. ``emulate_with``: the include directory of
     SIMDe, to build the AVX-512 code for a CPU without it (tests only: slow).
