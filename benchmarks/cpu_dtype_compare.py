@@ -1,14 +1,15 @@
 """Unquantized float32 against bfloat16 on this CPU, offline, side by side in
 one process: what ``--dtype auto`` should pick for ``--quantization none``.
 
-"auto" picks bf16 where the CPU has AVX512-BF16 or AMX (config.cpu_has_native_bf16)
+"auto" picks bf16 where the CPU has AVX512-BF16 or AMX (engine/resolve.cpu_has_native_bf16)
 and float32 elsewhere; run this on such a CPU to check that bf16 is the faster
 there (on an AVX2-only CPU bf16 GEMMs are emulated and measured ~6x slower).
 
     python benchmarks/cpu_dtype_compare.py [--model PATH] [--requests 32] [--output-len 64]
 
 Prints one JSON object: the CPU (model name and flags), and per dtype the
-batch-1 time per output token, the time to a 256-token prompt's first token and
+batch-1 time per output token (between the first token and the last, as the
+engine emits them), the time to a 256-token prompt's first token and
 the output throughput of N requests at once, then bf16's speed-up over float32.
 """
 
@@ -19,7 +20,25 @@ import json
 import time
 
 from heron import LLM, SamplingParams
+from heron.sampling_params import RequestOutputKind
 from heron.kernels.cpu.isa import cpu_summary
+
+
+def decode_time_per_token(llm: LLM, prompt: list[int], output_len: int) -> float:
+    """Seconds per output token after the first, from the times the tokens came
+    out of the engine's steps (one request alone)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request(engine.next_request_id(), engine.input_processor.process_prompt(prompt), params)
+    arrivals: list[tuple[float, int]] = []  # (time, tokens so far)
+    count = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.outputs[0].token_ids:
+                count += len(output.outputs[0].token_ids)
+                arrivals.append((time.perf_counter(), count))
+    (first_time, first_count), (last_time, last_count) = arrivals[0], arrivals[-1]
+    return (last_time - first_time) / max(1, last_count - first_count)
 
 
 def measure(llm: LLM, requests: int, output_len: int) -> dict[str, float]:
@@ -36,10 +55,8 @@ def measure(llm: LLM, requests: int, output_len: int) -> dict[str, float]:
             times.append(time.perf_counter() - started)
         return min(times)
 
-    # the same prompt to 1 and to output_len tokens: the difference is the decoding (best of 3 each,
-    # so scheduling noise does not make it negative)
     ttft = best_of_3(SamplingParams(temperature=0, max_tokens=1))
-    tpot = (best_of_3(greedy) - ttft) / (output_len - 1)
+    tpot = min(decode_time_per_token(llm, prompt, output_len) for _ in range(3))
     prompts = [prompt[i % 7:] for i in range(requests)]  # (prefix caching is off: every prompt is computed)
     started = time.perf_counter()
     llm.generate(prompts, greedy, use_tqdm=False)

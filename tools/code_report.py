@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("compute", ("heron.attention", "heron.models", "heron.sample")),
     ("worker", ("heron.worker", "heron.spec_decode")),
     ("engine", ("heron.engine", "heron.metrics")),
+    ("router", ("heron.router",)),
     ("entrypoints", ("heron.entrypoints", "heron.benchmarks")),
 ]
 # Modules every layer may import because they only re-export lazily.

@@ -26,6 +26,7 @@ LowBitMethod = Literal["int8", "int4"]
 ResolvedQuantization = Literal["none", "int8", "int4"]
 Quantization = Literal["auto", "none", "int8", "int4"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
+KVEventsPublisher = Literal["null", "zmq"]
 Usage = Literal["offline", "serve"]  # serving on a CPU favours short steps (engine/args.py)
 
 LOW_BIT_METHODS: tuple[str, ...] = get_args(LowBitMethod)
@@ -178,6 +179,48 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events (core/kv_events.py), with vLLM's keys: published per engine
+    step on a ZMQ PUB socket at ``endpoint``, the last ``buffer_steps`` batches
+    kept for a subscriber that missed some to fetch from ``replay_endpoint``
+    (default: a free port on the endpoint's host)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: KVEventsPublisher = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    topic: str = ""
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @staticmethod
+    def from_dict(value: dict[str, Any] | KVEventsConfig | None) -> KVEventsConfig:
+        if value is None or isinstance(value, KVEventsConfig):
+            return value or KVEventsConfig()
+        if not isinstance(value, dict):
+            raise ValueError("kv_events_config must be a dict such as {'enable_kv_cache_events': true, "
+                             "'publisher': 'zmq', 'endpoint': 'tcp://*:5557'}")
+        known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "topic"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
+        merged = {"publisher": "zmq" if value.get("enable_kv_cache_events") else "null", **value}
+        return KVEventsConfig(**merged)
+
+    def __post_init__(self) -> None:
+        check_choice("kv_events_config.publisher", self.publisher, KVEventsPublisher)
+        if not isinstance(self.buffer_steps, int) or self.buffer_steps < 1:
+            raise ValueError("kv_events_config.buffer_steps must be an integer >= 1")
+        for name in ("endpoint", "replay_endpoint"):
+            address = getattr(self, name)
+            if address is not None and not address.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events_config.{name} must be a ZMQ address such as tcp://*:5557, got {address!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -191,6 +234,7 @@ class EngineConfig:
     draft_model: ModelConfig | None = None  # the draft model of speculative "draft_model"
     # schedule and prepare step N+1 while the device runs step N (see engine/core.py)
     async_scheduling: bool = False
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @property
     def device(self) -> torch.device:

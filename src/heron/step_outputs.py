@@ -20,6 +20,10 @@ class TokenLogprobs:
     logprobs: list[float]
     rank: int
 
+    def top(self, num_top: int) -> TokenLogprobs:
+        """The chosen token and its ``num_top`` best alternatives only."""
+        return TokenLogprobs(self.token_ids[: num_top + 1], self.logprobs[: num_top + 1], self.rank)
+
 
 @dataclass
 class ModelRunnerOutput:

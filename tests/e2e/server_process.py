@@ -23,11 +23,12 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(
         self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0, tls_cert: str | None = None,
-        wait_ready: bool = True,
+        wait_ready: bool = True, port: int | None = None,
     ) -> None:
         """``tls_cert``: the server's certificate, when it serves HTTPS; ``wait_ready``
-        False returns at once (then ``wait_ready()`` waits)."""
-        self.port = free_port()
+        False returns at once (then ``wait_ready()`` waits); ``port``: a given one
+        (a replica restarted where a router expects it)."""
+        self.port = port or free_port()
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls_cert) if tls_cert else True
         self.base_url = f"{'https' if tls_cert else 'http'}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="heron-serve-", suffix=".log", delete=False)

@@ -101,7 +101,7 @@ def test_decode_only_steps_of_any_size_run_natively(tiny_model_dir):
                 break
     assert compared >= 0.8 * len(prompts) * PARAMS.max_tokens
     metadata = type("Metadata", (), {"all_decode": False, "decode_block_table": object()})()
-    assert not decoder.covers(1, metadata)
+    assert not decoder.covers(metadata)
 
 
 def test_low_bit_modes_pick_float32_and_refuse_other_dtypes(tiny_model_dir):

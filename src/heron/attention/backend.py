@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -71,7 +71,18 @@ class AttentionLayerSpec:
     logits_soft_cap: float | None = None
 
 
-class AttentionBackend(ABC):
+class AttentionMetadata:
+    """A backend's metadata for one step, built once from the ``BatchLayout``
+    and shared by every layer. Each backend subclasses it; all of them carry the
+    flat batch's cache slots."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, on the device
+
+
+MetadataT = TypeVar("MetadataT", bound=AttentionMetadata)
+
+
+class AttentionBackend(ABC, Generic[MetadataT]):
     name: str = "abstract"
     # True when attention reads this step's K/V from the cache (never from the
     # key/value arguments): the model may then write them there itself, fused
@@ -91,7 +102,7 @@ class AttentionBackend(ABC):
         flat[1].index_copy_(0, slot_mapping, value)
 
     @abstractmethod
-    def build_metadata(self, layout: BatchLayout) -> Any:
+    def build_metadata(self, layout: BatchLayout) -> MetadataT:
         """Derive this backend's per-step metadata from the batch layout."""
 
     @abstractmethod
@@ -102,13 +113,13 @@ class AttentionBackend(ABC):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,
-        metadata: Any,
+        metadata: MetadataT,
     ) -> torch.Tensor:
         """Store key/value into the cache, then return the attention output,
         ``[num_tokens, num_heads, head_dim]``."""
 
     def attend_cached(
-        self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+        self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, metadata: MetadataT
     ) -> torch.Tensor:
         """Attention output of ``query`` when this step's K/V are already in
         ``kv_cache`` (backends with ``attends_from_cache`` only)."""

@@ -4,6 +4,7 @@ time and exists only where CUDA does)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -11,20 +12,20 @@ from heron.attention.backend import AttentionBackend
 from heron.config import AttentionBackendName, check_choice
 
 
-def _torch_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend:
+def _torch_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend[Any]:
     from heron.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
-def _triton_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend:
+def _triton_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend[Any]:
     from heron.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend(num_heads // num_kv_heads)
 
 
 # name -> factory(num_heads, num_kv_heads)
-ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
+ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend[Any]]] = {
     "torch": _torch_backend,
     "triton": _triton_backend,
 }
@@ -43,7 +44,7 @@ def default_backend_name(device: torch.device) -> str:
 
 def get_attention_backend(
     device: torch.device, num_heads: int, num_kv_heads: int, name: AttentionBackendName | None = None
-) -> AttentionBackend:
+) -> AttentionBackend[Any]:
     """The backend called ``name`` ("auto" or None: the device's default)."""
     check_choice("attention backend", name or "auto", AttentionBackendName)
     chosen = default_backend_name(device) if name in (None, "auto") else name

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from heron.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata, BatchLayout
 from heron.kernels.cpu import ops as cpu_kernels
 from heron.utils import cdiv
 
@@ -32,7 +32,7 @@ class PrefillSpan:
 
 
 @dataclass
-class TorchAttentionMetadata:
+class TorchAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     num_tokens: int
     block_size: int
@@ -79,7 +79,7 @@ class TorchAttentionMetadata:
         return mask
 
 
-class TorchAttentionBackend(AttentionBackend):
+class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
     name = "torch"
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:

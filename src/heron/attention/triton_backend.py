@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from heron import envs
-from heron.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from heron.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata, BatchLayout
 from heron.utils import cdiv
 
 try:
@@ -186,7 +186,7 @@ if triton is not None:
 
 
 @dataclass
-class TritonAttentionMetadata:
+class TritonAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [T] int64
     block_table: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
@@ -233,7 +233,7 @@ def plan_work(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndar
     return work_seq, offsets * block_q
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
     name = "triton"
     attends_from_cache = True
 

@@ -12,10 +12,11 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from heron.core.hashing import BlockHash
+from heron.core.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)
@@ -87,7 +88,11 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    """``events``, when given, records every change of the prefix-cache map
+    (``cached_blocks``): a hash registered, a hash evicted, all cleared. Replaying
+    them gives exactly the set of hashes the map holds."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -95,6 +100,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -144,19 +150,44 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] = (),
+        block_size: int = 0,
     ) -> None:
         """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a request in
         the prefix cache. If an equal block is already cached, the older one stays
-        the canonical copy and this block is left unregistered."""
+        the canonical copy and this block is left unregistered. ``token_ids`` (the
+        request's) and ``block_size`` describe the stored blocks to ``events``."""
         if not self.enable_caching:
             return
+        stored: list[int] = []  # indexes newly registered as canonical
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.block_hash is not None:
                 continue  # a prefix-cache hit: already registered
             block_hash = block_hashes[index]
             block.block_hash = block_hash
-            self.cached_blocks.setdefault(block_hash, block)
+            if self.cached_blocks.setdefault(block_hash, block) is block:
+                stored.append(index)
+        if self.events is not None and stored:
+            self._record_stored(stored, block_hashes, token_ids, block_size)
+
+    def _record_stored(
+        self, indexes: list[int], block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+    ) -> None:
+        """One ``BlockStored`` per run of consecutive blocks (each run names its parent)."""
+        assert self.events is not None
+        run: list[int] = []
+        for index in indexes + [-1]:
+            if run and (index != run[-1] + 1):
+                first, last = run[0], run[-1]
+                self.events.stored(
+                    [block_hashes[i] for i in run],
+                    block_hashes[first - 1] if first > 0 else None,
+                    list(token_ids[first * block_size : (last + 1) * block_size]),
+                    block_size,
+                )
+                run = []
+            run.append(index)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
@@ -165,6 +196,8 @@ class BlockPool:
         self.cached_blocks.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -173,6 +206,8 @@ class BlockPool:
             return
         if self.cached_blocks.get(block_hash) is block:
             del self.cached_blocks[block_hash]
+            if self.events is not None:
+                self.events.removed(block_hash)
         block.block_hash = None
 
     def check_integrity(self, owned_blocks: Iterable[list[KVCacheBlock]]) -> None:

@@ -17,6 +17,11 @@ from heron.request import Request
 
 BlockHash = bytes
 
+# how a block hash is made, named for routers that compute a prompt's hashes
+# themselves: SHA-256 over (parent hash or the root, token ids as little-endian
+# int64, then each extra key as a little-endian uint64 length + UTF-8 bytes)
+BLOCK_HASH_SCHEME = "sha256-chain-v1"
+
 _ROOT_HASH: BlockHash = hashlib.sha256(b"heron-prefix-cache-v1").digest()
 
 
@@ -34,6 +39,21 @@ def hash_block_tokens(
     return hasher.digest()
 
 
+def salt_keys(cache_salt: str | None) -> tuple[str, ...]:
+    """The extra keys of a request's first block."""
+    return (f"salt:{cache_salt}",) if cache_salt else ()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
+    """The chained hashes of every full block of ``token_ids``: what an engine
+    registers for them, computed anywhere (a router hashes prompts with it)."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = salt_keys(cache_salt) if start == 0 else ()
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size], extra))
+    return hashes
+
+
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """Extend ``request.block_hashes`` to cover every full block of its tokens
     (draft tokens excluded) and return the list."""
@@ -43,7 +63,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     while len(hashes) < num_full_blocks:
         index = len(hashes)
         parent = hashes[-1] if hashes else None
-        extra = (f"salt:{request.cache_salt}",) if index == 0 and request.cache_salt else ()
+        extra = salt_keys(request.cache_salt) if index == 0 else ()
         start = index * block_size
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
     return hashes

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from heron.core.block_pool import BlockPool, KVCacheBlock
 from heron.core.hashing import update_block_hashes
+from heron.core.kv_events import KVCacheEvent, KVEventRecorder
 from heron.request import Request
 from heron.utils import cdiv
 
@@ -51,10 +52,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # what the prefix cache gained and lost since the last take_events()
+        self.events = KVEventRecorder() if enable_kv_events and enable_caching else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # how many leading blocks of each request are registered in the prefix cache
         self.num_cached_blocks: dict[str, int] = {}
@@ -139,7 +144,9 @@ class KVCacheManager:
             num_cached = self.num_cached_blocks.get(request_id, 0)
             if num_full_blocks > num_cached:
                 block_hashes = update_block_hashes(request, self.block_size)
-                self.block_pool.cache_full_blocks(owned, block_hashes, num_cached, num_full_blocks)
+                self.block_pool.cache_full_blocks(
+                    owned, block_hashes, num_cached, num_full_blocks, request.all_token_ids, self.block_size
+                )
                 self.num_cached_blocks[request_id] = num_full_blocks
         return KVCacheBlocks(new_blocks)
 
@@ -155,6 +162,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call ([] when events are off)."""
+        return self.events.take() if self.events is not None else []
 
     def check_integrity(self) -> None:
         self.block_pool.check_integrity(self.req_to_blocks.values())

@@ -86,6 +86,7 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         num_lookahead_tokens: int = 0,
         async_scheduling: bool = False,
+        enable_kv_events: bool = False,
     ) -> None:
         self.config = scheduler_config
         self.async_scheduling = async_scheduling
@@ -98,6 +99,7 @@ class Scheduler:
             num_blocks=num_kv_blocks,
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
+            enable_kv_events=enable_kv_events,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)

@@ -22,6 +22,7 @@ from heron.config import (
     Device,
     DType,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ModelImpl,
     ProfilerConfig,
@@ -113,6 +114,9 @@ class EngineArgs:
         parse=parse_json_object, metavar="JSON")
     async_scheduling: bool | None = _arg(None, "schedule step N+1 while the device runs step N (default: on "
                                                "for CUDA without speculative decoding)")
+    kv_events_config: dict[str, Any] | None = _arg(
+        None, 'publish KV-cache events for a KV-aware router, e.g. \'{"enable_kv_cache_events": true, '
+              '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'', parse=parse_json_object, metavar="JSON")
     profile_dir: str | None = _arg(None, "write a torch profiler trace of engine steps here",
                                    flags=("--profile",), metavar="DIR")
     profile_steps: int = _arg(32, "how many engine steps to profile")
@@ -181,6 +185,7 @@ class EngineArgs:
             speculative=speculative,
             draft_model=draft_model,
             async_scheduling=async_scheduling,
+            kv_events=KVEventsConfig.from_dict(self.kv_events_config),
         )
 
     def _model_config(self, device: str) -> ModelConfig:

@@ -19,6 +19,7 @@ import logging
 from heron.config import EngineConfig
 from heron.core.scheduler import Scheduler
 from heron.core.scheduler_output import SchedulerOutput
+from heron.engine.kv_events_publisher import ZmqEventPublisher
 from heron.profiling import StepProfiler, phase
 from heron.request import EngineCoreRequest, Request, RequestStatus
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, PendingRunnerOutput
@@ -64,7 +65,9 @@ class EngineCore:
                 speculative.num_speculative_tokens if speculative and speculative.method == "draft_model" else 0
             ),
             async_scheduling=config.async_scheduling,
+            enable_kv_events=config.kv_events.publishes,
         )
+        self.kv_events = ZmqEventPublisher(config.kv_events) if config.kv_events.publishes else None
         # the launched step whose output has not been processed yet (async scheduling)
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         profile = config.profiler
@@ -94,7 +97,29 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule and run one step; return the outputs of the step that finished
-        (this one, or with async scheduling usually the one before)."""
+        (this one, or with async scheduling usually the one before). The step's
+        KV-cache events are published as one batch."""
+        outputs = self._run_step()
+        self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv_cache_manager.take_events())
+
+    def kv_events_info(self) -> dict[str, str] | None:
+        """Where this engine publishes its KV-cache events (None: it does not)."""
+        if self.kv_events is None:
+            return None
+        return {"endpoint": self.kv_events.endpoint, "replay_endpoint": self.kv_events.replay_endpoint,
+                "topic": self.config.kv_events.topic}
+
+    def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.shutdown()
+
+    def _run_step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         in_flight = self._in_flight
@@ -152,4 +177,6 @@ class EngineCore:
             self.profiler.finish()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset

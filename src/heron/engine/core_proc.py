@@ -96,6 +96,8 @@ class EngineCoreProc:
                     "pid": os.getpid(),
                     "compute_path": engine.model_runner.compute_path,
                     "resolved": engine.config.resolved_summary(),
+                    "kv_events": engine.kv_events_info(),
+                    "block_size": engine.config.cache.block_size,
                 },
             )
         )
@@ -132,6 +134,7 @@ class EngineCoreProc:
                 )
         elif kind == MessageKind.SHUTDOWN:
             self.engine.finish_profile()
+            self.engine.shutdown()
             self._running = False
 
     def _utility(self, method: str, args: list[Any]) -> Any:

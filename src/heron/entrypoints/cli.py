@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(convert)
 
     from heron.entrypoints.bench_cli import add_bench_parsers
+    from heron.entrypoints.router_cli import add_router_parser
 
     add_bench_parsers(subcommands)
+    add_router_parser(subcommands)
     return parser
 
 
@@ -75,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(export_hf_directory(EngineArgs.from_cli_args(args).create_engine_config(), args.output))
             return 0
+        if args.command == "router":
+            from heron.entrypoints.router_cli import run_router
+
+            return run_router(args)
         if args.command == "bench":
             from heron.entrypoints.bench_cli import run_bench
 

@@ -1,0 +1,1 @@
+"""Request and step statistics, the periodic log line, and Prometheus metrics."""

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from heron.attention.backend import AttentionMetadata
 from heron.models.layers.attention import Attention
 
 
@@ -18,7 +19,9 @@ class CausalLM(nn.Module, ABC):
     whose KV caches the runner binds."""
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor: ...
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor: ...
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from heron.attention.backend import AttentionLayerSpec
+from heron.attention.backend import AttentionLayerSpec, AttentionMetadata
 from heron.config import ModelConfig
 from heron.loader.model_config import head_dim_of
 from heron.models.base import CausalLM
@@ -101,7 +101,7 @@ class TransformersCausalLM(CausalLM):
     def attention_layers(self) -> list[Attention]:
         return self.layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         base = getattr(self.hf_model, self.hf_model.base_model_prefix)
         outputs = base(
             input_ids=input_ids.unsqueeze(0),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heron.attention.backend import AttentionLayerSpec
+from heron.attention.backend import AttentionLayerSpec, AttentionMetadata
 from heron.loader.arch_config import sliding_window_of_layer
 from heron.loader.model_config import head_dim_of, rope_parameters
 from heron.models.base import CausalLM
@@ -64,7 +64,9 @@ class LlamaAttention(nn.Module):
             )
         )
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, metadata: Any) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
         return self.o_proj(self.attn(self.qkv_proj(hidden), rope, metadata, qk_norm))
 
@@ -104,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        metadata: Any,
+        metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block over a residual stream kept apart from the block outputs:
         takes the previous block's output and the residual before it (None for the
@@ -150,11 +152,11 @@ class LlamaForCausalLM(CausalLM):
     def _decoder_layers(self) -> list[LlamaDecoderLayer]:
         return cast(list[LlamaDecoderLayer], list(self.layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, hidden.dtype)
-        if self.native_decoder is not None and self.native_decoder.covers(hidden.shape[0], metadata):
+        if self.native_decoder is not None and self.native_decoder.covers(metadata):
             return self.native_decoder(hidden, rope, metadata)
         residual = None
         for layer in self.layers:

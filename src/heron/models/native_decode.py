@@ -14,11 +14,13 @@ int8 linears without biases, no Q/K norms, SiLU, float32 KV cache);
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 from heron import envs
+from heron.attention.backend import AttentionMetadata
+from heron.attention.torch_backend import TorchAttentionMetadata
 from heron.kernels.cpu.library import native_library
 from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear, Int8WeightInt8InputLinear
 
@@ -141,9 +143,13 @@ class NativeLowBitDecoder:
                 return "heads wider than 512 or more than 256 query heads"
         return None
 
-    def covers(self, num_tokens: int, metadata: Any) -> bool:
+    def covers(self, metadata: AttentionMetadata) -> TypeGuard[TorchAttentionMetadata]:
         """Whether this step can run natively: a decode-only CPU step."""
-        return getattr(metadata, "all_decode", False) and metadata.decode_block_table is not None
+        return (
+            isinstance(metadata, TorchAttentionMetadata)
+            and metadata.all_decode
+            and metadata.decode_block_table is not None
+        )
 
     def _bind_caches(self) -> None:
         caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
@@ -155,12 +161,16 @@ class NativeLowBitDecoder:
                 entry.kv_cache = cache.data_ptr()
             self._bound_caches = pointers
 
-    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: TorchAttentionMetadata
+    ) -> torch.Tensor:
         """hidden: the embeddings ``[B, hidden]`` float32; returns the final-normed
-        hidden states (the same tensor, updated in place)."""
+        hidden states (the same tensor, updated in place). Only for steps it
+        ``covers``."""
         self._bind_caches()
         hidden = hidden.contiguous()
         cos, signed_sin = (table.reshape(hidden.shape[0], -1).contiguous() for table in rope)
+        assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None  # covers() held
         slots = metadata.slot_mapping.contiguous()
         block_table = metadata.decode_block_table.contiguous()
         seq_lens = metadata.decode_seq_lens.contiguous()

@@ -1,0 +1,2 @@
+"""Batched sampling: penalties, top-k/top-p/min-p, seeds, logprobs, and the
+rejection sampler that verifies speculative drafts."""

@@ -19,6 +19,7 @@ import torch
 
 from heron.sample.metadata import SamplingMetadata
 from heron.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, sample_from_probs
+from heron.step_outputs import TokenLogprobs
 
 
 @dataclass
@@ -29,6 +30,13 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [N, 1 + max_num_logprobs]
     logprobs: torch.Tensor | None = None  # [N, 1 + max_num_logprobs]
     sampled_ranks: torch.Tensor | None = None  # [N], 1-based
+
+    def token_logprobs(self) -> list[TokenLogprobs]:
+        """Every row's logprobs on the host, with all the columns computed (trim a
+        row to what its request asked for with ``TokenLogprobs.top``)."""
+        assert self.logprob_token_ids is not None and self.logprobs is not None and self.sampled_ranks is not None
+        rows = zip(self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.sampled_ranks.tolist())
+        return [TokenLogprobs(ids, values, rank) for ids, values, rank in rows]
 
 
 class Sampler:

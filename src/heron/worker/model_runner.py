@@ -443,7 +443,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[offset : offset + end - start])
             targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
             gathered = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, num_top)
-            result[state.request_id] = _to_token_logprobs(gathered, num_top)
+            result[state.request_id] = gathered.token_logprobs()  # num_top columns already
         return result
 
 
@@ -462,24 +462,9 @@ def _logits_rows_of(offsets: np.ndarray, members: list[int]) -> np.ndarray:
     return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
 
 
-def _to_token_logprobs(output: SamplerOutput, num_top: int) -> list[TokenLogprobs]:
-    assert output.logprob_token_ids is not None and output.logprobs is not None
-    assert output.sampled_ranks is not None
-    token_ids = output.logprob_token_ids[:, : num_top + 1].tolist()
-    values = output.logprobs[:, : num_top + 1].tolist()
-    ranks = output.sampled_ranks.tolist()
-    return [TokenLogprobs(ids, vals, rank) for ids, vals, rank in zip(token_ids, values, ranks)]
-
-
 def _split_logprobs(output: SamplerOutput, states: list[CachedRequestState]) -> list[TokenLogprobs | None]:
+    """Each sampled row's logprobs, trimmed to what its request asked for (None: nothing)."""
     if output.logprob_token_ids is None:
         return [None] * len(states)
-    all_rows = _to_token_logprobs(output, output.logprob_token_ids.shape[1] - 1)
-    result: list[TokenLogprobs | None] = []
-    for state, entry in zip(states, all_rows):
-        num_top = state.sampling_params.logprobs
-        if num_top is None:
-            result.append(None)
-        else:
-            result.append(TokenLogprobs(entry.token_ids[: num_top + 1], entry.logprobs[: num_top + 1], entry.rank))
-    return result
+    rows = output.token_logprobs()
+    return [None if (n := s.sampling_params.logprobs) is None else row.top(n) for s, row in zip(states, rows)]

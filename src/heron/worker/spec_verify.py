@@ -50,21 +50,11 @@ def verify_drafts(
         rows = [row for rows in result.rows for row in rows]
         chosen = torch.tensor([t for tokens in result.token_ids for t in tokens], dtype=torch.int64, device=device)
         raw = torch.log_softmax(logits[torch.tensor(rows, device=device)], dim=-1)
-        gathered = gather_logprobs(raw, chosen, metadata.max_num_logprobs)
-        assert gathered.logprob_token_ids is not None and gathered.logprobs is not None
-        assert gathered.sampled_ranks is not None
-        ids, values, ranks = (
-            gathered.logprob_token_ids.tolist(),
-            gathered.logprobs.tolist(),
-            gathered.sampled_ranks.tolist(),
-        )
+        entries = gather_logprobs(raw, chosen, metadata.max_num_logprobs).token_logprobs()
         cursor = 0
         for index, (state, tokens) in enumerate(zip(states, result.token_ids)):
             num_top = state.sampling_params.logprobs
             if num_top is not None:
-                logprobs[index] = [
-                    TokenLogprobs(ids[cursor + t][: num_top + 1], values[cursor + t][: num_top + 1], ranks[cursor + t])
-                    for t in range(len(tokens))
-                ]
+                logprobs[index] = [entry.top(num_top) for entry in entries[cursor : cursor + len(tokens)]]
             cursor += len(tokens)
     return result.token_ids, logprobs

@@ -1,0 +1,2 @@
+"""``heron serve``: the gateway, the routes, and the OpenAI request and
+response shapes."""

@@ -13,7 +13,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from heron import __version__
+from heron.core.hashing import BLOCK_HASH_SCHEME
 from heron.engine.input_processor import InvalidRequestError
+from heron.engine.kv_events_publisher import connectable
 from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from heron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -101,6 +103,23 @@ async def detokenize(request: DetokenizeRequest, ctx: Serving) -> dict[str, Any]
     if bad:
         raise bad_request(f"token ids outside the vocabulary (size {vocab_size}): {bad[:5]}", "tokens")
     return {"prompt": ctx.engine.tokenizer.decode(request.tokens)}
+
+
+@router.get("/v1/kv_events")
+async def kv_events(ctx: Serving, raw_request: Request) -> dict[str, Any]:
+    """Where this replica publishes its KV-cache events, as a router dials it
+    (a wildcard bind is reported with the host the client used)."""
+    info = ctx.engine.engine_info.get("kv_events")
+    body: dict[str, Any] = {
+        "enabled": info is not None,
+        "block_size": ctx.engine.engine_info.get("block_size", ctx.engine.config.cache.block_size),
+        "hash": BLOCK_HASH_SCHEME,
+    }
+    if info is not None:
+        host = raw_request.url.hostname or "127.0.0.1"
+        body.update(endpoint=connectable(info["endpoint"], host),
+                    replay_endpoint=connectable(info["replay_endpoint"], host), topic=info["topic"])
+    return body
 
 
 @router.get("/metrics")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from heron.attention.backend import AttentionBackend, AttentionLayerSpec
+from heron.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from heron.models.layers.fused import triton_kernels
 from heron.models.layers.rotary import apply_rotary
 
@@ -23,13 +23,13 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
         self.kv_cache: torch.Tensor | None = None
-        self.backend: AttentionBackend | None = None
+        self.backend: AttentionBackend[Any] | None = None
 
     def forward(
         self,
         qkv: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        metadata: Any,
+        metadata: AttentionMetadata,
         qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor:
         """qkv: ``[T, (H + 2 Hkv) * D]`` (Q heads, then K heads, then V heads);

@@ -1,0 +1,139 @@
+"""Publishing KV-cache events (``core/kv_events.py``) over ZMQ, as vLLM does.
+
+Every engine step's events go out as one message on a PUB socket: three frames,
+``[topic, sequence number (8 bytes, big-endian), msgpack batch]``; sequence
+numbers start at 0 and grow by one per batch, so a subscriber sees a gap when
+it missed one. The last ``buffer_steps`` batches are kept: a ROUTER socket at
+the replay endpoint answers a request frame holding a start sequence number (8
+bytes, big-endian) with ``[seq, batch]`` for every kept batch from there on,
+then ``[-1 (8 bytes, signed), b""]``. A subscriber subscribes first, replays
+from the last number it saw + 1, and drops live batches it already has.
+
+One thread owns both sockets (ZMQ sockets are not thread-safe); the engine
+step only puts the encoded batch on a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import zmq
+
+from heron.config import KVEventsConfig
+from heron.core.kv_events import KVCacheEvent, KVEventBatch, encode_batch
+
+logger = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+_POLL_MS = 20
+
+
+class ZmqEventPublisher:
+    """Binds ``config.endpoint`` (PUB) and the replay endpoint (ROUTER);
+    ``endpoint`` / ``replay_endpoint`` are the bound addresses (a ``*`` port
+    resolved to the port the system chose)."""
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None) -> None:
+        self.topic = config.topic.encode()
+        self.data_parallel_rank = data_parallel_rank
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay = self._context.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        try:
+            self.endpoint = _bind(self._pub, config.endpoint)
+            self.replay_endpoint = _bind(self._replay, config.replay_endpoint or _any_port(config.endpoint))
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ValueError(f"kv_events_config: cannot bind {config.endpoint!r}: {exc}") from exc
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._next_seq = 0
+        self._thread = threading.Thread(target=self._run, name="heron-kv-events", daemon=True)
+        self._thread.start()
+        logger.info("publishing KV-cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint)
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        """Queue one step's events (nothing when there are none)."""
+        if events:
+            self._queue.put(encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank)))
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Send what is queued, then close the sockets."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        try:
+            while True:
+                if not self._send_queued():
+                    return
+                if dict(poller.poll(_POLL_MS)).get(self._replay):
+                    if not self._send_queued():  # a replay covers every batch published before it
+                        return
+                    self._answer_replay()
+        except zmq.ZMQError as exc:  # the context was torn down under us
+            logger.warning("KV event publisher stopped: %s", exc)
+        finally:
+            self._close_sockets()
+
+    def _send_queued(self) -> bool:
+        """Send every queued batch; False once shutdown was asked for."""
+        while True:
+            try:
+                payload = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if payload is None:
+                return False
+            seq = self._next_seq
+            self._next_seq += 1
+            self._buffer.append((seq, payload))
+            self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        identity, request = frames[0], frames[-1]
+        start = int.from_bytes(request, "big") if len(request) == 8 else 0
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([identity, b"", END_OF_REPLAY, b""])
+
+    def _close_sockets(self) -> None:
+        self._pub.close(0)
+        self._replay.close(0)
+        self._context.term()
+
+
+def _bind(socket: zmq.Socket, address: str) -> str:
+    """Bind, returning the bound address (ZMQ resolves a ``*`` port)."""
+    if address.startswith("tcp://") and address.rsplit(":", 1)[-1] in ("*", "0"):
+        socket.bind(address.rsplit(":", 1)[0] + ":*")
+    else:
+        socket.bind(address)
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _any_port(endpoint: str) -> str:
+    """A free port on the endpoint's host (ipc: a sibling path)."""
+    if endpoint.startswith("tcp://"):
+        return endpoint.rsplit(":", 1)[0] + ":*"
+    return endpoint + "-replay"
+
+
+def connectable(address: str, host: str) -> str:
+    """A bound address as another machine dials it: ``tcp://0.0.0.0:5557`` (a
+    wildcard bind) becomes ``tcp://HOST:5557``."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if address.startswith(wildcard):
+            return f"tcp://{host}:" + address[len(wildcard):]
+    return address

@@ -1,0 +1,51 @@
+"""``heron router``: flags and start-up of the KV-aware router (``heron/router``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, get_args
+
+from heron.router.policies import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def add_router_parser(subcommands: Any) -> None:
+    router = subcommands.add_parser("router", help="OpenAI-compatible router over heron replicas (KV-cache aware)")
+    router.add_argument("--replica", action="append", required=True, metavar="URL",
+                        help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--policy", default="kv_aware", choices=list(get_args(RoutingPolicy)))
+    router.add_argument("--model", default=None,
+                        help="the replicas' model, for its tokenizer and chat template (default: the embedded one)")
+    router.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
+    router.add_argument("--replica-api-key", default=None,
+                        help="key for the replicas' /metrics and /v1/kv_events (clients send their own)")
+    router.add_argument("--cache-weight", type=float, default=1.0,
+                        help="kv_aware: cost of one uncached prompt block, in queued requests")
+    router.add_argument("--imbalance-threshold", type=float, default=8.0,
+                        help="kv_aware: load spread beyond which the least-loaded replica wins")
+    router.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
+    router.add_argument("--max-attempts", type=int, default=3, help="replicas tried before a request fails")
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from heron.router.policies import Router
+    from heron.router.prompt_hashes import PromptHasher
+    from heron.router.replica import ReplicaSet
+    from heron.router.server import RouterServer
+
+    if args.max_attempts < 1 or args.probe_interval <= 0:
+        raise ValueError("--max-attempts must be >= 1 and --probe-interval > 0")
+    headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
+    replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval)
+    hasher = PromptHasher(args.model, args.tokenizer) if args.policy in ("kv_aware", "session") else None
+    router = Router(args.policy, cache_weight=args.cache_weight, imbalance_threshold=args.imbalance_threshold)
+    server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts)
+    logger.info("heron router (%s) on http://%s:%d over %s", args.policy, args.host, args.port, ", ".join(args.replica))
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0

@@ -1,0 +1,83 @@
+"""A replica's health as the router sees it: a circuit breaker fed by the
+outcome of every request and probe.
+
+closed (in use) -> open after ``failure_threshold`` consecutive failures (a
+connection error, a timeout, a 5xx; a 4xx is the client's fault and counts as
+a success) -> half-open after ``open_seconds``: one request or probe is let
+through -> closed again on its success, open again (for twice as long, up to
+``max_open_seconds``) on its failure.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+def is_replica_failure(status: int | None) -> bool:
+    """Whether an outcome counts against the replica: no response at all (None)
+    or a server error. Client errors (4xx, 429 included) never do."""
+    return status is None or status >= 500
+
+
+@dataclass
+class CircuitBreaker:
+    failure_threshold: int = 3
+    open_seconds: float = 2.0
+    max_open_seconds: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    state: BreakerState = BreakerState.CLOSED
+    consecutive_failures: int = 0
+    _opened_at: float = 0.0
+    _current_open_seconds: float = field(default=0.0)
+    _trial_in_flight: bool = False
+
+    def allows(self) -> bool:
+        """Whether a request may go to the replica now (half-open: one trial at a time)."""
+        if self.state is BreakerState.OPEN and self.clock() - self._opened_at >= self._current_open_seconds:
+            self.state = BreakerState.HALF_OPEN
+            self._trial_in_flight = False
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.HALF_OPEN and not self._trial_in_flight:
+            self._trial_in_flight = True
+            return True
+        return False
+
+    @property
+    def usable(self) -> bool:
+        """Closed, or open long enough to be tried again (does not take the trial)."""
+        if self.state is BreakerState.OPEN:
+            return self.clock() - self._opened_at >= self._current_open_seconds
+        return self.state is BreakerState.CLOSED or not self._trial_in_flight
+
+    def record(self, status: int | None) -> None:
+        """The outcome of a request or probe: an HTTP status, or None for no response."""
+        if not is_replica_failure(status):
+            self.state = BreakerState.CLOSED
+            self.consecutive_failures = 0
+            self._current_open_seconds = 0.0
+            self._trial_in_flight = False
+            return
+        self.consecutive_failures += 1
+        if self.state is BreakerState.HALF_OPEN or self.consecutive_failures >= self.failure_threshold:
+            self._open()
+
+    def _open(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self._current_open_seconds = min(
+                self.max_open_seconds, max(self.open_seconds, 2 * self._current_open_seconds)
+            )
+        else:
+            self._current_open_seconds = self.open_seconds
+        self.state = BreakerState.OPEN
+        self._opened_at = self.clock()
+        self._trial_in_flight = False

@@ -1,0 +1,51 @@
+"""What one replica's prefix cache holds, rebuilt from its KV-cache events
+(``core/kv_events.py``): never guessed from where the router sent requests.
+
+Applying a replica's event batches in sequence order gives exactly the set of
+block hashes its prefix-cache map holds. A batch that went missing and cannot
+be replayed makes the index untrustworthy: it is then cleared (it under-counts
+until the replica stores blocks again, which only costs affinity, never
+correctness).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from heron.core.hashing import BlockHash
+from heron.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+
+@dataclass
+class KVBlockIndex:
+    blocks: set[BlockHash] = field(default_factory=set)
+    last_seq: int = -1  # sequence number of the last batch applied
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        """Apply batch ``seq``; batches at or before ``last_seq`` were applied already."""
+        if seq <= self.last_seq:
+            return
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.blocks.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.blocks.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.blocks.clear()
+        self.last_seq = seq
+
+    def reset(self, last_seq: int = -1) -> None:
+        """Forget everything (a replica died, or batches were lost for good)."""
+        self.blocks.clear()
+        self.last_seq = last_seq
+
+    def matched_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of a prompt's leading blocks this replica holds (a hole ends
+        the run: attention needs every earlier block)."""
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.blocks:
+                break
+            count += 1
+        return count

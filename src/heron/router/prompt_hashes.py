@@ -1,0 +1,49 @@
+"""A request's block hashes, computed in the router exactly as a replica will
+(the same chat template, tokenizer and hash chain), so they can be looked up
+in the replicas' KV indexes. A request the router cannot read gets no hashes:
+it is routed by load alone and the replica reports what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from heron.core.hashing import BlockHash, prompt_block_hashes
+from heron.engine.args import EngineArgs
+from heron.engine.input_processor import InputProcessor
+from heron.loader.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+class PromptHasher:
+    def __init__(self, model: str | None, tokenizer: str | None = None) -> None:
+        """The replicas' model (an HF directory or GGUF file; default the embedded
+        one), for its tokenizer and chat template."""
+        config = EngineArgs(model=model, tokenizer=tokenizer, device="cpu").create_engine_config()
+        self.processor = InputProcessor(config.model, load_tokenizer(config.model))
+
+    def block_hashes(self, path: str, body: dict[str, Any], block_size: int) -> list[BlockHash]:
+        try:
+            token_ids = self._token_ids(path, body)
+        except Exception as exc:  # noqa: BLE001 (the replica will answer with the precise error)
+            logger.debug("no block hashes for a request: %s", exc)
+            return []
+        return prompt_block_hashes(token_ids, block_size, body.get("cache_salt"))
+
+    def _token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+        if path == CHAT_PATH:
+            return self.processor.process_chat(
+                body["messages"],
+                chat_template=body.get("chat_template"),
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False),
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+            ).token_ids
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of prompts: place it by the first
+        return self.processor.process_prompt(prompt).token_ids

@@ -1,0 +1,140 @@
+"""The replicas behind a router: each one's health (a circuit breaker fed by
+requests and periodic probes), its load, and its KV-cache index (kept by a
+subscriber to its events, found through its ``GET /v1/kv_events``).
+
+A replica whose breaker opens loses its index (its cache may be gone: it may
+be restarting) and its event subscription; when a probe succeeds again it is
+used again and re-subscribes, replaying what the replica still keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import zmq.asyncio
+
+from heron.core.hashing import BlockHash
+from heron.router.health import BreakerState, CircuitBreaker
+from heron.router.kv_index import KVBlockIndex
+from heron.router.kv_subscriber import KVEventSubscriber
+from heron.router.policies import ReplicaLoad
+
+logger = logging.getLogger(__name__)
+
+_METRIC = re.compile(r'^heron:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} ([0-9.eE+-]+)$')
+
+
+@dataclass
+class Replica:
+    url: str  # http://host:port, no trailing slash
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    index: KVBlockIndex = field(default_factory=KVBlockIndex)
+    subscriber: KVEventSubscriber | None = None
+    subscription: asyncio.Task[None] | None = None
+    num_requests: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    def matched_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        return self.index.matched_blocks(block_hashes)
+
+    def stop_subscription(self) -> None:
+        if self.subscription is not None:
+            self.subscription.cancel()
+        self.subscription = self.subscriber = None
+
+
+class ReplicaSet:
+    """Probes every replica every ``probe_interval`` seconds: ``/health`` for the
+    breaker, ``/metrics`` for the load it reports, ``/v1/kv_events`` to subscribe."""
+
+    def __init__(self, urls: Sequence[str], headers: dict[str, str], probe_interval: float = 1.0,
+                 probe_timeout: float = 2.0) -> None:
+        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self.headers = headers
+        self.probe_interval = probe_interval
+        self.timeout = aiohttp.ClientTimeout(total=probe_timeout)
+        self.context = zmq.asyncio.Context()
+        self.block_size = 16  # the replicas' (from /v1/kv_events); prompts are hashed in these blocks
+        self._task: asyncio.Task[None] | None = None
+
+    def usable(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
+        return [r for r in self.replicas if r.breaker.usable and r not in exclude]
+
+    def record(self, replica: Replica, status: int | None) -> None:
+        """A request's outcome (None: no response). An opening breaker drops the index."""
+        was_open = replica.breaker.state is BreakerState.OPEN
+        replica.breaker.record(status)
+        if replica.breaker.state is BreakerState.OPEN and not was_open:
+            logger.warning("replica %s is out (circuit open after %d failures)", replica.url,
+                           replica.breaker.consecutive_failures)
+            replica.stop_subscription()
+            replica.index.reset()
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self.probe(session, replica) for replica in self.replicas))
+        self._task = asyncio.create_task(self._probe_forever(session), name="heron-router-probes")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for replica in self.replicas:
+            replica.stop_subscription()
+        self.context.destroy(0)
+
+    async def _probe_forever(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval)
+            await asyncio.gather(*(self.probe(session, replica) for replica in self.replicas))
+
+    async def probe(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+        if replica.breaker.state is BreakerState.OPEN and not replica.breaker.usable:
+            return  # let it rest until it may be tried
+        try:
+            async with session.get(f"{replica.url}/health", timeout=self.timeout) as response:
+                status = response.status
+            if status == 200:
+                await self._read_metrics(session, replica)
+                if replica.subscription is None:
+                    await self._subscribe(session, replica)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            status = None
+        self.record(replica, 200 if status == 200 else (status if status is not None and status >= 500 else None))
+
+    async def _read_metrics(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+        async with session.get(f"{replica.url}/metrics", headers=self.headers, timeout=self.timeout) as response:
+            if response.status != 200:
+                return
+            text = await response.text()
+        for line in text.splitlines():
+            match = _METRIC.match(line)
+            if match is None:
+                continue
+            name, value = match.group(1), float(match.group(2))
+            if name == "num_requests_running":
+                replica.load.reported_running = int(value)
+            elif name == "num_requests_waiting":
+                replica.load.reported_waiting = int(value)
+            else:
+                replica.load.kv_cache_usage = value
+
+    async def _subscribe(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+        async with session.get(f"{replica.url}/v1/kv_events", headers=self.headers, timeout=self.timeout) as response:
+            if response.status != 200:
+                return
+            info = await response.json()
+        if not info.get("enabled"):
+            return
+        self.block_size = int(info.get("block_size", self.block_size))
+        replica.subscriber = KVEventSubscriber(self.context, info["endpoint"], info["replay_endpoint"],
+                                               info.get("topic", ""), replica.index)
+        replica.subscription = asyncio.create_task(replica.subscriber.run(), name=f"kv-events {replica.url}")
+        logger.info("following %s's KV-cache events at %s", replica.url, info["endpoint"])

@@ -1,0 +1,148 @@
+"""`heron router` over two live `heron serve` replicas on loopback: prefix
+affinity proven by the replicas' own prefix-cache hit counters, the official
+client through the router, 4xx answers that never open a breaker, a killed
+replica routed around (a stream it was serving ends with an error event), and
+the replica used again once it is back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.e2e.router_process import RouterProcess
+from tests.e2e.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"})
+SYSTEM = ("You are a patient guide to the birds of estuaries and salt marshes. Answer in one short sentence, "
+          "name the bird, and say where it feeds. ") * 3
+
+
+def replica(port: int | None = None) -> ServerProcess:
+    return ServerProcess("--kv-events-config", KV_EVENTS, "--max-num-seqs", "8", port=port)
+
+
+def hits(server: ServerProcess) -> float:
+    """Prompt tokens the replica found in its prefix cache (0 before its first request)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    assert "# TYPE heron:prefix_cache_hits_total counter" in text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("heron:prefix_cache_hits_total{"))
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    replicas = [replica(), replica()]
+    router = RouterProcess([r.base_url for r in replicas])
+    try:
+        wait_for(lambda: all(state["kv_events"] for state in router.replicas().values()))
+        yield router, replicas
+    finally:
+        router.stop()
+        for server in replicas:
+            server.stop()
+
+
+def chat(router: RouterProcess, question: str, **extra) -> httpx.Response:
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **extra}
+    return httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_shared_prefix_goes_where_it_is_cached(fleet):
+    router, replicas = fleet
+    before = {r.base_url: hits(r) for r in replicas}
+    requests_before = {url: state["requests"] for url, state in router.replicas().items()}
+    assert chat(router, "Which bird stands still in the shallows?").status_code == 200
+    first = next(url for url, state in router.replicas().items() if state["requests"] > requests_before[url])
+    wait_for(lambda: router.replicas()[first]["cached_blocks"] > 0)  # its events reached the router
+    for question in ("Which bird probes the mud?", "Which bird dives for fish?", "Which bird skims the water?"):
+        assert chat(router, question).status_code == 200
+    after = {url: state["requests"] for url, state in router.replicas().items()}
+    assert after[first] - requests_before[first] == 4, after  # every follow-up went to the cached replica
+    cached = next(r for r in replicas if r.base_url == first)
+    other = next(r for r in replicas if r.base_url != first)
+    assert hits(cached) - before[first] >= 3 * 16 * 3  # each follow-up hit the system prompt's blocks
+    assert hits(other) == before[other.base_url]
+
+
+def test_the_openai_client_streams_through_the_router(fleet):
+    router, _ = fleet
+    client = OpenAI(base_url=f"{router.base_url}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of Japan?"}],
+        max_tokens=8, temperature=0, stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert "Tokyo" in text
+    assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+
+
+def test_client_errors_pass_through_and_never_open_a_breaker(fleet):
+    router, _ = fleet
+    for _ in range(8):
+        response = chat(router, "hello", max_tokens=-1)
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    assert all(state["state"] == "closed" for state in router.replicas().values())
+
+
+def test_a_killed_replica_is_routed_around_and_used_again_when_back(fleet):
+    router, replicas = fleet
+    # a long stream, then kill the replica serving it
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router.base_url}/v1/completions", json=body, timeout=60) as response:
+            lines.extend(line for line in response.iter_lines() if line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_for(lambda: any(state["in_flight"] for state in router.replicas().values()))
+    busy_url = next(url for url, state in router.replicas().items() if state["in_flight"])
+    victim = next(r for r in replicas if r.base_url == busy_url)
+    survivor = next(r for r in replicas if r is not victim)
+    wait_for(lambda: len(lines) > 3)
+    os.kill(victim.engine_core_pid(), signal.SIGKILL)
+    victim.process.kill()
+    reader.join(30)
+    assert not reader.is_alive(), "the client hung on a dead replica's stream"
+    assert lines[-1] == "data: [DONE]" and any('"error"' in line for line in lines[-3:]), lines[-3:]
+    # no request is lost: every new one lands on the survivor (retried before its first byte if needed)
+    for question in ("Which bird hunts at night?", "Which bird nests on cliffs?", "Which bird wades?"):
+        assert chat(router, question).status_code == 200
+    wait_for(lambda: router.replicas()[busy_url]["state"] != "closed")
+    assert router.replicas()[busy_url]["cached_blocks"] == 0  # its index went with it
+    victim.stop()
+    # back on the same port: probes close its breaker, it re-subscribes, and it takes requests again
+    replicas[replicas.index(victim)] = revived = replica(port=int(busy_url.rsplit(":", 1)[1]))
+    wait_for(lambda: router.replicas()[busy_url]["state"] == "closed" and router.replicas()[busy_url]["kv_events"])
+    before = router.replicas()[revived.base_url]["requests"]
+
+    def complete(i: int) -> None:  # at once: load counted at send spreads them over both replicas
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": f"{i} herons", "max_tokens": 16, "ignore_eos": True}
+        assert httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+
+    workers = [threading.Thread(target=complete, args=(i,)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert router.replicas()[revived.base_url]["requests"] > before
+    assert router.replicas()[survivor.base_url]["state"] == "closed"

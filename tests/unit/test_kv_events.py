@@ -1,0 +1,211 @@
+"""KV-cache events: the block pool reports every change of its prefix-cache map,
+the events survive the wire, an index rebuilt from them equals the pool's map,
+and the ZMQ publisher numbers its batches and replays missed ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import zmq
+
+from heron.config import KVEventsConfig
+from heron.core.hashing import hash_block_tokens
+from heron.core.kv_cache_manager import KVCacheManager
+from heron.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from heron.engine.kv_events_publisher import END_OF_REPLAY, ZmqEventPublisher, connectable
+from heron.router.kv_index import KVBlockIndex
+from tests.helpers import make_request
+
+
+def prompt_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """What a router computes from a prompt on its own."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+    return hashes
+
+
+def test_stores_carry_hashes_parent_and_tokens_a_router_can_recompute():
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_kv_events=True)
+    request = make_request(10, token_ids=list(range(100, 110)))
+    manager.allocate_slots(request, 10)
+    [stored] = manager.take_events()
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == prompt_hashes(list(range(100, 110)), 4)  # 2 full blocks
+    assert (stored.parent_block_hash, stored.token_ids, stored.block_size) == (None, list(range(100, 108)), 4)
+    assert manager.take_events() == []  # taken: nothing twice
+
+
+def test_a_later_block_names_its_parent_and_duplicates_are_not_stored_twice():
+    manager = KVCacheManager(num_blocks=16, block_size=4, enable_kv_events=True)
+    first = make_request(8, token_ids=list(range(8)))
+    manager.allocate_slots(first, 4)
+    first.num_computed_tokens = 4
+    manager.allocate_slots(first, 4)  # the second block fills
+    events = manager.take_events()
+    hashes = prompt_hashes(list(range(8)), 4)
+    assert [e.block_hashes for e in events] == [[hashes[0]], [hashes[1]]]
+    assert events[1].parent_block_hash == hashes[0] and events[1].token_ids == [4, 5, 6, 7]
+    twin = make_request(8, token_ids=list(range(8)))  # computed without a hit: same hashes, not canonical
+    manager.allocate_slots(twin, 8)
+    assert manager.take_events() == []
+
+
+def test_an_index_replaying_the_events_equals_the_prefix_cache_under_churn():
+    """Random requests through a small pool (evictions, shared prefixes, resets):
+    after every step the router-side index holds exactly the pool's hashes."""
+    rng = random.Random(0)
+    manager = KVCacheManager(num_blocks=12, block_size=4, enable_kv_events=True)
+    index = KVBlockIndex()
+    live = []
+    kinds = set()
+    for step in range(300):
+        if live and (rng.random() < 0.45 or manager.num_free_blocks < 4):
+            manager.free(live.pop(rng.randrange(len(live))))
+        else:
+            prefix = rng.choice([0, 1000, 2000])
+            request = make_request(rng.randint(1, 14), token_offset=prefix)
+            hits, num_hit = manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if manager.allocate_slots(request, num_new, new_computed_blocks=hits, num_new_computed_tokens=num_hit):
+                live.append(request)
+        if step % 97 == 96:  # everyone finishes, then the cache is reset
+            while live:
+                manager.free(live.pop())
+            assert manager.reset_prefix_cache()
+        events = manager.take_events()
+        kinds.update(type(event) for event in events)
+        index.apply(step, KVEventBatch(0.0, events))
+        assert index.blocks == set(manager.block_pool.cached_blocks), step
+        manager.check_integrity()
+    assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}  # the churn exercised every kind
+
+
+def test_events_round_trip_the_wire_format():
+    batch = KVEventBatch(
+        12.5,
+        [BlockStored([b"a" * 32, b"b" * 32], None, [1, 2, 3, 4], 2), BlockRemoved([b"c" * 32]), AllBlocksCleared()],
+        data_parallel_rank=1,
+    )
+    assert decode_batch(encode_batch(batch)) == batch
+    with pytest.raises(ValueError, match="malformed KV event batch"):
+        decode_batch(b"\x93\x01")
+
+
+def test_the_config_takes_vllms_keys_and_rejects_others():
+    config = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://*:5557"})
+    assert config.publishes and config.publisher == "zmq"
+    assert not KVEventsConfig.from_dict(None).publishes
+    with pytest.raises(ValueError, match="unknown keys"):
+        KVEventsConfig.from_dict({"enable_kv_cache_events": True, "port": 1})
+    with pytest.raises(ValueError, match="ZMQ address"):
+        KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "localhost:5557"})
+
+
+def test_the_publisher_numbers_batches_and_replays_what_a_late_subscriber_missed():
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", topic="kv"))
+    context = zmq.Context()
+    try:
+        first = [BlockStored([b"h" * 32], None, [1, 2], 2)]
+        publisher.publish(first)
+        publisher.publish([])  # an empty step sends nothing
+        publisher.publish([BlockRemoved([b"h" * 32])])
+        subscriber = context.socket(zmq.SUB)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
+        subscriber.connect(publisher.endpoint)
+        replay = context.socket(zmq.DEALER)
+        replay.connect(publisher.replay_endpoint)
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert replay.poll(5000), "the replay socket did not answer"
+            _, seq, payload = replay.recv_multipart()
+            if seq == END_OF_REPLAY:
+                break
+            replayed.append((int.from_bytes(seq, "big"), decode_batch(payload).events))
+        assert replayed == [(0, first), (1, [BlockRemoved([b"h" * 32])])]
+        for _ in range(50):  # the slow-joiner: publish until the subscription is live
+            publisher.publish([AllBlocksCleared()])
+            if subscriber.poll(100):
+                break
+        live = []
+        while not live or live[-1][1] != [AllBlocksCleared()]:
+            assert subscriber.poll(5000), "no live batch arrived"
+            topic, seq, payload = subscriber.recv_multipart()
+            assert topic == b"kv"
+            live.append((int.from_bytes(seq, "big"), decode_batch(payload).events))
+        numbers = [seq for seq, _ in live]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))) and numbers[-1] >= 2
+    finally:
+        context.destroy(0)
+        publisher.shutdown()
+
+
+def test_a_wildcard_bind_is_reported_as_the_address_clients_dial():
+    assert connectable("tcp://0.0.0.0:5557", "10.0.0.2") == "tcp://10.0.0.2:5557"
+    assert connectable("tcp://127.0.0.1:5557", "10.0.0.2") == "tcp://127.0.0.1:5557"
+
+
+def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cache():
+    """The router's subscriber replays what it missed: its index equals the
+    pool's prefix cache after joining late, and after a lost live batch."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from heron.router.kv_subscriber import KVEventSubscriber
+
+    manager = KVCacheManager(num_blocks=32, block_size=4, enable_kv_events=True)
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+
+    def step(offset: int, length: int = 12) -> None:
+        request = make_request(length, token_offset=offset)
+        manager.allocate_slots(request, length)
+        manager.free(request)
+        publisher.publish(manager.take_events())
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        index = KVBlockIndex()
+        subscriber = KVEventSubscriber(context, publisher.endpoint, publisher.replay_endpoint, "", index)
+        for offset in range(0, 40, 8):  # before the router existed
+            step(offset)
+        async def caught_up() -> None:
+            while index.blocks != set(manager.block_pool.cached_blocks):
+                await asyncio.sleep(0.02)
+
+        task = asyncio.create_task(subscriber.run())
+        try:
+            await asyncio.wait_for(caught_up(), 5)  # joined late: the replay brought the history
+            task.cancel()  # the router loses its connection...
+            for offset in range(100, 180, 8):  # ...while the replica evicts and stores (missed batches)
+                step(offset)
+            assert index.blocks != set(manager.block_pool.cached_blocks)
+            task = asyncio.create_task(subscriber.run())
+            await asyncio.wait_for(caught_up(), 5)
+            for attempt in range(20):  # and live batches apply on top (once the subscription is live)
+                step(300 + 8 * attempt)
+                try:
+                    await asyncio.wait_for(caught_up(), 0.5)
+                    break
+                except TimeoutError:
+                    continue
+            assert index.blocks == set(manager.block_pool.cached_blocks)
+            assert subscriber.num_replays >= 2 and subscriber.num_lost_batches == 0
+        finally:
+            task.cancel()
+            await asyncio.sleep(0)
+            context.destroy(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.shutdown()
