@@ -1,13 +1,14 @@
 """Routing policies side by side on two replicas of the embedded model (issue 18).
 
-For each policy: two fresh `heron serve` replicas (empty caches, KV events on),
+For each policy: two fresh `heron serve` replicas (empty caches, KV events on,
+the machine's cores split between them),
 `heron router --policy P` in front, and `heron bench serve` through the router
 with a shared-prefix workload (prefix-repetition: a few long system prompts,
 each shared by many requests) at a fixed request rate. Reported per policy:
 the replicas' prefix-cache hit rate (from their own counters), TTFT p50/p99,
 output throughput, and the router's CPU time per streamed output token. Then
-the router's own latency: TTFT p50 of sequential short requests straight to a
-replica and through the router.
+the router's own cost: the proxy hop (a request the replica answers at once,
+straight and through the router) and its hashing and choice per request.
 
     python benchmarks/router_policies.py --out benchmarks/results/router-issue18
 
@@ -52,7 +53,10 @@ def bench(base_url: str, out: Path, name: str, args: list[str]) -> dict:
 
 
 def run_policy(policy: str, workload: list[str], out: Path) -> dict:
-    replicas = [ServerProcess("--kv-events-config", KV_EVENTS, "--max-num-seqs", "16") for _ in range(2)]
+    # the machine's cores split between the replicas (torch would give each all of them)
+    threads = str(max(1, (os.cpu_count() or 2) // 2))
+    replicas = [ServerProcess("--kv-events-config", KV_EVENTS, "--max-num-seqs", "16",
+                              env={"OMP_NUM_THREADS": threads}) for _ in range(2)]
     router = None
     try:
         router = RouterProcess([r.base_url for r in replicas], "--policy", policy)
@@ -84,21 +88,37 @@ def run_policy(policy: str, workload: list[str], out: Path) -> dict:
             replica.stop()
 
 
-def router_latency(out: Path, num_prompts: int) -> dict:
-    """TTFT p50 of sequential short requests: straight to a replica, then through the router."""
+def router_latency(num_requests: int = 300) -> dict:
+    """What the router adds to a request: the proxy hop, timed on a request the
+    replica answers at once (``GET /v1/models``, p50 of sequential requests,
+    straight and through the router), plus the router's hashing and choice for
+    a generation request (its ``heron_router_decision_seconds``)."""
     replica = ServerProcess("--kv-events-config", KV_EVENTS)
     router = None
     try:
         router = RouterProcess([replica.base_url])
-        def sequential(seed: int) -> list[str]:  # different seeds: no request hits the other's cache
-            return ["--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
-                    "--num-prompts", str(num_prompts), "--max-concurrency", "1", "--seed", str(seed), "--ignore-eos"]
-
-        bench(replica.base_url, out, "warmup", sequential(6))
-        direct = bench(replica.base_url, out, "direct", sequential(7))
-        routed = bench(router.base_url, out, "routed", sequential(8))
-        return {"direct_ttft_p50_ms": direct["median_ttft_ms"], "routed_ttft_p50_ms": routed["median_ttft_ms"],
-                "added_ttft_p50_ms": routed["median_ttft_ms"] - direct["median_ttft_ms"]}
+        hop = {}
+        for name, base in (("direct", replica.base_url), ("routed", router.base_url)):
+            with httpx.Client(timeout=10) as client:
+                for _ in range(20):
+                    client.get(f"{base}/v1/models")
+                times = []
+                for _ in range(num_requests):
+                    started = time.perf_counter()
+                    client.get(f"{base}/v1/models").raise_for_status()
+                    times.append(time.perf_counter() - started)
+            hop[name] = 1000 * sorted(times)[len(times) // 2]
+        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
+                "messages": [{"role": "user", "content": "Which bird waits in the shallows? " * 20}]}
+        for _ in range(20):
+            httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+        metrics = httpx.get(f"{router.base_url}/metrics", timeout=5).text
+        total = next(float(line.split()[1]) for line in metrics.splitlines()
+                     if line.startswith("heron_router_decision_seconds_sum"))
+        count = next(float(line.split()[1]) for line in metrics.splitlines()
+                     if line.startswith("heron_router_decision_seconds_count"))
+        return {"direct_p50_ms": hop["direct"], "routed_p50_ms": hop["routed"],
+                "proxy_hop_ms": hop["routed"] - hop["direct"], "decision_mean_ms": 1000 * total / count}
     finally:
         if router is not None:
             router.stop()
@@ -109,9 +129,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory for results.json and the bench results")
     parser.add_argument("--num-prompts", type=int, default=48)
-    parser.add_argument("--request-rate", type=float, default=1.5)
-    parser.add_argument("--prefix-len", type=int, default=384)
-    parser.add_argument("--num-prefixes", type=int, default=4)
+    parser.add_argument("--request-rate", type=float, default=0.6)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--num-prefixes", type=int, default=8)
     parser.add_argument("--policies", default="round_robin,least_load,kv_aware")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-router-bench-"))
@@ -121,7 +141,7 @@ def main() -> None:
                 "--prefix-repetition-num-prefixes", str(args.num_prefixes), "--prefix-repetition-output-len", "24",
                 "--request-rate", str(args.request_rate), "--seed", "1", "--ignore-eos"]
     rows = [run_policy(policy, workload, out) for policy in args.policies.split(",")]
-    latency = router_latency(out, 40)
+    latency = router_latency()
     (out / "results.json").write_text(json.dumps({"policies": rows, "router_latency": latency,
                                                   "workload": workload}, indent=2))
     print("| policy | prefix-cache hit rate | TTFT p50 | TTFT p99 | output tok/s | requests per replica |"
@@ -131,8 +151,9 @@ def main() -> None:
         print(f"| {row['policy']} | {row['prefix_cache_hit_rate']:.1%} | {row['ttft_p50_ms']:.0f} ms | "
               f"{row['ttft_p99_ms']:.0f} ms | {row['output_throughput']:.1f} | {row['requests_per_replica']} | "
               f"{row['router_cpu_ms_per_output_token']:.2f} ms |")
-    print(f"\nTTFT p50, sequential short requests: direct {latency['direct_ttft_p50_ms']:.1f} ms, through the "
-          f"router {latency['routed_ttft_p50_ms']:.1f} ms (+{latency['added_ttft_p50_ms']:.2f} ms)")
+    print(f"\nrouter hop (GET /v1/models p50): direct {latency['direct_p50_ms']:.2f} ms, routed "
+          f"{latency['routed_p50_ms']:.2f} ms (+{latency['proxy_hop_ms']:.2f} ms); hashing a 20-line chat and "
+          f"choosing: {latency['decision_mean_ms']:.2f} ms mean")
 
 
 if __name__ == "__main__":

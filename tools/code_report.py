@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("loader", ("heron.loader",)),
     ("structured_output", ("heron.structured_output",)),
     ("core", ("heron.core",)),
+    ("routing", ("heron.routing",)),
     ("compute", ("heron.attention", "heron.models", "heron.sample")),
     ("worker", ("heron.worker", "heron.spec_decode")),
     ("engine", ("heron.engine", "heron.metrics")),

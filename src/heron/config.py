@@ -235,6 +235,8 @@ class EngineConfig:
     # schedule and prepare step N+1 while the device runs step N (see engine/core.py)
     async_scheduling: bool = False
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    # engine-core processes behind one API server (heron serve), each with the whole model
+    data_parallel_size: int = 1
 
     @property
     def device(self) -> torch.device:

@@ -83,3 +83,11 @@ def test_unknown_or_invalid_engine_arguments_are_named():
         EngineArgs(quantization="int3").create_engine_config()
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         EngineArgs(device="cpu", scheduling_policy="lifo").create_engine_config()
+
+
+def test_data_parallelism_is_for_the_server():
+    assert EngineArgs(device="cpu", usage="serve", data_parallel_size=2).create_engine_config().data_parallel_size == 2
+    with pytest.raises(ValueError, match="runs behind heron serve"):
+        EngineArgs(device="cpu", data_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        EngineArgs(device="cpu", usage="serve", data_parallel_size=0).create_engine_config()

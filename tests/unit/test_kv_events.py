@@ -21,7 +21,7 @@ from heron.core.kv_events import (
     encode_batch,
 )
 from heron.engine.kv_events_publisher import END_OF_REPLAY, ZmqEventPublisher, connectable
-from heron.router.kv_index import KVBlockIndex
+from heron.routing.kv_index import KVBlockIndex
 from tests.helpers import make_request
 
 
@@ -161,7 +161,7 @@ def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cach
 
     import zmq.asyncio
 
-    from heron.router.kv_subscriber import KVEventSubscriber
+    from heron.routing.kv_subscriber import KVEventSubscriber
 
     manager = KVCacheManager(num_blocks=32, block_size=4, enable_kv_events=True)
     publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
@@ -209,3 +209,14 @@ def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cach
         asyncio.run(scenario())
     finally:
         publisher.shutdown()
+
+
+def test_each_data_parallel_rank_publishes_on_its_own_socket():
+    from heron.engine.dp_client import rank_kv_events
+
+    user = KVEventsConfig(True, "zmq", "tcp://*:5557", replay_endpoint="tcp://*:5600")
+    ranked = rank_kv_events(user, 1, "/tmp/dp")
+    assert (ranked.endpoint, ranked.replay_endpoint) == ("tcp://*:5558", "tcp://*:5601")
+    assert rank_kv_events(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"), 1, "/d").endpoint == "tcp://127.0.0.1:*"
+    private = rank_kv_events(KVEventsConfig(), 0, "/d")  # the user asked for none: a private socket
+    assert private.publishes and private.endpoint == "ipc:///d/kv-events-0"

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from heron.router.health import BreakerState, CircuitBreaker
-from heron.router.kv_index import KVBlockIndex
-from heron.router.policies import ReplicaLoad, Router
+from heron.routing.health import BreakerState, CircuitBreaker
+from heron.routing.kv_index import KVBlockIndex
+from heron.routing.policies import ReplicaLoad, Router
 
 
 class FakeClock:
@@ -51,10 +51,13 @@ class FakeReplica:
     name: str
     blocks: set[bytes] = field(default_factory=set)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    index: KVBlockIndex = field(default_factory=KVBlockIndex)
+
+    def __post_init__(self) -> None:
+        self.index.blocks = self.blocks
 
     def matched_blocks(self, hashes) -> int:
-        index = KVBlockIndex(blocks=self.blocks)
-        return index.matched_blocks(hashes)
+        return self.index.matched_blocks(hashes)
 
 
 PROMPT = [bytes([i]) * 32 for i in range(10)]
@@ -82,7 +85,7 @@ def test_load_counts_against_a_cache_match_and_imbalance_overrides_affinity():
 
 
 def test_reported_load_and_kv_usage_count_too():
-    busy = FakeReplica("busy", load=ReplicaLoad(reported_running=3, reported_waiting=4))
+    busy = FakeReplica("busy", load=ReplicaLoad(reported_running=30, reported_waiting=4))
     full = FakeReplica("full", load=ReplicaLoad(kv_cache_usage=0.95))
     assert Router("least_load").choose([busy, full], PROMPT).replica.name == "full"
 
@@ -109,3 +112,26 @@ def test_a_session_stays_on_its_replica_while_usable_and_moves_when_not():
 def test_no_candidate_is_an_error():
     with pytest.raises(LookupError):
         Router().choose([], PROMPT)
+
+
+def test_a_routed_prompt_is_expected_where_it_went_and_its_prefill_counts_as_load():
+    """A burst of one prompt's followers: the first request's blocks are expected
+    on its replica before any event confirms them, and the prefill it queued
+    there is load, so affinity holds until the work piles up, then spills."""
+    clock = FakeClock()
+    a, b = FakeReplica("a", index=KVBlockIndex(clock=clock)), FakeReplica("b", index=KVBlockIndex(clock=clock))
+    router = Router("kv_aware", imbalance_threshold=1000.0)
+    placed = []
+    for _ in range(4):
+        decision = router.choose([a, b], PROMPT)
+        decision.replica.load.dispatch(decision.uncached_blocks)
+        decision.replica.index.expect(PROMPT)
+        placed.append((decision.replica.name, decision.uncached_blocks))
+    first = placed[0][0]
+    assert placed[0][1] == 11 and all(name == first and blocks == 1 for name, blocks in placed[1:4]), placed
+    a.load.pending_blocks = b.load.pending_blocks = 0
+    replica = a if first == "a" else b
+    replica.load.pending_blocks = 30  # much prefill queued there: a cache hit is not worth the wait
+    assert router.choose([a, b], PROMPT).replica is not replica
+    clock.now = 31.0  # never confirmed by an event: the expectation lapses
+    assert replica.index.matched_blocks(PROMPT) == 0

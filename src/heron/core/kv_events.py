@@ -29,7 +29,9 @@ import msgpack
 
 from heron.core.hashing import BlockHash
 
-MEDIUM = "GPU_OR_CPU_POOL"  # the engine's own block pool (offload tiers will name theirs)
+MEDIUM = "GPU_OR_CPU_POOL"
+# the replay socket's last answer to a request: sequence number -1, no batch
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # the engine's own block pool (offload tiers will name theirs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,9 @@ class EngineArgs:
     kv_events_config: dict[str, Any] | None = _arg(
         None, 'publish KV-cache events for a KV-aware router, e.g. \'{"enable_kv_cache_events": true, '
               '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'', parse=parse_json_object, metavar="JSON")
+    data_parallel_size: int = _arg(
+        1, "heron serve: engine-core processes behind the one API server, each request placed where its prefix "
+           "is cached unless that engine is much busier")
     profile_dir: str | None = _arg(None, "write a torch profiler trace of engine steps here",
                                    flags=("--profile",), metavar="DIR")
     profile_steps: int = _arg(32, "how many engine steps to profile")
@@ -186,7 +189,16 @@ class EngineArgs:
             draft_model=draft_model,
             async_scheduling=async_scheduling,
             kv_events=KVEventsConfig.from_dict(self.kv_events_config),
+            data_parallel_size=self._data_parallel_size(),
         )
+
+    def _data_parallel_size(self) -> int:
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1 and self.usage != "serve":
+            raise ValueError("data_parallel_size > 1 runs behind heron serve (several engine-core processes); "
+                             "offline LLM runs one engine")
+        return self.data_parallel_size
 
     def _model_config(self, device: str) -> ModelConfig:
         from heron.models.implementation import select_implementation

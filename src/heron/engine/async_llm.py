@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient, EngineCoreProcess
+from heron.engine.dp_client import DataParallelClient, start_engine_cores
 from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.serialization import MessageKind, decode_outputs
@@ -31,7 +32,7 @@ from heron.metrics.prometheus import PrometheusStatLogger
 from heron.metrics.stats import IterationStats
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParams
-from heron.step_outputs import SchedulerStats
+from heron.step_outputs import EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,19 @@ class AsyncLLM:
         *,
         log_level: str = "INFO",
         log_stats_interval_s: float = 10.0,
-        started: EngineCoreProcess | None = None,
+        started: EngineCoreProcess | Sequence[EngineCoreProcess] | None = None,
     ) -> None:
-        """``started``: an engine core already started on ``config``'s arguments."""
+        """``started``: the engine core(s) already started on ``config``'s
+        arguments (one per data-parallel rank)."""
         self.config = config
-        # start the engine core first: it loads the model while we load the tokenizer
-        self.client = EngineCoreClient(config, log_level, started)
+        # start the engine cores first: they load the model while we load the tokenizer
+        self.client: EngineCoreClient | DataParallelClient
+        if config.data_parallel_size > 1:
+            processes = list(started) if isinstance(started, Sequence) else start_engine_cores(config, log_level)
+            self.client = DataParallelClient(config, processes)
+        else:
+            single = started[0] if isinstance(started, Sequence) else started
+            self.client = EngineCoreClient(config, log_level, single)
         self.tokenizer = load_tokenizer(config.model)
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -280,7 +288,8 @@ class AsyncLLM:
                 return
 
     def _handle_outputs(self, payload: Any) -> None:
-        core_outputs = decode_outputs(payload)
+        # data-parallel outputs arrive decoded (their statistics merged)
+        core_outputs = payload if isinstance(payload, EngineCoreOutputs) else decode_outputs(payload)
         processed = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp or None)
         for output in core_outputs.outputs:
             if output.new_token_ids or output.finished:
@@ -292,6 +301,11 @@ class AsyncLLM:
         if processed.request_ids_to_abort:
             asyncio.get_running_loop().create_task(self.client.abort_requests(processed.request_ids_to_abort))
         self._record_stats(core_outputs.scheduler_stats, processed.iteration_stats)
+
+    def refresh_engine_metrics(self) -> None:
+        """Per-engine figures read at scrape time (data parallelism)."""
+        if isinstance(self.client, DataParallelClient):
+            self.metrics.set_engine_requests(self.client.requests_per_engine())
 
     def _record_stats(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
         if scheduler_stats is not None:

@@ -24,11 +24,10 @@ from collections import deque
 import zmq
 
 from heron.config import KVEventsConfig
-from heron.core.kv_events import KVCacheEvent, KVEventBatch, encode_batch
+from heron.core.kv_events import END_OF_REPLAY, KVCacheEvent, KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_MS = 20
 
 

@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_generate(args) if args.command == "generate" else run_chat(args)
         if args.command == "serve":
-            from heron.engine.core_client import EngineCoreProcess
+            from heron.engine.dp_client import start_engine_cores
 
-            # first: the engine core loads the model while this process starts the server
-            started = EngineCoreProcess.start(EngineArgs.from_cli_args(args, usage="serve"), args.log_level)
+            # first: the engine cores load the model while this process starts the server
+            started = start_engine_cores(EngineArgs.from_cli_args(args, usage="serve"), args.log_level)
             from heron.entrypoints.openai.server import run_server
 
             return run_server(args, started)

@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any, get_args
 
-from heron.router.policies import RoutingPolicy
+from heron.routing.policies import RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +23,11 @@ def add_router_parser(subcommands: Any) -> None:
     router.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
     router.add_argument("--replica-api-key", default=None,
                         help="key for the replicas' /metrics and /v1/kv_events (clients send their own)")
-    router.add_argument("--cache-weight", type=float, default=1.0,
-                        help="kv_aware: cost of one uncached prompt block, in queued requests")
-    router.add_argument("--imbalance-threshold", type=float, default=8.0,
-                        help="kv_aware: load spread beyond which the least-loaded replica wins")
+    router.add_argument("--cache-weight", type=float, default=2.0,
+                        help="kv_aware: cost of one uncached prompt block against one block of queued prefill")
+    router.add_argument("--imbalance-threshold", type=float, default=64.0,
+                        help="kv_aware: load spread (in blocks of queued work) beyond which the least-loaded "
+                             "replica wins")
     router.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
     router.add_argument("--max-attempts", type=int, default=3, help="replicas tried before a request fails")
 
@@ -34,10 +35,10 @@ def add_router_parser(subcommands: Any) -> None:
 def run_router(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from heron.router.policies import Router
     from heron.router.prompt_hashes import PromptHasher
     from heron.router.replica import ReplicaSet
     from heron.router.server import RouterServer
+    from heron.routing.policies import Router
 
     if args.max_attempts < 1 or args.probe_interval <= 0:
         raise ValueError("--max-attempts must be >= 1 and --probe-interval > 0")

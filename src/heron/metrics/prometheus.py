@@ -46,6 +46,7 @@ class PrometheusStatLogger:
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(f"heron:{name}", doc, labels, buckets=buckets, registry=r)
 
+        self.engine_requests: Gauge | None = None  # with data parallelism only
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
@@ -84,6 +85,14 @@ class PrometheusStatLogger:
         self._last_cumulative = SchedulerStats()
         for metric in (self.running, self.waiting, self.kv_usage):
             metric.labels(model_name).set(0)
+
+    def set_engine_requests(self, counts: Sequence[int]) -> None:
+        """Requests placed on each engine core (data parallelism), so far."""
+        if self.engine_requests is None:
+            self.engine_requests = Gauge("heron:engine_requests", "Requests placed on each engine core so far",
+                                         ["model_name", "engine"], registry=self.registry)
+        for rank, count in enumerate(counts):
+            self.engine_requests.labels(self.model_name, str(rank)).set(count)
 
     def set_compute_path(self, path: dict[str, str]) -> None:
         self.compute_path.labels(self.model_name).info({key: str(value) for key, value in path.items()})

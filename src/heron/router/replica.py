@@ -19,10 +19,10 @@ import aiohttp
 import zmq.asyncio
 
 from heron.core.hashing import BlockHash
-from heron.router.health import BreakerState, CircuitBreaker
-from heron.router.kv_index import KVBlockIndex
-from heron.router.kv_subscriber import KVEventSubscriber
-from heron.router.policies import ReplicaLoad
+from heron.routing.health import BreakerState, CircuitBreaker
+from heron.routing.kv_index import KVBlockIndex
+from heron.routing.kv_subscriber import KVEventSubscriber
+from heron.routing.policies import ReplicaLoad
 
 logger = logging.getLogger(__name__)
 

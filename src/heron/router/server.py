@@ -20,9 +20,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from heron.router.policies import Router
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
+from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
 
@@ -146,18 +146,20 @@ class RouterServer:
             self.metrics.requests.labels(replica.url, decision.reason).inc()
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
-            response = await self._send(request, replica, raw, headers)
+            replica.index.expect(hashes)
+            response = await self._send(request, replica, raw, headers, decision.uncached_blocks)
             if response is not None:
                 return response
         self.metrics.failed.inc()
         return _error(503, "no replica could serve the request", "service_unavailable")
 
-    async def _send(self, request: web.Request, replica: Replica, raw: bytes,
-                    headers: dict[str, str]) -> web.StreamResponse | None:
+    async def _send(self, request: web.Request, replica: Replica, raw: bytes, headers: dict[str, str],
+                    uncached_blocks: int) -> web.StreamResponse | None:
         """The replica's answer passed through, or None when it failed before
-        its first byte (the caller retries elsewhere)."""
+        its first byte (the caller retries elsewhere). The replica's load
+        carries the request (and its prefill work) until it ends."""
         assert self.session is not None
-        replica.load.in_flight += 1
+        replica.load.dispatch(uncached_blocks)
         replica.num_requests += 1
         try:
             async with self.session.request(request.method, replica.url + request.path_qs, data=raw or None,
@@ -173,7 +175,7 @@ class RouterServer:
             self.replicas.record(replica, None)
             return None
         finally:
-            replica.load.in_flight -= 1
+            replica.load.release(uncached_blocks)
 
     async def _relay(self, request: web.Request, replica: Replica,
                      upstream: aiohttp.ClientResponse) -> web.StreamResponse:

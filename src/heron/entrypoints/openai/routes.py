@@ -124,6 +124,7 @@ async def kv_events(ctx: Serving, raw_request: Request) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def metrics(ctx: Serving) -> Response:
+    ctx.engine.refresh_engine_metrics()
     return Response(ctx.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

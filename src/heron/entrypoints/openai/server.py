@@ -22,6 +22,7 @@ from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.async_llm import AsyncLLM
 from heron.engine.core_client import EngineCoreProcess
+from heron.engine.dp_client import start_engine_cores
 from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
     BodySizeLimitMiddleware,
@@ -92,17 +93,18 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
-def run_server(args: argparse.Namespace, started: EngineCoreProcess | None = None) -> int:
-    """Serve. ``started``: the engine core, already started on the same flags
-    (``heron serve`` starts it before importing the web stack or torch: it
-    resolves the flags itself and loads the model while this process resolves
-    them too and loads the tokenizer)."""
+def run_server(args: argparse.Namespace, started: list[EngineCoreProcess] | None = None) -> int:
+    """Serve. ``started``: the engine cores (one per data-parallel rank), already
+    started on the same flags (``heron serve`` starts them before importing the
+    web stack or torch: they resolve the flags themselves and load the model
+    while this process resolves them too and loads the tokenizer)."""
     engine_args = EngineArgs.from_cli_args(args, usage="serve")
-    started = started or EngineCoreProcess.start(engine_args, args.log_level)
+    started = started or start_engine_cores(engine_args, args.log_level)
     try:
         config = engine_args.create_engine_config()
     except BaseException:
-        started.kill()
+        for process in started:
+            process.kill()
         raise
     settings = gateway_settings_from_args(args)
     logger.info("starting heron %s (loading %s)", __version__, config.model.served_model_name)
@@ -110,7 +112,8 @@ def run_server(args: argparse.Namespace, started: EngineCoreProcess | None = Non
 
 
 async def _serve(
-    args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings, started: EngineCoreProcess | None = None
+    args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings,
+    started: list[EngineCoreProcess] | None = None,
 ) -> int:
     import uvicorn
 

@@ -10,17 +10,43 @@ correctness).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from heron.core.hashing import BlockHash
 from heron.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+EXPECTATION_SECONDS = 30.0
+
 
 @dataclass
 class KVBlockIndex:
+    """``blocks``: what the replica reported holding. ``expected``: blocks of
+    requests just sent there, not reported yet (block -> when expected); they
+    count as held until reported, removed or ``EXPECTATION_SECONDS`` old."""
+
     blocks: set[BlockHash] = field(default_factory=set)
     last_seq: int = -1  # sequence number of the last batch applied
+    expected: dict[BlockHash, float] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+
+    def expect(self, block_hashes: Sequence[BlockHash]) -> None:
+        now = self.clock()
+        for block_hash in block_hashes:
+            if block_hash not in self.blocks:
+                self.expected[block_hash] = now
+
+    def _holds(self, block_hash: BlockHash) -> bool:
+        if block_hash in self.blocks:
+            return True
+        since = self.expected.get(block_hash)
+        if since is None:
+            return False
+        if self.clock() - since > EXPECTATION_SECONDS:
+            del self.expected[block_hash]
+            return False
+        return True
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         """Apply batch ``seq``; batches at or before ``last_seq`` were applied already."""
@@ -29,15 +55,21 @@ class KVBlockIndex:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self.blocks.update(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    self.expected.pop(block_hash, None)
             elif isinstance(event, BlockRemoved):
                 self.blocks.difference_update(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    self.expected.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):
                 self.blocks.clear()
+                self.expected.clear()
         self.last_seq = seq
 
     def reset(self, last_seq: int = -1) -> None:
         """Forget everything (a replica died, or batches were lost for good)."""
         self.blocks.clear()
+        self.expected.clear()
         self.last_seq = last_seq
 
     def matched_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -45,7 +77,7 @@ class KVBlockIndex:
         the run: attention needs every earlier block)."""
         count = 0
         for block_hash in block_hashes:
-            if block_hash not in self.blocks:
+            if not self._holds(block_hash):
                 break
             count += 1
         return count

@@ -2,18 +2,23 @@
 
 * ``kv_aware`` (default): cost = ``cache_weight`` x the prompt's blocks the
   replica does not hold (the longest run of leading blocks it holds counts as
-  cached) + the replica's load; the cheapest wins. While the load spread
-  between the usable replicas exceeds ``imbalance_threshold``, the least-loaded
-  replica wins instead (its best cache match breaks ties): affinity never piles
-  everything on one replica.
+  cached) + the replica's load, both in blocks of prefill work: a replica's
+  load is the uncached prompt blocks of the requests under way there, plus one
+  block per request and a penalty as its KV pool fills. The cheapest wins.
+  While the load spread between the usable replicas exceeds
+  ``imbalance_threshold`` blocks, the least-loaded replica wins instead (its
+  best cache match breaks ties): affinity never piles everything on one
+  replica.
 * ``least_load``: the least-loaded replica.
 * ``round_robin``: each usable replica in turn.
 * ``session``: a conversation (``user`` field or ``X-Session-Id`` header) stays
   on its replica while that replica is usable; a new or orphaned one is placed
   by ``kv_aware`` and pinned there.
 
-Load is counted the moment the router sends a request (``ReplicaLoad.in_flight``),
-not when the replica next reports, so a burst spreads at once.
+Load is counted the moment the router sends a request (``ReplicaLoad.dispatch``),
+not when the replica next reports, so a burst spreads at once; the request's
+blocks are expected in that replica's index at once too (``KVBlockIndex.expect``),
+so its followers find them before the replica's events confirm them.
 """
 
 from __future__ import annotations
@@ -32,15 +37,25 @@ RoutingPolicy = Literal["kv_aware", "least_load", "round_robin", "session"]
 @dataclass
 class ReplicaLoad:
     in_flight: int = 0  # requests this router sent that have not finished
+    pending_blocks: int = 0  # their uncached prompt blocks: prefill work queued there
     reported_running: int = 0  # from the replica's own metrics, when last read
     reported_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1
 
-    def score(self, kv_usage_weight: float = 4.0) -> float:
-        """Requests ahead of a new one, plus a penalty as the KV pool fills up
-        (a full pool preempts)."""
-        queued = max(self.in_flight, self.reported_running + self.reported_waiting)
-        return queued + kv_usage_weight * self.kv_cache_usage
+    def score(self, kv_usage_weight: float = 16.0) -> float:
+        """Work ahead of a new request, in blocks: the prefill queued by this
+        router, one block per request (decoding) whoever sent it, and a penalty
+        as the KV pool fills up (a full pool preempts)."""
+        requests = max(self.in_flight, self.reported_running + self.reported_waiting)
+        return self.pending_blocks + requests + kv_usage_weight * self.kv_cache_usage
+
+    def dispatch(self, uncached_blocks: int) -> None:
+        self.in_flight += 1
+        self.pending_blocks += uncached_blocks
+
+    def release(self, uncached_blocks: int) -> None:
+        self.in_flight -= 1
+        self.pending_blocks -= uncached_blocks
 
 
 class Candidate(Protocol):
@@ -57,6 +72,12 @@ class RoutingDecision:
     replica: Candidate
     matched_blocks: int
     reason: str
+    num_blocks: int = 0  # the prompt's full blocks
+
+    @property
+    def uncached_blocks(self) -> int:
+        """Prefill work the request brings, in blocks (its partial tail counts as one)."""
+        return self.num_blocks - self.matched_blocks + 1
 
 
 @dataclass
@@ -64,14 +85,23 @@ class Router:
     """Picks among the usable candidates it is given (health is the caller's)."""
 
     policy: RoutingPolicy = "kv_aware"
-    cache_weight: float = 1.0
-    imbalance_threshold: float = 8.0
+    # an uncached block costs its request the time to compute it and costs the
+    # replica that compute, which every other request there waits for too
+    cache_weight: float = 2.0
+    imbalance_threshold: float = 64.0
     max_sessions: int = 100_000
     _turn: itertools.count = field(default_factory=itertools.count)
     _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
     def choose(
         self, candidates: Sequence[Candidate], block_hashes: Sequence[BlockHash], session: str | None = None
+    ) -> RoutingDecision:
+        decision = self._choose(candidates, block_hashes, session)
+        decision.num_blocks = len(block_hashes)
+        return decision
+
+    def _choose(
+        self, candidates: Sequence[Candidate], block_hashes: Sequence[BlockHash], session: str | None
     ) -> RoutingDecision:
         if not candidates:
             raise LookupError("no replica is available")

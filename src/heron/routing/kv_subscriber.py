@@ -15,9 +15,8 @@ import logging
 import zmq
 import zmq.asyncio
 
-from heron.core.kv_events import decode_batch
-from heron.engine.kv_events_publisher import END_OF_REPLAY
-from heron.router.kv_index import KVBlockIndex
+from heron.core.kv_events import END_OF_REPLAY, decode_batch
+from heron.routing.kv_index import KVBlockIndex
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,222 @@
+"""Data parallelism on one host (``heron serve --data-parallel-size N``): N
+engine-core processes behind one API server, each request placed by the same
+policy as ``heron router`` (``heron/routing``).
+
+Every engine core publishes its KV-cache events on its own socket; this client
+follows them into one block index per engine, hashes each prompt (it is
+already tokenized here) and sends the request where its leading blocks are
+cached unless that engine is much busier. Load is the requests under way per
+engine, counted when one is sent. Outputs of all engines are merged into one
+stream, with their scheduler statistics summed (the counters stay monotonic,
+the gauges cover every engine), and the engines report ready as one.
+
+It offers ``EngineCoreClient``'s methods, so ``AsyncLLM`` drives either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import zmq.asyncio
+
+from heron.config import EngineConfig, KVEventsConfig
+from heron.core.hashing import BlockHash, prompt_block_hashes
+from heron.engine.args import EngineArgs
+from heron.engine.core_client import EngineCoreClient, EngineCoreProcess
+from heron.engine.serialization import MessageKind, decode_outputs
+from heron.request import EngineCoreRequest
+from heron.routing.kv_index import KVBlockIndex
+from heron.routing.kv_subscriber import KVEventSubscriber
+from heron.routing.policies import ReplicaLoad, Router, RoutingPolicy
+from heron.step_outputs import EngineCoreOutputs, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+def start_engine_cores(engine: EngineConfig | EngineArgs, log_level: str = "INFO") -> list[EngineCoreProcess]:
+    """One engine-core process per data-parallel rank, each publishing its
+    KV-cache events on its own socket (the user's endpoint with the port plus
+    the rank, or a private IPC socket when the user asked for none)."""
+    size = engine.data_parallel_size
+    private_dir = tempfile.mkdtemp(prefix="heron-dp-") if size > 1 else ""
+    processes = []
+    for rank in range(size):
+        if isinstance(engine, EngineArgs):
+            base = KVEventsConfig.from_dict(engine.kv_events_config)
+            events = rank_kv_events(base, rank, private_dir) if size > 1 else base
+            ranked: EngineConfig | EngineArgs = replace(engine, kv_events_config=_as_dict(events))
+        else:
+            ranked = replace(engine, kv_events=rank_kv_events(engine.kv_events, rank, private_dir)) if size > 1 \
+                else engine
+        processes.append(EngineCoreProcess.start(ranked, log_level))
+    return processes
+
+
+def rank_kv_events(base: KVEventsConfig, rank: int, private_dir: str) -> KVEventsConfig:
+    if not base.publishes:
+        return KVEventsConfig(True, "zmq", f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}")
+    return replace(base, endpoint=_port_plus(base.endpoint, rank),
+                   replay_endpoint=None if base.replay_endpoint is None else _port_plus(base.replay_endpoint, rank))
+
+
+def _port_plus(address: str, rank: int) -> str:
+    """``tcp://host:5557`` -> ``tcp://host:5557+rank``; a ``*`` port and IPC paths stay apart by themselves."""
+    if address.startswith("tcp://"):
+        host, _, port = address.rpartition(":")
+        if port.isdigit():
+            return f"{host}:{int(port) + rank}"
+        return address
+    return f"{address}-{rank}"
+
+
+def _as_dict(config: KVEventsConfig) -> dict[str, Any]:
+    return {spec.name: getattr(config, spec.name) for spec in fields(KVEventsConfig)}
+
+
+@dataclass
+class _Engine:
+    """One engine core as the routing policy sees it."""
+
+    rank: int
+    client: EngineCoreClient
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    index: KVBlockIndex = field(default_factory=KVBlockIndex)
+    stats: SchedulerStats | None = None
+    num_requests: int = 0
+
+    @property
+    def name(self) -> str:
+        return str(self.rank)
+
+    def matched_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        return self.index.matched_blocks(block_hashes)
+
+
+class DataParallelClient:
+    def __init__(self, config: EngineConfig, started: Sequence[EngineCoreProcess],
+                 policy: RoutingPolicy = "kv_aware") -> None:
+        self.config = config
+        self.engines = [_Engine(rank, EngineCoreClient(config, started=process))
+                        for rank, process in enumerate(started)]
+        self.router = Router(policy)
+        # engine request id -> its engine and the prefill blocks it brought there
+        self._owner: dict[str, tuple[_Engine, int]] = {}
+        self._queue: asyncio.Queue[tuple[MessageKind, Any]] = asyncio.Queue()
+        self._readers: list[asyncio.Task[None]] = []
+        self._subscriptions: list[asyncio.Task[None]] = []
+        self._ready: dict[int, dict[str, Any]] = {}
+        self._context = zmq.asyncio.Context()
+
+    # ---- requests ----------------------------------------------------------------
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        hashes = prompt_block_hashes(request.prompt_token_ids, self.config.cache.block_size, request.cache_salt)
+        decision = self.router.choose(self.engines, hashes)
+        engine = decision.replica
+        assert isinstance(engine, _Engine)
+        self._owner[request.request_id] = (engine, decision.uncached_blocks)
+        engine.load.dispatch(decision.uncached_blocks)
+        engine.index.expect(hashes)
+        engine.num_requests += 1
+        await engine.client.add_request(request)
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            owner = self._owner.get(request_id)
+            if owner is not None:
+                by_engine.setdefault(owner[0].rank, []).append(request_id)
+        for rank, ids in by_engine.items():
+            await self.engines[rank].client.abort_requests(ids)
+
+    def requests_per_engine(self) -> list[int]:
+        return [engine.num_requests for engine in self.engines]
+
+    # ---- outputs -----------------------------------------------------------------
+
+    async def receive(self) -> tuple[MessageKind, Any]:
+        if not self._readers:
+            self._readers = [asyncio.create_task(self._read(engine), name=f"heron-dp-output-{engine.rank}")
+                             for engine in self.engines]
+        return await self._queue.get()
+
+    async def _read(self, engine: _Engine) -> None:
+        while True:
+            kind, payload = await engine.client.receive()
+            if kind == MessageKind.OUTPUTS:
+                await self._queue.put((kind, self._merge(engine, decode_outputs(payload))))
+            elif kind == MessageKind.READY:
+                self._on_ready(engine, payload)
+            elif kind == MessageKind.FAILED:
+                await self._queue.put((kind, f"engine core {engine.rank}: {payload}"))
+
+    def _merge(self, engine: _Engine, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        for output in outputs.outputs:
+            owner = self._owner.pop(output.request_id, None) if output.finished else None
+            if owner is not None:
+                engine.load.release(owner[1])
+        if outputs.scheduler_stats is not None:
+            engine.stats = outputs.scheduler_stats
+            outputs.scheduler_stats = _sum_stats([e.stats for e in self.engines if e.stats is not None])
+        return outputs
+
+    def _on_ready(self, engine: _Engine, payload: dict[str, Any]) -> None:
+        self._ready[engine.rank] = payload
+        info = payload.get("kv_events")
+        if info is not None:
+            subscriber = KVEventSubscriber(self._context, info["endpoint"], info["replay_endpoint"],
+                                           info.get("topic", ""), engine.index)
+            self._subscriptions.append(asyncio.create_task(subscriber.run(), name=f"heron-dp-kv-{engine.rank}"))
+        if len(self._ready) == len(self.engines):
+            first = self._ready[0]
+            # the private IPC events are this client's; an outside router sees rank 0's TCP ones
+            kv_events = first.get("kv_events") if self.config.kv_events.publishes else None
+            merged = {
+                **first,
+                "kv_events": kv_events,
+                "num_kv_blocks": sum(p.get("num_kv_blocks", 0) for p in self._ready.values()),
+                "pid": [self._ready[rank].get("pid") for rank in sorted(self._ready)],
+                "data_parallel_size": len(self.engines),
+            }
+            self._queue.put_nowait((MessageKind.READY, merged))
+
+    # ---- the rest of EngineCoreClient's face ----------------------------------------
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        results = await asyncio.gather(*(e.client.call_utility(method, *args, timeout=timeout) for e in self.engines))
+        if all(isinstance(result, bool) for result in results):
+            return all(results)
+        return results
+
+    def is_alive(self) -> bool:
+        return all(engine.client.is_alive() for engine in self.engines)
+
+    @property
+    def exit_code(self) -> int | None:
+        return next((e.client.exit_code for e in self.engines if not e.client.is_alive()), None)
+
+    def fail_pending_calls(self, error: BaseException) -> None:
+        for engine in self.engines:
+            engine.client.fail_pending_calls(error)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for task in self._readers + self._subscriptions:
+            task.cancel()
+        for engine in self.engines:
+            engine.client.shutdown(timeout)
+        self._context.destroy(0)
+
+
+def _sum_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
+    """Every engine's statistics as one: counts add up, KV usage is the mean."""
+    total = SchedulerStats()
+    for spec in fields(SchedulerStats):
+        values = [getattr(stats, spec.name) for stats in all_stats]
+        setattr(total, spec.name, sum(values))
+    return replace(total, kv_cache_usage=total.kv_cache_usage / max(1, len(all_stats)))

@@ -1,0 +1,80 @@
+"""`heron serve --data-parallel-size 2`: two engine-core processes behind one API
+server. Follow-ups sharing a prefix go to the engine that cached it; requests
+sent together spread over both; answers are the single engine's."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.e2e.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = ("You are a patient guide to the birds of estuaries and salt marshes. Answer in one short sentence, "
+          "name the bird, and say where it feeds. ") * 3
+
+
+def engine_requests(server: ServerProcess) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("heron:engine_requests{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            counts[engine] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def test_two_engine_cores_place_by_prefix_and_spread_what_arrives_together():
+    server = ServerProcess("--data-parallel-size", "2", "--max-num-seqs", "8")
+    try:
+        assert len(children(server.process.pid)) == 2
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        answer = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of Japan?"}],
+            max_tokens=8, temperature=0)
+        assert "Tokyo" in answer.choices[0].message.content
+        before = engine_requests(server)
+        hits_before = server.metric("heron:prefix_cache_hits_total")
+        for question in ("Which bird stands still?", "Which bird probes the mud?", "Which bird dives?",
+                         "Which bird skims the water?"):
+            client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", max_tokens=2, temperature=0,
+                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+            time.sleep(0.3)  # the engine's KV events reach the API server
+        after = engine_requests(server)
+        added = sorted(after[engine] - before.get(engine, 0) for engine in after)
+        assert added == [0, 4], after  # one engine took every follow-up of the shared prompt
+        assert server.metric("heron:prefix_cache_hits_total") - hits_before >= 3 * 3 * 16
+
+        def complete(i: int) -> None:
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": f"{i} herons", "max_tokens": 16, "ignore_eos": True}
+            assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+
+        workers = [threading.Thread(target=complete, args=(i,)) for i in range(6)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        spread = engine_requests(server)
+        assert all(spread[engine] > after[engine] for engine in spread), (after, spread)
+    finally:
+        server.stop()
