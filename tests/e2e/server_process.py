@@ -108,3 +108,25 @@ class ServerProcess:
                 self.process.wait(5)
         self.log.close()
         os.unlink(self.log.name)
+
+
+def complete_together(base_url: str, count: int, max_tokens: int = 16) -> None:
+    """``count`` short completions sent at once (each from its own thread), all
+    of which must succeed: load counted at send spreads them over engines."""
+    import threading
+
+    failures: list[str] = []
+
+    def complete(index: int) -> None:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": f"{index} herons", "max_tokens": max_tokens,
+                "ignore_eos": True}
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+        if response.status_code != 200:
+            failures.append(f"{response.status_code}: {response.text[:200]}")
+
+    workers = [threading.Thread(target=complete, args=(index,)) for index in range(count)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not failures, failures

@@ -5,14 +5,13 @@ sent together spread over both; answers are the single engine's."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, complete_together
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +64,7 @@ def test_two_engine_cores_place_by_prefix_and_spread_what_arrives_together():
         assert added == [0, 4], after  # one engine took every follow-up of the shared prompt
         assert server.metric("heron:prefix_cache_hits_total") - hits_before >= 3 * 3 * 16
 
-        def complete(i: int) -> None:
-            body = {"model": "SmolLM2-135M-Instruct", "prompt": f"{i} herons", "max_tokens": 16, "ignore_eos": True}
-            assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
-
-        workers = [threading.Thread(target=complete, args=(i,)) for i in range(6)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(60)
+        complete_together(server.base_url, 6)
         spread = engine_requests(server)
         assert all(spread[engine] > after[engine] for engine in spread), (after, spread)
     finally:

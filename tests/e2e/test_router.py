@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.router_process import RouterProcess
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, complete_together
 
 pytestmark = pytest.mark.slow
 
@@ -135,14 +135,6 @@ def test_a_killed_replica_is_routed_around_and_used_again_when_back(fleet):
     wait_for(lambda: router.replicas()[busy_url]["state"] == "closed" and router.replicas()[busy_url]["kv_events"])
     before = router.replicas()[revived.base_url]["requests"]
 
-    def complete(i: int) -> None:  # at once: load counted at send spreads them over both replicas
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": f"{i} herons", "max_tokens": 16, "ignore_eos": True}
-        assert httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=60).status_code == 200
-
-    workers = [threading.Thread(target=complete, args=(i,)) for i in range(4)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(60)
+    complete_together(router.base_url, 4)
     assert router.replicas()[revived.base_url]["requests"] > before
     assert router.replicas()[survivor.base_url]["state"] == "closed"
