@@ -86,6 +86,26 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
+        text = self.render_chat(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        # The template already holds any BOS the model wants: add no special tokens.
+        return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The conversation as the model's chat template renders it."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", "messages")
         for message in messages:
@@ -107,8 +127,7 @@ class InputProcessor:
             )
         except Exception as exc:  # jinja errors raised by the template itself
             raise InvalidRequestError(f"the chat template failed: {exc}", "messages") from exc
-        # The template already holds any BOS the model wants: add no special tokens.
-        return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        return str(text)
 
     # ---- requests ----------------------------------------------------------------
 
