@@ -16,8 +16,10 @@ It offers ``EngineCoreClient``'s methods, so ``AsyncLLM`` drives either.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -45,6 +47,8 @@ def start_engine_cores(engine: EngineConfig | EngineArgs, log_level: str = "INFO
     the rank, or a private IPC socket when the user asked for none)."""
     size = engine.data_parallel_size
     private_dir = tempfile.mkdtemp(prefix="heron-dp-") if size > 1 else ""
+    if private_dir:  # the private event sockets live as long as this (the API server's) process
+        atexit.register(shutil.rmtree, private_dir, ignore_errors=True)
     processes = []
     for rank in range(size):
         if isinstance(engine, EngineArgs):
