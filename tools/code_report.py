@@ -158,6 +158,8 @@ def _functions(tree: ast.Module, path: Path) -> list[FunctionInfo]:
                 visit(child, qualname + ".")
             elif isinstance(child, ast.ClassDef):
                 visit(child, f"{prefix}{child.name}.")
+            else:  # functions defined under an if, a try, a with
+                visit(child, prefix)
 
     visit(tree, "")
     return found

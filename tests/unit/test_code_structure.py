@@ -37,7 +37,8 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 def test_the_check_catches_circles_wrong_way_imports_and_long_functions(code_report, tmp_path):
     """Planted faults are found: a circle closed by an import inside a function,
-    a core module importing the engine, and an 81-line function."""
+    a core module importing the engine, and 81-line functions (one defined under
+    an ``if``, as Triton kernels are)."""
     long_body = "\n".join(f"    x{i} = {i}" for i in range(80))
     package = _package(tmp_path, {
         "__init__.py": "",
@@ -50,10 +51,13 @@ def test_the_check_catches_circles_wrong_way_imports_and_long_functions(code_rep
         "models/__init__.py": "",
         "models/llama.py": f"def forward():\n{long_body}\n",
         "models/short.py": f'def justified():\n    """Kept as one piece: it is a kernel."""\n{long_body}\n',
+        "models/kernels.py": "if True:\n\n    def under_if():\n" + long_body.replace("\n", "\n    ").replace(
+            "    x0", "        x0", 1) + "\n",
     })
     problems = code_report.check(package)
     assert "import circle: heron.engine.core <-> heron.engine.llm" in problems
     assert "wrong-way import: heron.core.scheduler -> heron.engine.core" in problems
     assert any("forward is 81 lines" in p for p in problems)
+    assert any("under_if is 81 lines" in p for p in problems)  # a function under an `if` counts too
     assert not any("justified" in p for p in problems)
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems

@@ -105,47 +105,77 @@ if triton is not None:
             kv_start = kv_start + split * span
             kv_end = tl.minimum(kv_end, kv_start + span)
         for start_n in range(kv_start, kv_end, TILE_N):
-            offs_n = start_n + tl.arange(0, TILE_N)
-            n_valid = offs_n < kv_end
-            block_ids = tl.load(block_table_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
-            slots = offs_n % BLOCK_SIZE
-            k = tl.load(
-                k_cache_ptr + block_ids[None, :].to(tl.int64) * stride_kb + slots[None, :] * stride_ks
-                + kv_head * stride_kh + dims[:, None],
-                mask=dim_valid[:, None] & n_valid[None, :],
-                other=0.0,
+            m_i, l_i, acc = _attend_tile(
+                q, q_pos, m_i, l_i, acc, start_n, kv_end, seq, kv_head, dims, dim_valid,
+                k_cache_ptr, v_cache_ptr, block_table_ptr, scale, softcap, sliding_window,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, IEEE,
             )
-            # float scalars may arrive as float64 (torch.compile passes them so): keep s float32
-            if IEEE:
-                s = (tl.dot(q, k, input_precision="ieee") * scale).to(tl.float32)
-            else:
-                s = (tl.dot(q, k) * scale).to(tl.float32)
-            if USE_SOFTCAP:  # softcap * tanh(s / softcap)
-                s = (softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)).to(tl.float32)
-            keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            if USE_WINDOW:
-                keep = keep & (q_pos[:, None] - offs_n[None, :] < sliding_window)
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr + block_ids[:, None].to(tl.int64) * stride_vb + slots[:, None] * stride_vs
-                + kv_head * stride_vh + dims[None, :],
-                mask=n_valid[:, None] & dim_valid[None, :],
-                other=0.0,
-            )
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        _store_rows(
+            acc, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, q_start + q_index, head, row_valid,
+            dims, dim_valid, stride_ot, stride_oh, GROUP, HEAD_DIM, NUM_SPLITS,
+        )
+
+    @triton.jit
+    def _attend_tile(
+        q, q_pos, m_i, l_i, acc, start_n, kv_end, seq, kv_head, dims, dim_valid,
+        k_cache_ptr, v_cache_ptr, block_table_ptr, scale, softcap, sliding_window,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """One tile of ``TILE_N`` keys from ``start_n``: the scores of the rows'
+        queries against them (causal, windowed, soft-capped), folded into the
+        running max ``m_i``, sum ``l_i`` and output ``acc`` (online softmax)."""
+        offs_n = start_n + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_end
+        block_ids = tl.load(block_table_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+        slots = offs_n % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr + block_ids[None, :].to(tl.int64) * stride_kb + slots[None, :] * stride_ks
+            + kv_head * stride_kh + dims[:, None],
+            mask=dim_valid[:, None] & n_valid[None, :],
+            other=0.0,
+        )
+        # float scalars may arrive as float64 (torch.compile passes them so): keep s float32
+        if IEEE:
+            s = (tl.dot(q, k, input_precision="ieee") * scale).to(tl.float32)
+        else:
+            s = (tl.dot(q, k) * scale).to(tl.float32)
+        if USE_SOFTCAP:  # softcap * tanh(s / softcap)
+            s = (softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)).to(tl.float32)
+        keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if USE_WINDOW:
+            keep = keep & (q_pos[:, None] - offs_n[None, :] < sliding_window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + block_ids[:, None].to(tl.int64) * stride_vb + slots[:, None] * stride_vs
+            + kv_head * stride_vh + dims[None, :],
+            mask=n_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _store_rows(
+        acc, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, token, head, row_valid, dims, dim_valid,
+        stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):
+        """The rows' normalised outputs: into ``out`` at (token, head), or with
+        split KV into this program's span of ``partial_out`` with its log-sum-exp."""
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if NUM_SPLITS > 1:
             num_heads = tl.num_programs(1) * GROUP
-            partial = ((q_start + q_index) * num_heads + head) * NUM_SPLITS + tl.program_id(2)
+            partial = (token * num_heads + head) * NUM_SPLITS + tl.program_id(2)
             tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc,
                      mask=row_valid[:, None] & dim_valid[None, :])
             # an empty span (or one the mask hides entirely) weighs nothing in the merge
@@ -153,7 +183,7 @@ if triton is not None:
             tl.store(partial_lse_ptr + partial, lse, mask=row_valid)
         else:
             tl.store(
-                out_ptr + (q_start + q_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                 acc.to(out_ptr.dtype.element_ty),
                 mask=row_valid[:, None] & dim_valid[None, :],
             )
