@@ -44,26 +44,26 @@ def salt_keys(cache_salt: str | None) -> tuple[str, ...]:
     return (f"salt:{cache_salt}",) if cache_salt else ()
 
 
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """Extend ``hashes`` (the chain over the first ``len(hashes)`` full blocks of
+    ``token_ids``) to every full block of ``token_ids``; returns ``hashes``."""
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        index = len(hashes)
+        start = index * block_size
+        extra = salt_keys(cache_salt) if index == 0 else ()
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size], extra))
+    return hashes
+
+
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
     """The chained hashes of every full block of ``token_ids``: what an engine
     registers for them, computed anywhere (a router hashes prompts with it)."""
-    hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = salt_keys(cache_salt) if start == 0 else ()
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size], extra))
-    return hashes
+    return extend_block_hashes([], token_ids, block_size, cache_salt)
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """Extend ``request.block_hashes`` to cover every full block of its tokens
     (draft tokens excluded) and return the list."""
-    hashes = request.block_hashes
-    num_full_blocks = request.num_tokens // block_size
-    token_ids = request.all_token_ids
-    while len(hashes) < num_full_blocks:
-        index = len(hashes)
-        parent = hashes[-1] if hashes else None
-        extra = salt_keys(request.cache_salt) if index == 0 else ()
-        start = index * block_size
-        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
-    return hashes
+    return extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)
