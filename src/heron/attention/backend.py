@@ -58,6 +58,29 @@ def positions_and_slots(
     return positions, slots
 
 
+def flat_batch_layout(
+    starts: np.ndarray, counts: np.ndarray, block_table: np.ndarray, block_size: int, device: torch.device | None
+) -> tuple[BatchLayout, np.ndarray]:
+    """The layout of a flat batch where request ``i`` contributes ``counts[i]``
+    tokens from position ``starts[i]`` on, and each token's position. The slot
+    mapping is copied to ``device`` without waiting for it; with ``device`` None
+    it stays on the host only (``slot_mapping`` empty) until the caller decides."""
+    query_start_loc = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=query_start_loc[1:])
+    positions, slots = positions_and_slots(query_start_loc, starts, counts, block_table, block_size)
+    layout = BatchLayout(
+        num_reqs=len(counts),
+        num_tokens=int(query_start_loc[-1]),
+        query_start_loc=query_start_loc,
+        seq_lens=starts + counts,
+        block_table=block_table,
+        slot_mapping=torch.empty(0) if device is None else torch.from_numpy(slots).to(device, non_blocking=True),
+        block_size=block_size,
+        host_slot_mapping=slots,
+    )
+    return layout, positions
+
+
 @dataclass(frozen=True)
 class AttentionLayerSpec:
     """Per-layer constants a backend needs."""

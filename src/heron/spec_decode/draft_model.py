@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from heron.attention.backend import BatchLayout, positions_and_slots
+from heron.attention.backend import flat_batch_layout
 from heron.attention.registry import get_attention_backend
 from heron.models.registry import build_model
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
@@ -106,24 +106,12 @@ class DraftModelProposer:
     def _forward(self, batch: list[tuple[CachedRequestState, int, list[int]]]) -> tuple[torch.Tensor, np.ndarray]:
         """Run the draft on a flat batch of (request, first position, tokens)."""
         counts = np.array([len(tokens) for _, _, tokens in batch], dtype=np.int64)
-        query_start_loc = np.zeros(len(batch) + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start_loc[1:])
         starts = np.array([start for _, start, _ in batch], dtype=np.int64)
         max_blocks = max(len(state.block_ids) for state, _, _ in batch)
         block_table = np.zeros((len(batch), max_blocks), dtype=np.int32)
         for row, (state, _, _) in enumerate(batch):
             block_table[row, : len(state.block_ids)] = state.block_ids
-        positions, slots = positions_and_slots(query_start_loc, starts, counts, block_table, self.block_size)
-        layout = BatchLayout(
-            num_reqs=len(batch),
-            num_tokens=int(query_start_loc[-1]),
-            query_start_loc=query_start_loc,
-            seq_lens=starts + counts,
-            block_table=block_table,
-            slot_mapping=torch.from_numpy(slots).to(self.device),
-            block_size=self.block_size,
-            host_slot_mapping=slots,
-        )
+        layout, positions = flat_batch_layout(starts, counts, block_table, self.block_size, self.device)
         input_ids = torch.tensor([t for _, _, tokens in batch for t in tokens], dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), self.backend.build_metadata(layout))
-        return hidden, query_start_loc
+        return hidden, layout.query_start_loc

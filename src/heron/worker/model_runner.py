@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 import torch
 
-from heron.attention.backend import BatchLayout, positions_and_slots
+from heron.attention.backend import flat_batch_layout
 from heron.attention.registry import get_attention_backend
 from heron.config import EngineConfig
 from heron.core.scheduler_output import SchedulerOutput
@@ -173,9 +173,6 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
-        query_start_loc = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
         block_table = np.zeros((len(lengths), max(cdiv(n, self.block_size) for n in lengths)), dtype=np.int32)
         cursor = 0
         for row, length in enumerate(lengths):
@@ -183,13 +180,9 @@ class ModelRunner:
             block_table[row, :count] = np.arange(cursor, cursor + count)
             cursor += count
         counts = np.array(lengths, dtype=np.int64)
-        positions, slots = positions_and_slots(
-            query_start_loc, np.zeros_like(counts), counts, block_table, self.block_size
-        )
-        layout = BatchLayout(len(lengths), total, query_start_loc, np.array(lengths, dtype=np.int64), block_table,
-                             torch.from_numpy(slots).to(self.device), self.block_size)
+        layout, positions = flat_batch_layout(np.zeros_like(counts), counts, block_table, self.block_size, self.device)
         hidden = self.model(
-            torch.zeros(total, dtype=torch.int64, device=self.device),
+            torch.zeros(layout.num_tokens, dtype=torch.int64, device=self.device),
             torch.from_numpy(positions).to(self.device),
             self.backend.build_metadata(layout),
         )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from heron.attention.backend import BatchLayout, positions_and_slots
+from heron.attention.backend import BatchLayout, flat_batch_layout
 from heron.core.scheduler_output import SchedulerOutput
 from heron.worker.block_table import BlockTableRows
 from heron.worker.request_state import CachedRequestState
@@ -97,14 +97,13 @@ def build_step_inputs(
     request_ids = list(scheduler_output.num_scheduled_tokens)
     states = [requests[request_id] for request_id in request_ids]
     num_scheduled = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
-    query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
-    np.cumsum(num_scheduled, out=query_start_loc[1:])
     num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
     block_table = block_rows.gather(np.fromiter((s.block_row for s in states), dtype=np.int64, count=len(states)))
+    layout, positions = flat_batch_layout(num_computed, num_scheduled, block_table, block_size, device=None)
+    query_start_loc = layout.query_start_loc
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
     drafts = [spec_tokens.get(request_id, []) for request_id in request_ids]
     tokens = _gather_tokens(states, num_computed, num_scheduled, query_start_loc, drafts, last_sampled_rows)
-    positions, slot_mapping = positions_and_slots(query_start_loc, num_computed, num_scheduled, block_table, block_size)
     # a CUDA graph replays decode-only steps where every request samples (no
     # mid-prompt chunk needing prompt logprobs) and the batch fits a bucket
     use_graph = (
@@ -113,17 +112,9 @@ def build_step_inputs(
         and len(tokens.sample_rows) == len(states)
         and graph_fits(len(states))
     )
-    layout = BatchLayout(
-        num_reqs=len(states),
-        num_tokens=int(query_start_loc[-1]),
-        query_start_loc=query_start_loc,
-        seq_lens=num_computed + num_scheduled,
-        block_table=block_table,
-        # the graph runner stages its own copy of the host array
-        slot_mapping=torch.empty(0) if use_graph else on_device(slot_mapping, torch.int64, device),
-        block_size=block_size,
-        host_slot_mapping=slot_mapping,
-    )
+    if not use_graph:  # (the graph runner stages its own copy of the host array)
+        assert layout.host_slot_mapping is not None
+        layout.slot_mapping = on_device(layout.host_slot_mapping, torch.int64, device)
     return StepInputs(
         request_ids=request_ids,
         states=states,
