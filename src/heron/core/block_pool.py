@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -176,18 +177,16 @@ class BlockPool:
     ) -> None:
         """One ``BlockStored`` per run of consecutive blocks (each run names its parent)."""
         assert self.events is not None
-        run: list[int] = []
-        for index in indexes + [-1]:
-            if run and (index != run[-1] + 1):
-                first, last = run[0], run[-1]
-                self.events.stored(
-                    [block_hashes[i] for i in run],
-                    block_hashes[first - 1] if first > 0 else None,
-                    list(token_ids[first * block_size : (last + 1) * block_size]),
-                    block_size,
-                )
-                run = []
-            run.append(index)
+        # consecutive indexes share index - position
+        for _, group in itertools.groupby(enumerate(indexes), key=lambda pair: pair[1] - pair[0]):
+            run = [index for _, index in group]
+            first, last = run[0], run[-1]
+            self.events.stored(
+                [block_hashes[i] for i in run],
+                block_hashes[first - 1] if first > 0 else None,
+                list(token_ids[first * block_size : (last + 1) * block_size]),
+                block_size,
+            )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

@@ -107,7 +107,7 @@ class ReplicaSet:
                     await self._subscribe(session, replica)
         except (TimeoutError, aiohttp.ClientError, OSError):
             status = None
-        self.record(replica, 200 if status == 200 else (status if status is not None and status >= 500 else None))
+        self.record(replica, status if status == 200 else None)  # a probe succeeds on 200 alone
 
     async def _read_metrics(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         async with session.get(f"{replica.url}/metrics", headers=self.headers, timeout=self.timeout) as response:

@@ -132,7 +132,7 @@ class RouterServer:
         tried: list[Replica] = []
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
         for attempt in range(self.max_attempts):
-            candidates = [r for r in self.replicas.usable(exclude=tried)]
+            candidates = self.replicas.usable(exclude=tried)
             if not candidates:
                 break
             decision = self.router.choose(candidates, hashes, session)
