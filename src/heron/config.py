@@ -32,14 +32,9 @@ Usage = Literal["offline", "serve"]  # serving on a CPU favours short steps (eng
 LOW_BIT_METHODS: tuple[str, ...] = get_args(LowBitMethod)
 
 
-def choices(literal: Any) -> tuple[str, ...]:
-    """The values of a ``Literal`` type, for validation messages and CLI choices."""
-    return get_args(literal)
-
-
 def check_choice(name: str, value: Any, literal: Any) -> None:
     """A ValueError naming the allowed values when ``value`` is not one of them."""
-    allowed = choices(literal)
+    allowed = get_args(literal)
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in allowed)}, got {value!r}")
 
