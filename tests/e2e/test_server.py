@@ -159,7 +159,10 @@ def test_streaming_client_disconnect_frees_blocks(server):
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         chunks = []
-        for line in response.iter_lines():
+        # held in a name: httpx closes the connection when this generator is dropped,
+        # which a bare `for ... in response.iter_lines(): break` does at once
+        lines = response.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
                 chunks.append(json.loads(line[6:]))
                 if len(chunks) >= 3:
