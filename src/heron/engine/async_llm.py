@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from heron.config import EngineConfig
-from heron.engine.core_client import EngineCoreClient, EngineCoreProcess
+from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess
 from heron.engine.dp_client import DataParallelClient, start_engine_cores
 from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
@@ -35,6 +35,8 @@ from heron.sampling_params import RequestOutputKind, SamplingParams
 from heron.step_outputs import EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+StartedEngineCore = EngineCoreProcess | EngineCoreEndpoint
 
 
 class EngineDeadError(RuntimeError):
@@ -103,10 +105,14 @@ class AsyncLLM:
         *,
         log_level: str = "INFO",
         log_stats_interval_s: float = 10.0,
-        started: EngineCoreProcess | Sequence[EngineCoreProcess] | None = None,
+        started: StartedEngineCore | Sequence[StartedEngineCore] | None = None,
+        record_engine_stats: bool = True,
     ) -> None:
         """``started``: the engine core(s) already started on ``config``'s
-        arguments (one per data-parallel rank)."""
+        arguments (one per data-parallel rank): processes this object owns, or
+        endpoints of processes another one owns (``--api-server-count``).
+        ``record_engine_stats``: put the engines' statistics in this process's
+        metrics (one API server of several does)."""
         self.config = config
         # start the engine cores first: they load the model while we load the tokenizer
         self.client: EngineCoreClient | DataParallelClient
@@ -119,11 +125,13 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(config.model)
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = PrometheusStatLogger(config.model.served_model_name)
+        self.metrics = PrometheusStatLogger(config.model.served_model_name, record_engine_stats=record_engine_stats)
         self.stat_logger = LoggingStatLogger(log_stats_interval_s)
         self._collectors: dict[str, RequestOutputCollector] = {}
         # requests sent to the engine that have produced no token yet
         self._not_started: set[str] = set()
+        # told the number of waiting requests whenever it changes (shared gateway state)
+        self.on_waiting_changed: Callable[[int], None] | None = None
         self.last_scheduler_stats = SchedulerStats()
         self.engine_info: dict[str, Any] = {}
         self.dead_reason: str | None = None
@@ -211,6 +219,7 @@ class AsyncLLM:
         collector = RequestOutputCollector(params.output_kind)
         self._collectors[request_id] = collector
         self._not_started.update(engine_ids)
+        self._waiting_changed()
         return self._stream(request_id, collector, core_requests, engine_ids)
 
     async def _stream(
@@ -224,6 +233,8 @@ class AsyncLLM:
         try:
             for core_request in core_requests:
                 await self.client.add_request(core_request)
+            if isinstance(self.client, DataParallelClient):
+                self.refresh_engine_metrics()  # at once: other API servers' scrapes read it too
             while True:
                 output = await collector.get()
                 finished = output.finished
@@ -233,6 +244,7 @@ class AsyncLLM:
         finally:
             self._collectors.pop(request_id, None)
             self._not_started.difference_update(engine_ids)
+            self._waiting_changed()
             if not finished:
                 self.abort_nowait(request_id)  # no await: we may be inside a cancellation
 
@@ -241,6 +253,11 @@ class AsyncLLM:
         the engine core yet)."""
         self._collectors.pop(request_id, None)
         self._not_started.difference_update(self._forget(request_id))
+        self._waiting_changed()
+
+    def _waiting_changed(self) -> None:
+        if self.on_waiting_changed is not None:
+            self.on_waiting_changed(len(self._not_started))
 
     def abort_nowait(self, request_id: str) -> None:
         """Forget a request here at once and tell the engine core to free it."""
@@ -291,9 +308,12 @@ class AsyncLLM:
         # data-parallel outputs arrive decoded (their statistics merged)
         core_outputs = payload if isinstance(payload, EngineCoreOutputs) else decode_outputs(payload)
         processed = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp or None)
+        waiting = len(self._not_started)
         for output in core_outputs.outputs:
             if output.new_token_ids or output.finished:
                 self._not_started.discard(output.request_id)
+        if len(self._not_started) != waiting:
+            self._waiting_changed()
         for request_output in processed.request_outputs:
             collector = self._collectors.get(request_output.request_id)
             if collector is not None:

@@ -25,38 +25,63 @@ import zmq.asyncio
 
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
+from heron.engine.core_channels import ClientAddresses
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class EngineCoreEndpoint:
+    """What one API server needs to talk to an engine core another process started."""
+
+    pid: int
+    addresses: ClientAddresses
+
+
 @dataclass
 class EngineCoreProcess:
-    """A started engine-core process and the IPC addresses it connects to."""
+    """A started engine-core process and the IPC addresses of each API server it
+    talks to (one, unless ``heron serve --api-server-count`` asked for more)."""
 
     process: subprocess.Popen[bytes]
     socket_dir: str
-    input_address: str
-    output_address: str
+    clients: list[ClientAddresses]
 
     @staticmethod
-    def start(engine: EngineConfig | EngineArgs, log_level: str = "INFO") -> EngineCoreProcess:
+    def start(engine: EngineConfig | EngineArgs, log_level: str = "INFO", num_clients: int = 1) -> EngineCoreProcess:
         """Start the process on a resolved config, or on ``EngineArgs`` (it
         resolves them itself, so it can start loading before the caller has
         imported torch)."""
         socket_dir = tempfile.mkdtemp(prefix="heron-ipc-")
-        input_address = f"ipc://{os.path.join(socket_dir, 'input')}"
-        output_address = f"ipc://{os.path.join(socket_dir, 'output')}"
+        clients = [
+            ClientAddresses(f"ipc://{os.path.join(socket_dir, f'input-{index}')}",
+                            f"ipc://{os.path.join(socket_dir, f'output-{index}')}")
+            for index in range(num_clients)
+        ]
         # A fresh interpreter (not multiprocessing's spawn, which re-imports the
         # caller's __main__): the config travels as a pickle file.
-        config_path = os.path.join(socket_dir, "config.pickle")
-        with open(config_path, "wb") as config_file:
-            pickle.dump(engine, config_file)
-        process = subprocess.Popen(
-            [sys.executable, "-m", "heron.engine.core_proc", config_path, input_address, output_address, log_level]
-        )
-        return EngineCoreProcess(process, socket_dir, input_address, output_address)
+        start_path = os.path.join(socket_dir, "start.pickle")
+        with open(start_path, "wb") as start_file:
+            pickle.dump((engine, clients), start_file)
+        process = subprocess.Popen([sys.executable, "-m", "heron.engine.core_proc", start_path, log_level])
+        return EngineCoreProcess(process, socket_dir, clients)
+
+    def endpoint(self, client: int) -> EngineCoreEndpoint:
+        return EngineCoreEndpoint(self.process.pid, self.clients[client])
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate the process (then kill it) and remove its sockets' directory."""
+        for stop in (self.process.terminate, self.process.kill):
+            if self.process.poll() is not None:
+                break
+            stop()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                continue
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def kill(self) -> None:
         """Stop a process no client was made for (the caller's config failed)."""
@@ -67,30 +92,36 @@ class EngineCoreProcess:
 
 class EngineCoreClient:
     def __init__(
-        self, config: EngineConfig, log_level: str = "INFO", started: EngineCoreProcess | None = None
+        self, config: EngineConfig, log_level: str = "INFO",
+        started: EngineCoreProcess | EngineCoreEndpoint | None = None,
     ) -> None:
-        """``started``: a process already started on ``config``'s arguments; else one is started."""
+        """``started``: a process already started on ``config``'s arguments (this
+        client owns it), or the endpoint of one another process owns (this client
+        never stops it); else one is started."""
         started = started or EngineCoreProcess.start(config, log_level)
-        self._socket_dir = started.socket_dir
-        self.process = started.process
+        self._owned = started if isinstance(started, EngineCoreProcess) else None
+        endpoint = started if isinstance(started, EngineCoreEndpoint) else started.endpoint(0)
+        self.pid = endpoint.pid
         self.context = zmq.asyncio.Context()
         # the engine core connects to these; ZMQ retries until they are bound
         self.input_socket = self.context.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(started.input_address)
+        self.input_socket.bind(endpoint.addresses.input_address)
         self.output_socket = self.context.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(started.output_address)
+        self.output_socket.bind(endpoint.addresses.output_address)
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future[Any]] = {}
         self._closed = False
 
     def is_alive(self) -> bool:
-        return self.process.poll() is None
+        return self.exit_code is None
 
     @property
     def exit_code(self) -> int | None:
-        return self.process.poll()
+        if self._owned is not None:
+            return self._owned.process.poll()
+        return None if _process_running(self.pid) else -1
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         await self.input_socket.send(pack(MessageKind.ADD, encode_request(request)))
@@ -129,23 +160,34 @@ class EngineCoreClient:
         self._pending_calls.clear()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Close the sockets; an owned process is asked to stop, then terminated."""
         if self._closed:
             return
         self._closed = True
-        if self.is_alive():
+        owned = self._owned
+        if owned is not None and owned.process.poll() is None:
             try:
                 self.input_socket.send(pack(MessageKind.SHUTDOWN, None), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
+                owned.process.wait(timeout)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
-            for stop in (None, self.process.terminate, self.process.kill):
-                if stop is not None:
-                    stop()
-                try:
-                    self.process.wait(timeout)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
         self.input_socket.close()
         self.output_socket.close()
         self.context.term()
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if owned is not None:
+            owned.stop(timeout)
+
+
+def _process_running(pid: int) -> bool:
+    """Whether ``pid`` (not necessarily our child) is alive: a zombie is not."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True

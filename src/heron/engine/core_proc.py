@@ -25,7 +25,8 @@ import zmq
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core import EngineCore
-from heron.engine.serialization import MessageKind, decode_request, encode_outputs, pack, unpack
+from heron.engine.core_channels import ALL, ClientAddresses, ClientChannels
+from heron.engine.serialization import MessageKind, decode_request, pack
 from heron.gc_freeze import freeze_startup_objects
 from heron.step_outputs import EngineCoreOutputs
 
@@ -43,10 +44,11 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def run_engine_core(
-    config: EngineConfig | EngineArgs, input_address: str, output_address: str, log_level: str = "INFO"
+    config: EngineConfig | EngineArgs, clients: list[ClientAddresses], log_level: str = "INFO"
 ) -> None:
     """Process entry point (started by the API server's ``EngineCoreProcess``):
-    ``config`` resolved, or the ``EngineArgs`` to resolve."""
+    ``config`` resolved, or the ``EngineArgs`` to resolve; ``clients``: where
+    each API server talks to it."""
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     logging.basicConfig(
         level=getattr(logging, log_level, logging.INFO),
@@ -55,9 +57,7 @@ def run_engine_core(
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when we stop
     context = zmq.Context()
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(output_address)
+    channels = ClientChannels(context, clients)
     try:
         if isinstance(config, EngineArgs):
             config = config.create_engine_config()
@@ -65,30 +65,29 @@ def run_engine_core(
     except BaseException as exc:  # report why start-up failed, then exit
         message = f"{type(exc).__name__}: {exc}"
         logger.error("engine core failed to start: %s\n%s", message, traceback.format_exc())
-        output_socket.send(pack(MessageKind.FAILED, message))
-        output_socket.close()
+        channels.send_failure(message)
+        channels.close()
         context.term()
         os._exit(1)
     freeze_startup_objects("engine core")
-    proc = EngineCoreProc(engine, context, input_address, output_socket)
+    proc = EngineCoreProc(engine, channels)
     proc.run()
 
 
 class EngineCoreProc:
-    def __init__(self, engine: EngineCore, context: zmq.Context, input_address: str, output_socket: zmq.Socket) -> None:
+    def __init__(self, engine: EngineCore, channels: ClientChannels) -> None:
         self.engine = engine
-        self.input_queue: queue.Queue[tuple[MessageKind, Any]] = queue.Queue()
+        self.channels = channels
+        self.input_queue: queue.Queue[tuple[int, MessageKind, Any]] = queue.Queue()
+        # (target, message), or outputs to split among the API servers, or _STOP
         self.output_queue: queue.Queue[Any] = queue.Queue()
-        self.input_socket = context.socket(zmq.PULL)
-        self.input_socket.connect(input_address)
-        self.output_socket = output_socket
         self._running = True
-        threading.Thread(target=self._receive_loop, name="engine-core-input", daemon=True).start()
+        threading.Thread(target=channels.receive_loop, args=(self._put_input,), name="engine-core-input",
+                         daemon=True).start()
         self._sender = threading.Thread(target=self._send_loop, name="engine-core-output", daemon=True)
         self._sender.start()
         model = engine.config.model
-        self.output_queue.put(
-            pack(
+        self._put_output(ALL, pack(
                 MessageKind.READY,
                 {
                     "num_kv_blocks": engine.scheduler.kv_cache_manager.num_blocks,
@@ -99,39 +98,41 @@ class EngineCoreProc:
                     "kv_events": engine.kv_events_info(),
                     "block_size": engine.config.cache.block_size,
                 },
-            )
-        )
+        ))
 
-    def _receive_loop(self) -> None:
-        while True:
-            try:
-                self.input_queue.put(unpack(self.input_socket.recv()))
-            except zmq.ZMQError:
-                return
+    def _put_input(self, client: int, kind: MessageKind, payload: Any) -> None:
+        self.input_queue.put((client, kind, payload))
+
+    def _put_output(self, target: int, message: bytes) -> None:
+        self.output_queue.put((target, message))
 
     def _send_loop(self) -> None:
         while True:
             item = self.output_queue.get()
             if item is _STOP:
                 return
-            self.output_socket.send(item)
+            if isinstance(item, EngineCoreOutputs):
+                for target, message in self.channels.split(item):
+                    self.channels.send(target, message)
+            else:
+                self.channels.send(*item)
 
-    def _handle(self, kind: MessageKind, payload: Any) -> None:
+    def _handle(self, client: int, kind: MessageKind, payload: Any) -> None:
         if kind == MessageKind.ADD:
-            self.engine.add_request(decode_request(payload))
+            request = decode_request(payload)
+            request.request_id = self.channels.tag(client, request.request_id)
+            self.engine.add_request(request)
         elif kind == MessageKind.ABORT:
-            outputs = self.engine.abort_requests(payload)
+            outputs = self.engine.abort_requests([self.channels.tag(client, rid) for rid in payload])
             if outputs:
                 self._send(EngineCoreOutputs(outputs=outputs, scheduler_stats=self.engine.scheduler.make_stats()))
         elif kind == MessageKind.UTILITY:
             call_id, method, args = payload
             try:
-                result = self._utility(method, args)
-                self.output_queue.put(pack(MessageKind.UTILITY_RESULT, [call_id, True, result]))
+                reply = [call_id, True, self._utility(method, args)]
             except Exception as exc:  # reported to the caller, the engine keeps running
-                self.output_queue.put(
-                    pack(MessageKind.UTILITY_RESULT, [call_id, False, f"{type(exc).__name__}: {exc}"])
-                )
+                reply = [call_id, False, f"{type(exc).__name__}: {exc}"]
+            self._put_output(client, pack(MessageKind.UTILITY_RESULT, reply))
         elif kind == MessageKind.SHUTDOWN:
             self.engine.finish_profile()
             self.engine.shutdown()
@@ -155,7 +156,7 @@ class EngineCoreProc:
         raise ValueError(f"unknown utility {method!r}")
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
-        self.output_queue.put(pack(MessageKind.OUTPUTS, encode_outputs(outputs)))
+        self.output_queue.put(outputs)  # split and encoded by the sender thread
 
     def run(self) -> None:
         engine = self.engine
@@ -165,10 +166,10 @@ class EngineCoreProc:
                 block = not engine.has_unfinished_requests()
                 while True:
                     try:
-                        kind, payload = self.input_queue.get(block=block, timeout=1.0 if block else None)
+                        client, kind, payload = self.input_queue.get(block=block, timeout=1.0 if block else None)
                     except queue.Empty:
                         break
-                    self._handle(kind, payload)
+                    self._handle(client, kind, payload)
                     block = False
                 if not self._running:
                     break
@@ -177,7 +178,7 @@ class EngineCoreProc:
                     self._send(engine.step())
         except BaseException:
             logger.error("engine core died:\n%s", traceback.format_exc())
-            self.output_queue.put(pack(MessageKind.FAILED, traceback.format_exc(limit=3)))
+            self._put_output(ALL, pack(MessageKind.FAILED, traceback.format_exc(limit=3)))
             raise
         finally:
             self.output_queue.put(_STOP)
@@ -185,12 +186,13 @@ class EngineCoreProc:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m heron.engine.core_proc CONFIG_PICKLE INPUT OUTPUT LOG_LEVEL``"""
-    config_path, input_address, output_address, log_level = argv
-    with open(config_path, "rb") as config_file:
-        config = pickle.load(config_file)
-    os.unlink(config_path)
-    run_engine_core(config, input_address, output_address, log_level)
+    """``python -m heron.engine.core_proc START_PICKLE LOG_LEVEL``: the pickle
+    holds the config and the API servers' addresses."""
+    start_path, log_level = argv
+    with open(start_path, "rb") as start_file:
+        config, clients = pickle.load(start_file)
+    os.unlink(start_path)
+    run_engine_core(config, clients, log_level)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import zmq.asyncio
 from heron.config import EngineConfig, KVEventsConfig
 from heron.core.hashing import BlockHash, prompt_block_hashes
 from heron.engine.args import EngineArgs
-from heron.engine.core_client import EngineCoreClient, EngineCoreProcess
+from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess
 from heron.engine.serialization import MessageKind, decode_outputs
 from heron.request import EngineCoreRequest
 from heron.routing.kv_index import KVBlockIndex
@@ -41,10 +41,13 @@ from heron.step_outputs import EngineCoreOutputs, SchedulerStats
 logger = logging.getLogger(__name__)
 
 
-def start_engine_cores(engine: EngineConfig | EngineArgs, log_level: str = "INFO") -> list[EngineCoreProcess]:
+def start_engine_cores(
+    engine: EngineConfig | EngineArgs, log_level: str = "INFO", num_clients: int = 1
+) -> list[EngineCoreProcess]:
     """One engine-core process per data-parallel rank, each publishing its
     KV-cache events on its own socket (the user's endpoint with the port plus
-    the rank, or a private IPC socket when the user asked for none)."""
+    the rank, or a private IPC socket when the user asked for none), each
+    talking to ``num_clients`` API servers."""
     size = engine.data_parallel_size
     private_dir = tempfile.mkdtemp(prefix="heron-dp-") if size > 1 else ""
     if private_dir:  # the private event sockets live as long as this (the API server's) process
@@ -58,7 +61,7 @@ def start_engine_cores(engine: EngineConfig | EngineArgs, log_level: str = "INFO
         else:
             ranked = replace(engine, kv_events=rank_kv_events(engine.kv_events, rank, private_dir)) if size > 1 \
                 else engine
-        processes.append(EngineCoreProcess.start(ranked, log_level))
+        processes.append(EngineCoreProcess.start(ranked, log_level, num_clients))
     return processes
 
 
@@ -103,8 +106,10 @@ class _Engine:
 
 
 class DataParallelClient:
-    def __init__(self, config: EngineConfig, started: Sequence[EngineCoreProcess],
+    def __init__(self, config: EngineConfig, started: Sequence[EngineCoreProcess | EngineCoreEndpoint],
                  policy: RoutingPolicy = "kv_aware") -> None:
+        """``started``: the engine cores, owned by this client (processes) or by
+        another process (endpoints: ``--api-server-count``)."""
         self.config = config
         self.engines = [_Engine(rank, EngineCoreClient(config, started=process))
                         for rank, process in enumerate(started)]
@@ -166,7 +171,11 @@ class DataParallelClient:
             if owner is not None:
                 engine.load.release(owner[1])
         if outputs.scheduler_stats is not None:
-            engine.stats = outputs.scheduler_stats
+            engine.stats = stats = outputs.scheduler_stats
+            # the engine's own count covers requests other API servers sent it
+            engine.load.reported_running = stats.num_running_reqs
+            engine.load.reported_waiting = stats.num_waiting_reqs
+            engine.load.kv_cache_usage = stats.kv_cache_usage
             outputs.scheduler_stats = _sum_stats([e.stats for e in self.engines if e.stats is not None])
         return outputs
 

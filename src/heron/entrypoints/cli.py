@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             from heron.engine.dp_client import start_engine_cores
 
             # first: the engine cores load the model while this process starts the server
-            started = start_engine_cores(EngineArgs.from_cli_args(args, usage="serve"), args.log_level)
+            started = start_engine_cores(EngineArgs.from_cli_args(args, usage="serve"), args.log_level,
+                                         num_clients=args.api_server_count)
             from heron.entrypoints.openai.server import run_server
 
             return run_server(args, started)

@@ -1,11 +1,21 @@
 """Prometheus metrics named like vLLM's, with the ``heron:`` prefix, so existing
-dashboards and alerts carry over. Each server owns its registry (no globals)."""
+dashboards and alerts carry over. Each server owns its registry (no globals).
+
+Several API-server processes (``heron serve --api-server-count M``) run in
+prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by the
+launcher before they start): request metrics add up across the processes, and
+the engines' own figures (running and waiting requests, KV usage, prefix-cache
+and preemption counters), which every API server receives, are recorded by
+one of them only, so nothing is counted M times. Any process's /metrics
+answers for the whole server."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from heron.metrics.stats import IterationStats
 from heron.step_outputs import SchedulerStats
@@ -31,14 +41,24 @@ EXPORTED_METRICS = (
 )
 
 
+def multiprocess_dir() -> str | None:
+    """Where the API-server processes of one server keep their metrics, if several share them."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 record_engine_stats: bool = True) -> None:
+        """``record_engine_stats``: record the engines' scheduler statistics (one
+        API server of several does)."""
         self.registry = registry or CollectorRegistry()
+        self.record_engine_stats = record_engine_stats
         labels = ["model_name"]
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"heron:{name}", doc, labels, registry=r)
+            # one API server sets these; the others' zeros never win the max
+            return Gauge(f"heron:{name}", doc, labels, registry=r, multiprocess_mode="livemax")
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(f"heron:{name}", doc, labels + (extra or []), registry=r)
@@ -79,8 +99,7 @@ class PrometheusStatLogger:
         )
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step", _TOKEN_BUCKETS)
         # what each step runs (labels: worker/compute_path.py), set once the engine is ready
-        self.compute_path = Info("heron:compute_path", "The engine's compute path: device, dtype, kernels, decode path",
-                                 labels, registry=r)
+        self.compute_path: Gauge | None = None
         self.model_name = model_name
         self._last_cumulative = SchedulerStats()
         for metric in (self.running, self.waiting, self.kv_usage):
@@ -90,16 +109,27 @@ class PrometheusStatLogger:
         """Requests placed on each engine core (data parallelism), so far."""
         if self.engine_requests is None:
             self.engine_requests = Gauge("heron:engine_requests", "Requests placed on each engine core so far",
-                                         ["model_name", "engine"], registry=self.registry)
+                                         ["model_name", "engine"], registry=self.registry,
+                                         multiprocess_mode="livesum")
         for rank, count in enumerate(counts):
             self.engine_requests.labels(self.model_name, str(rank)).set(count)
 
     def set_compute_path(self, path: dict[str, str]) -> None:
-        self.compute_path.labels(self.model_name).info({key: str(value) for key, value in path.items()})
+        """``heron:compute_path_info``: 1, with the path as labels (an info gauge)."""
+        labels = {key: str(value) for key, value in path.items() if key != "model_name"}
+        labels["model_name"] = self.model_name
+        if self.compute_path is not None and set(self.compute_path._labelnames) != set(labels):
+            self.registry.unregister(self.compute_path)
+            self.compute_path = None
+        if self.compute_path is None:
+            self.compute_path = Gauge("heron:compute_path_info",
+                                      "The engine's compute path: device, dtype, kernels, decode path",
+                                      sorted(labels), registry=self.registry, multiprocess_mode="livemax")
+        self.compute_path.labels(**labels).set(1)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
         name = self.model_name
-        if scheduler_stats is not None:
+        if scheduler_stats is not None and self.record_engine_stats:
             self.running.labels(name).set(scheduler_stats.num_running_reqs)
             self.waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
             self.kv_usage.labels(name).set(scheduler_stats.kv_cache_usage)
@@ -144,4 +174,9 @@ class PrometheusStatLogger:
                 self.tpot.labels(name).observe(finished.mean_time_per_output_token)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = multiprocess_dir()
+        if directory is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, directory)
+        return generate_latest(registry)

@@ -14,6 +14,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats log lines")
+    group.add_argument("--api-server-count", type=_positive_int, default=1,
+                       help="API-server processes sharing the port (SO_REUSEPORT), each talking to every engine core")
     gateway = parser.add_argument_group("gateway")
     gateway.add_argument("--api-key", action="append", default=None,
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")
@@ -28,3 +30,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument(
         "--max-request-body-bytes", type=parse_size, default=10 << 20, help="largest accepted request body"
     )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value

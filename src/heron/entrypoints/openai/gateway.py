@@ -1,5 +1,6 @@
 """Gateway duties in front of the engine: API keys, per-key token-bucket rate
-limits, and a request-body size limit. Admission against the engine's queue
+limits (shared by every API-server process: ``shared_gateway.py``), and a
+request-body size limit. Admission against the engine's queue
 (``--max-waiting-requests``) is checked by the handlers, which know the engine."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from heron import envs
 from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
+from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 
 API_KEY_ENV = envs.HERON_API_KEY
 
@@ -58,34 +60,43 @@ class _Bucket:
 
 
 class TokenBucketLimiter:
-    """``rate`` requests per second per key, with bursts up to ``burst``."""
+    """``rate`` requests per second per key, with bursts up to ``burst``; the
+    buckets live in this process, or in the state every API-server process of
+    one server shares (``shared``: ``--api-server-count``)."""
 
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic,
+                 shared: SharedGatewayState | None = None) -> None:
         if rate <= 0 or burst < 1:
             raise ValueError("rate limit needs rate > 0 and burst >= 1")
         self.rate = rate
         self.burst = burst
         self.clock = clock
+        self.shared = shared
         self._buckets: dict[str, _Bucket] = {}
 
     def acquire(self, key: str) -> None:
         """Take one token for ``key`` or raise a 429 APIError with Retry-After."""
         now = self.clock()
+        wait = self.shared.take_token(key, self.rate, self.burst, now) if self.shared else self._take(key, now)
+        if wait > 0:
+            raise too_many_requests(
+                f"Rate limit exceeded: {self.rate:g} requests/s per key (burst {self.burst:g}).",
+                wait,
+                "rate_limit_exceeded",
+            )
+
+    def _take(self, key: str, now: float) -> float:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(self.burst, now)
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
         bucket.updated = now
         if bucket.tokens < 1.0:
-            wait = (1.0 - bucket.tokens) / self.rate
-            raise too_many_requests(
-                f"Rate limit exceeded: {self.rate:g} requests/s per key (burst {self.burst:g}).",
-                wait,
-                "rate_limit_exceeded",
-            )
+            return (1.0 - bucket.tokens) / self.rate
         bucket.tokens -= 1.0
         if len(self._buckets) > 100_000:  # forget idle keys rather than grow forever
             self._buckets = {k: b for k, b in self._buckets.items() if now - b.updated < 3600}
+        return 0.0
 
 
 class GatewayMiddleware:

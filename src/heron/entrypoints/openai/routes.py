@@ -47,7 +47,7 @@ async def health(ctx: Serving) -> Response:
         return JSONResponse({"status": "dead", "reason": engine.dead_reason}, status_code=503)
     if not engine.is_ready:
         return JSONResponse({"status": "loading"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", **ctx.health_extra})
 
 
 @router.get("/version")

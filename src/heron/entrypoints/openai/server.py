@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from fastapi import FastAPI
 from heron import __version__
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
-from heron.engine.async_llm import AsyncLLM
+from heron.engine.async_llm import AsyncLLM, StartedEngineCore
 from heron.engine.core_client import EngineCoreProcess
 from heron.engine.dp_client import start_engine_cores
 from heron.entrypoints.openai.gateway import (
@@ -32,6 +33,7 @@ from heron.entrypoints.openai.gateway import (
 )
 from heron.entrypoints.openai.routes import install_error_handlers, router
 from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
+from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 from heron.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -47,16 +49,31 @@ class GatewaySettings:
     max_request_body_bytes: int = 10 << 20
 
 
-def build_app(engine: AsyncLLM, settings: GatewaySettings) -> FastAPI:
+@dataclass(frozen=True)
+class APIServerRole:
+    """One of several API-server processes on one port (``--api-server-count``)."""
+
+    index: int
+    count: int
+    listen_socket: socket.socket  # bound with SO_REUSEPORT; uvicorn listens on it
+    shared: SharedGatewayState
+
+
+def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole | None = None) -> FastAPI:
     """The app: gateway middleware (keys, rate limit, readiness, body size),
-    OpenAI-shaped errors, and the routes of ``routes.py``."""
+    OpenAI-shaped errors, and the routes of ``routes.py``. ``role``: which of
+    several API-server processes this is (they share the limits' state)."""
+    shared = role.shared if role else None
     model = engine.config.model
     keys = APIKeyChecker(settings.api_keys)
     limiter = (
-        TokenBucketLimiter(settings.rate_limit, settings.rate_limit_burst or max(1.0, 2 * settings.rate_limit))
+        TokenBucketLimiter(settings.rate_limit, settings.rate_limit_burst or max(1.0, 2 * settings.rate_limit),
+                           shared=shared)
         if settings.rate_limit
         else None
     )
+    if shared is not None:
+        engine.on_waiting_changed = shared.publish_waiting
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,6 +89,8 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings) -> FastAPI:
         max_model_len=model.max_model_len,
         max_waiting_requests=settings.max_waiting_requests,
         request_timeout_s=settings.request_timeout_s,
+        shared=shared,
+        health_extra={"api_server": role.index, "api_server_count": role.count} if role else {},
     )
     app.state.created = int(time.time())
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
@@ -99,6 +118,10 @@ def run_server(args: argparse.Namespace, started: list[EngineCoreProcess] | None
     web stack or torch: they resolve the flags themselves and load the model
     while this process resolves them too and loads the tokenizer)."""
     engine_args = EngineArgs.from_cli_args(args, usage="serve")
+    if args.api_server_count > 1:
+        from heron.entrypoints.openai.api_server_pool import run_api_servers
+
+        return run_api_servers(args, engine_args, started)
     started = started or start_engine_cores(engine_args, args.log_level)
     try:
         config = engine_args.create_engine_config()
@@ -108,20 +131,22 @@ def run_server(args: argparse.Namespace, started: list[EngineCoreProcess] | None
         raise
     settings = gateway_settings_from_args(args)
     logger.info("starting heron %s (loading %s)", __version__, config.model.served_model_name)
-    return asyncio.run(_serve(args, config, settings, started))
+    return asyncio.run(serve_api(args, config, settings, started))
 
 
-async def _serve(
+async def serve_api(
     args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings,
-    started: list[EngineCoreProcess] | None = None,
+    started: Sequence[StartedEngineCore] | None = None, role: APIServerRole | None = None,
 ) -> int:
+    """Run one API server until it is told to stop."""
     import uvicorn
 
     # created inside the event loop: its ZMQ sockets belong to this loop
-    engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started)
+    engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started,
+                      record_engine_stats=role is None or role.index == 0)
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(engine, settings),
+            build_app(engine, settings, role),
             host=args.host,
             port=args.port,
             log_level="warning",
@@ -142,6 +167,8 @@ async def _serve(
             logger.error("%s", exc)
             server.should_exit = True
             return
+        if role is not None and role.index > 0:
+            return  # the first of several API servers speaks for them
         logger.info(
             "heron is ready at %s (model %r). Try:\n  curl %s/v1/chat/completions%s "
             "-H 'Content-Type: application/json' -d '{\"model\": \"%s\", \"messages\": "
@@ -151,7 +178,7 @@ async def _serve(
 
     announcer = asyncio.create_task(announce_when_ready())
     try:
-        await server.serve()
+        await server.serve(sockets=[role.listen_socket] if role else None)
     finally:
         announcer.cancel()
         engine.shutdown()

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -26,6 +26,7 @@ from heron.entrypoints.openai.errors import (
     unavailable,
 )
 from heron.entrypoints.openai.protocol import OpenAIModel, SamplingFields
+from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams, StructuredOutputsParams
 
@@ -40,6 +41,14 @@ class ServingContext:
     max_model_len: int
     max_waiting_requests: int | None = None
     request_timeout_s: float | None = None
+    # the state every API-server process of this server shares (--api-server-count)
+    shared: SharedGatewayState | None = None
+    # more of /health's answer when ready (which of several API servers answered)
+    health_extra: dict[str, Any] = field(default_factory=dict)
+
+    def waiting_requests(self) -> int:
+        """Requests without a first token yet, in the whole server."""
+        return self.shared.total_waiting() if self.shared else self.engine.num_waiting_requests
 
 
 def new_request_id(prefix: str) -> str:
@@ -63,10 +72,10 @@ def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) 
     unknown = request.unknown_fields()
     if unknown:
         logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
-    engine = ctx.engine
-    if ctx.max_waiting_requests is not None and engine.num_waiting_requests >= ctx.max_waiting_requests:
+    waiting = ctx.waiting_requests() if ctx.max_waiting_requests is not None else 0
+    if ctx.max_waiting_requests is not None and waiting >= ctx.max_waiting_requests:
         raise too_many_requests(
-            f"The server is overloaded: {engine.num_waiting_requests} requests are already waiting "
+            f"The server is overloaded: {waiting} requests are already waiting "
             f"(limit {ctx.max_waiting_requests}); retry later.",
             1.0,
             "server_overloaded",

@@ -1,0 +1,135 @@
+"""``heron serve --api-server-count M``: M API-server processes on one port.
+
+When one API server's event loop is the bottleneck (HTTP parsing, SSE framing,
+detokenization at high concurrency), more of them share the port. This process
+(the launcher) starts the engine cores with M connections each, reserves the
+port, and starts M API servers; each binds the port with ``SO_REUSEPORT`` (the
+kernel spreads new connections among them) and talks to every engine core.
+They share:
+
+* the gateway's limits, through a state file (``shared_gateway.py``);
+* their metrics, through prometheus_client's multiprocess directory, so any
+  process's /metrics answers for the server.
+
+The launcher holds the port bound (not listening) from start to end: no other
+user can take it, and ``--port 0`` resolves to one port for all. It stops
+everything when told to (SIGINT or SIGTERM, passed on to the API servers,
+which finish their requests) or when an API server dies (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from heron.engine.args import EngineArgs
+from heron.engine.core_client import EngineCoreProcess
+from heron.engine.dp_client import start_engine_cores
+from heron.entrypoints.openai.shared_gateway import create_shared_gateway_file
+
+logger = logging.getLogger(__name__)
+
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def bind_shared_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT`` (not listening)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop()
+
+
+def run_api_servers(args: argparse.Namespace, engine_args: EngineArgs,
+                    started: list[EngineCoreProcess] | None = None) -> int:
+    """Start the API servers over the engine cores (``started`` with
+    ``args.api_server_count`` connections each, or started here), and supervise."""
+    count = args.api_server_count
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ValueError("--api-server-count > 1 needs SO_REUSEPORT (Linux, macOS or BSD)")
+    started = started or start_engine_cores(engine_args, args.log_level, num_clients=count)
+    workdir = tempfile.mkdtemp(prefix="heron-api-")
+    servers: list[subprocess.Popen[bytes]] = []
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    port_holder: socket.socket | None = None
+    try:
+        port_holder = bind_shared_port(args.host, args.port)
+        port = port_holder.getsockname()[1]
+        metrics_dir = os.path.join(workdir, "metrics")
+        os.mkdir(metrics_dir)
+        shared_path = os.path.join(workdir, "gateway")
+        create_shared_gateway_file(shared_path, count)
+        env = {**os.environ, METRICS_DIR_ENV: metrics_dir}
+        for index in range(count):
+            start_path = os.path.join(workdir, f"api-server-{index}.pickle")
+            with open(start_path, "wb") as start_file:
+                pickle.dump((args, port, index, [p.endpoint(index) for p in started], shared_path), start_file)
+            servers.append(subprocess.Popen(
+                [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path], env=env))
+        logger.info("%d API servers on port %d (pids %s) over %d engine core(s)",
+                    count, port, ", ".join(str(s.pid) for s in servers), len(started))
+        return _supervise(servers)
+    except (_Stop, KeyboardInterrupt):
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop_all(servers, started)
+        if port_holder is not None:
+            port_holder.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(servers: Sequence[subprocess.Popen[bytes]]) -> int:
+    """Wait until an API server exits: a clean exit of all (they were told to
+    stop) is 0; one dying under the others is 1."""
+    while True:
+        exited = [server for server in servers if server.poll() is not None]
+        if (exited and len(exited) < len(servers)) or any(server.returncode for server in exited):
+            logger.error("API server (pid %d) exited with code %s: stopping the others",
+                         exited[0].pid, exited[0].returncode)
+            return 1
+        if exited:
+            return 0
+        time.sleep(0.2)
+
+
+def _stop_all(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[EngineCoreProcess]) -> None:
+    """API servers first (they finish what they serve), then the engine cores."""
+    for server in servers:
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 15
+    for server in servers:
+        try:
+            server.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    for engine in engines:
+        engine.stop()
+

@@ -1,0 +1,46 @@
+"""One API-server process of ``heron serve --api-server-count M``, started by
+``api_server_pool.py``: ``python -m heron.entrypoints.openai.api_server_proc START_PICKLE``.
+
+It resolves the same flags as the launcher's engine cores (and checks the
+engines agree when they report ready), binds the shared port with
+``SO_REUSEPORT``, and serves until SIGINT or SIGTERM. It never stops the engine
+cores: the launcher owns them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+
+from heron.engine.args import EngineArgs
+from heron.entrypoints.cli import configure_logging
+from heron.entrypoints.openai.api_server_pool import METRICS_DIR_ENV, bind_shared_port
+from heron.entrypoints.openai.server import APIServerRole, gateway_settings_from_args, serve_api
+from heron.entrypoints.openai.shared_gateway import SharedGatewayState
+
+
+def main(start_path: str) -> int:
+    with open(start_path, "rb") as start_file:
+        args, port, index, endpoints, shared_path = pickle.load(start_file)
+    os.unlink(start_path)
+    configure_logging(args.log_level)
+    args.port = port
+    config = EngineArgs.from_cli_args(args, usage="serve").create_engine_config()
+    shared = SharedGatewayState(shared_path, index)
+    listen_socket = bind_shared_port(args.host, port)
+    role = APIServerRole(index, shared.num_servers, listen_socket, shared)
+    try:
+        return asyncio.run(serve_api(args, config, gateway_settings_from_args(args), endpoints, role))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid(), os.environ[METRICS_DIR_ENV])
+        listen_socket.close()
+        shared.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,134 @@
+"""`heron serve --api-server-count 2 --data-parallel-size 2`: two API-server
+processes on one port, each talking to both engine cores. Connections reach
+both; answers are right; /metrics from either counts every request once; the
+rate limit holds for the server, not per process; a dying API server takes the
+whole server down cleanly, and so does SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.e2e.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = ("key-traffic", "key-limited")
+BURST = 12
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process under ``pid``, with its command line."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    commands[int(entry)] = cmdline.read().replace(b"\0", b" ").decode()
+            except (OSError, ValueError):
+                continue
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found[child] = commands.get(child, "")
+                frontier.append(child)
+    return found
+
+
+def api_server_pids(server: ServerProcess) -> list[int]:
+    return [pid for pid, command in descendants(server.process.pid).items() if "api_server_proc" in command]
+
+
+def gone(pids: list[int], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def start() -> ServerProcess:
+    keys = [arg for key in KEYS for arg in ("--api-key", key)]
+    return ServerProcess("--api-server-count", "2", "--data-parallel-size", "2", "--max-num-seqs", "8",
+                         "--rate-limit", "0.001", "--rate-limit-burst", str(BURST), *keys)
+
+
+def test_two_api_servers_share_the_port_the_metrics_and_the_limits():
+    server = start()
+    try:
+        family = descendants(server.process.pid)
+        assert len(api_server_pids(server)) == 2
+        assert sum("heron.engine.core_proc" in command for command in family.values()) == 2
+        # new connections land on both API servers (SO_REUSEPORT spreads them)
+        answered = {httpx.get(f"{server.base_url}/health", timeout=5).json()["api_server"] for _ in range(40)}
+        assert answered == {0, 1}
+
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key=KEYS[0])
+        client.completions.create(model=MODEL, prompt="Warm up", max_tokens=1)  # the counters' first series
+        time.sleep(0.5)
+        success_before = server.metric("heron:request_success_total")
+        queries_before = server.metric("heron:prefix_cache_queries_total")
+        prompt_tokens = 0
+        for _ in range(3):  # each on a fresh connection
+            fresh = OpenAI(base_url=f"{server.base_url}/v1", api_key=KEYS[0], http_client=httpx.Client())
+            answer = fresh.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "What is the capital of Japan?"}],
+                max_tokens=8, temperature=0)
+            assert "Tokyo" in answer.choices[0].message.content
+            prompt_tokens += answer.usage.prompt_tokens
+        stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                           temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "Paris" in "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        prompt_tokens += chunks[-1].usage.prompt_tokens
+        time.sleep(0.5)  # the last step's statistics reach the API servers
+        # request metrics add up over both processes; the engines' counters are not doubled
+        for _ in range(4):
+            assert server.metric("heron:request_success_total") - success_before == 4
+            assert server.metric("heron:prefix_cache_queries_total") - queries_before == prompt_tokens
+        assert server.metric("heron:compute_path_info", device="cpu") == 1.0
+        assert sum(server.metric("heron:engine_requests", engine=str(rank)) for rank in (0, 1)) >= 4
+
+        # one burst for the key across both processes (a per-process limit would pass up to twice as many)
+        statuses = [httpx.get(f"{server.base_url}/v1/models", timeout=5,
+                              headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code for _ in range(3 * BURST)]
+        assert statuses.count(200) == BURST and statuses.count(429) == 2 * BURST, statuses
+    finally:
+        server.stop()
+    assert server.process.returncode == 0
+
+
+def test_a_dead_api_server_stops_the_whole_server_and_sigint_stops_it_cleanly():
+    server = start()
+    family = list(descendants(server.process.pid))
+    victim = api_server_pids(server)[0]
+    os.kill(victim, signal.SIGKILL)
+    assert server.process.wait(30) == 1  # the launcher noticed and stopped the rest
+    assert gone(family), descendants(server.process.pid)
+    assert "exited with code -9: stopping the others" in server.read_log()
+    server.stop()
+
+    server = start()
+    family = list(descendants(server.process.pid))
+    server.process.send_signal(signal.SIGINT)
+    try:
+        assert server.process.wait(30) == 0
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        raise
+    assert gone(family)
+    server.stop()
