@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median
 from pathlib import Path
 
 import httpx
@@ -88,41 +89,50 @@ def run_policy(policy: str, workload: list[str], out: Path) -> dict:
             replica.stop()
 
 
-def router_latency(num_requests: int = 300) -> dict:
+def router_latency(num_requests: int = 1000) -> dict:
     """What the router adds to a request: the proxy hop, timed on a request the
-    replica answers at once (``GET /v1/models``, p50 of sequential requests,
-    straight and through the router), plus the router's hashing and choice for
-    a generation request (its ``heron_router_decision_seconds``)."""
+    replica answers at once (``GET /v1/models``, sequential requests on kept-alive
+    connections, straight and through the router in alternation so both see the
+    same machine; the p50 of each and of the paired differences), plus the
+    router's hashing and choice for a chat request (its
+    ``heron_router_decision_seconds``, after a warm-up that compiles the chat template)."""
     replica = ServerProcess("--kv-events-config", KV_EVENTS)
     router = None
     try:
         router = RouterProcess([replica.base_url])
-        hop = {}
-        for name, base in (("direct", replica.base_url), ("routed", router.base_url)):
-            with httpx.Client(timeout=10) as client:
-                for _ in range(20):
-                    client.get(f"{base}/v1/models")
+        with httpx.Client(timeout=10) as direct, httpx.Client(timeout=10) as routed:
+            pairs = []
+            for index in range(num_requests + 50):
                 times = []
-                for _ in range(num_requests):
+                for client, base in ((direct, replica.base_url), (routed, router.base_url)):
                     started = time.perf_counter()
                     client.get(f"{base}/v1/models").raise_for_status()
-                    times.append(time.perf_counter() - started)
-            hop[name] = 1000 * sorted(times)[len(times) // 2]
+                    times.append(1000 * (time.perf_counter() - started))
+                if index >= 50:  # warm-up
+                    pairs.append(times)
         body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
-                "messages": [{"role": "user", "content": "Which bird waits in the shallows? " * 20}]}
-        for _ in range(20):
+                "messages": [{"role": "system", "content": "You answer questions about estuary birds. " * 30},
+                             {"role": "user", "content": "Which bird waits in the shallows?"}]}
+        for _ in range(5):
             httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
-        metrics = httpx.get(f"{router.base_url}/metrics", timeout=5).text
-        total = next(float(line.split()[1]) for line in metrics.splitlines()
-                     if line.startswith("heron_router_decision_seconds_sum"))
-        count = next(float(line.split()[1]) for line in metrics.splitlines()
-                     if line.startswith("heron_router_decision_seconds_count"))
-        return {"direct_p50_ms": hop["direct"], "routed_p50_ms": hop["routed"],
-                "proxy_hop_ms": hop["routed"] - hop["direct"], "decision_mean_ms": 1000 * total / count}
+        before = _decision_totals(router)
+        for number in range(50):
+            body["messages"][1]["content"] = f"Which bird waits in the shallows? ({number})"
+            httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+        total, count = (after - start for after, start in zip(_decision_totals(router), before, strict=True))
+        return {"direct_p50_ms": median([d for d, _ in pairs]), "routed_p50_ms": median([r for _, r in pairs]),
+                "proxy_hop_ms": median([r - d for d, r in pairs]), "decision_mean_ms": 1000 * total / count}
     finally:
         if router is not None:
             router.stop()
         replica.stop()
+
+
+def _decision_totals(router: RouterProcess) -> tuple[float, float]:
+    metrics = httpx.get(f"{router.base_url}/metrics", timeout=5).text
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("heron_router_decision_seconds_")}
+    return values["heron_router_decision_seconds_sum"], values["heron_router_decision_seconds_count"]
 
 
 def main() -> None:

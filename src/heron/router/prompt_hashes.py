@@ -12,6 +12,7 @@ from typing import Any
 from heron.core.hashing import BlockHash, prompt_block_hashes
 from heron.engine.args import EngineArgs
 from heron.engine.input_processor import InputProcessor
+from heron.loader.segment_encoder import SegmentEncoder
 from heron.loader.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,10 @@ class PromptHasher:
         config = EngineArgs(model=model, tokenizer=tokenizer, device="cpu").create_engine_config()
         self.processor = InputProcessor(config.model, load_tokenizer(config.model))
         # the Rust tokenizer behind transformers' wrapper: the same ids at a tenth of the
-        # cost (the wrapper's per-call overhead is most of a short prompt's encoding)
+        # cost (the wrapper's per-call overhead is most of a short prompt's encoding),
+        # with the long pieces it has seen (a shared system prompt) remembered
         self._backend = getattr(self.processor.tokenizer, "_tokenizer", None)
+        self._segments = SegmentEncoder.create(self._backend)
 
     def block_hashes(self, path: str, body: dict[str, Any], block_size: int) -> list[BlockHash]:
         try:
@@ -55,6 +58,8 @@ class PromptHasher:
         return self.processor.process_prompt(prompt).token_ids
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._segments is not None:
+            return self._segments.encode(text, add_special_tokens)
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self.processor.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from heron.gc_freeze import freeze_startup_objects
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
 from heron.routing.policies import Router
@@ -85,6 +86,7 @@ class RouterServer:
     async def _start(self, _: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.replicas.start(self.session)
+        freeze_startup_objects("router")  # the tokenizer and transformers' objects: no full-collection pauses
 
     async def _stop(self, _: web.Application) -> None:
         await self.replicas.stop()

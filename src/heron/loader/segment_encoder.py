@@ -1,0 +1,82 @@
+"""Tokenization that remembers long pieces of text it has seen: the shared
+system prompt of many chat requests is encoded once, not per request.
+
+A Hugging Face (Rust) tokenizer cuts its added tokens (``<|im_start|>`` and the
+like) out of the text before anything else, and encodes the pieces between
+them independently. So the ids of a text are the concatenation of its pieces'
+ids with the added tokens' ids between them, and a piece seen before can be
+looked up instead of encoded. That holds when nothing crosses a piece's
+boundary: no normalizer, no added token that strips spaces around it or must
+be a single word, and no special tokens added around the whole (a post-processor
+adding BOS, say, when the caller asks for special tokens). ``SegmentEncoder.create``
+checks these and a sample encoding against the tokenizer, and returns None when
+any fails; callers then encode whole texts.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# pieces shorter than this are encoded every time: cheap, and they would churn the cache
+MIN_CACHED_CHARS = 64
+
+_SAMPLE = ("{s}system\nYou are a careful assistant.  Answer briefly.\n{e}\n{s}user\nWhat's 2+2? "
+           "Ünïcode, emoji 🦩 and   spaces\t{e}\n{s}assistant\n")
+
+
+class SegmentEncoder:
+    def __init__(self, backend: Any, added: dict[str, int], max_entries: int = 4096) -> None:
+        self.backend = backend
+        self.added = added
+        self.pattern = re.compile("(" + "|".join(re.escape(text) for text in sorted(added, key=len, reverse=True))
+                                  + ")") if added else None
+        self.max_entries = max_entries
+        self._cache: dict[str, list[int]] = {}
+        # a post-processor that adds tokens around the whole text (BOS, say): such encodings go whole
+        self._adds_special_tokens = (backend.encode("a", add_special_tokens=True).ids
+                                     != backend.encode("a", add_special_tokens=False).ids)
+
+    @staticmethod
+    def create(backend: Any, max_entries: int = 4096) -> SegmentEncoder | None:
+        """For a ``tokenizers.Tokenizer`` on which piecewise encoding is exact, else None."""
+        if backend is None or getattr(backend, "normalizer", None) is not None:
+            return None
+        try:
+            tokens = backend.get_added_tokens_decoder()
+        except AttributeError:
+            return None
+        if any(token.lstrip or token.rstrip or token.single_word for token in tokens.values()):
+            return None
+        encoder = SegmentEncoder(backend, {token.content: token_id for token_id, token in tokens.items()},
+                                 max_entries)
+        texts = [token.content for token in tokens.values()]
+        sample = _SAMPLE.format(s=texts[1] if len(texts) > 1 else "", e=texts[0] if texts else "")
+        for specials in (False, True):
+            if encoder.encode(sample, specials) != backend.encode(sample, add_special_tokens=specials).ids:
+                return None
+        return encoder
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The tokenizer's ids for ``text``."""
+        if add_special_tokens and self._adds_special_tokens:
+            return list(self.backend.encode(text, add_special_tokens=True).ids)
+        if self.pattern is None:
+            return self._piece(text)
+        ids: list[int] = []
+        for index, piece in enumerate(self.pattern.split(text)):
+            if index % 2:
+                ids.append(self.added[piece])
+            elif piece:
+                ids.extend(self._piece(piece))
+        return ids
+
+    def _piece(self, text: str) -> list[int]:
+        if len(text) < MIN_CACHED_CHARS:
+            return list(self.backend.encode(text, add_special_tokens=False).ids)
+        ids = self._cache.get(text)
+        if ids is None:
+            if len(self._cache) >= self.max_entries:
+                self._cache.clear()  # simplest bound; a workload's shared pieces come back at once
+            ids = self._cache[text] = list(self.backend.encode(text, add_special_tokens=False).ids)
+        return ids
