@@ -27,6 +27,7 @@ ResolvedQuantization = Literal["none", "int8", "int4"]
 Quantization = Literal["auto", "none", "int8", "int4"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
 KVEventsPublisher = Literal["null", "zmq"]
+DataParallelBackend = Literal["mp", "ray"]
 Usage = Literal["offline", "serve"]  # serving on a CPU favours short steps (engine/args.py)
 
 LOW_BIT_METHODS: tuple[str, ...] = get_args(LowBitMethod)
@@ -232,6 +233,8 @@ class EngineConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     # engine-core processes behind one API server (heron serve), each with the whole model
     data_parallel_size: int = 1
+    # where they run: processes on this host (mp), or Ray actors on a Ray cluster
+    data_parallel_backend: DataParallelBackend = "mp"
 
     @property
     def device(self) -> torch.device:

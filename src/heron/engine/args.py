@@ -19,6 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from heron.config import (
     AttentionBackendName,
     CacheConfig,
+    DataParallelBackend,
     Device,
     DType,
     EngineConfig,
@@ -120,6 +121,9 @@ class EngineArgs:
     data_parallel_size: int = _arg(
         1, "heron serve: engine-core processes behind the one API server, each request placed where its prefix "
            "is cached unless that engine is much busier")
+    data_parallel_backend: DataParallelBackend = _arg(
+        "mp", "heron serve: where the engine cores run: mp (processes on this host) or ray (Ray actors on the "
+              "running Ray cluster at RAY_ADDRESS, placed by a placement group; pip install 'heron[ray]')")
     profile_dir: str | None = _arg(None, "write a torch profiler trace of engine steps here",
                                    flags=("--profile",), metavar="DIR")
     profile_steps: int = _arg(32, "how many engine steps to profile")
@@ -153,7 +157,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve "auto" values against the model and the machine, validating all."""
         for name, literal in (("attention_backend", AttentionBackendName), ("model_impl", ModelImpl),
-                              ("usage", Usage)):
+                              ("usage", Usage), ("data_parallel_backend", DataParallelBackend)):
             check_choice(name, getattr(self, name), literal)
         device = resolve_device(self.device)
         model_config = self._model_config(device)
@@ -190,6 +194,7 @@ class EngineArgs:
             async_scheduling=async_scheduling,
             kv_events=KVEventsConfig.from_dict(self.kv_events_config),
             data_parallel_size=self._data_parallel_size(),
+            data_parallel_backend=self._data_parallel_backend(),
         )
 
     def _data_parallel_size(self) -> int:
@@ -199,6 +204,11 @@ class EngineArgs:
             raise ValueError("data_parallel_size > 1 runs behind heron serve (several engine-core processes); "
                              "offline LLM runs one engine")
         return self.data_parallel_size
+
+    def _data_parallel_backend(self) -> DataParallelBackend:
+        if self.data_parallel_backend == "ray" and self.usage != "serve":
+            raise ValueError("data_parallel_backend ray runs behind heron serve; offline LLM runs one local engine")
+        return self.data_parallel_backend
 
     def _model_config(self, device: str) -> ModelConfig:
         from heron.models.implementation import select_implementation

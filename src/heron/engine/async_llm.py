@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from heron.config import EngineConfig
-from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess
+from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, OwnedEngineCore
 from heron.engine.dp_client import DataParallelClient, start_engine_cores
 from heron.engine.input_processor import InputProcessor, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
@@ -36,7 +36,7 @@ from heron.step_outputs import EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-StartedEngineCore = EngineCoreProcess | EngineCoreEndpoint
+StartedEngineCore = OwnedEngineCore | EngineCoreEndpoint
 
 
 class EngineDeadError(RuntimeError):

@@ -29,28 +29,39 @@ ALL = -1
 
 @dataclass(frozen=True)
 class ClientAddresses:
-    """Where one API server talks to one engine core (it binds both; the engine core connects)."""
+    """Where one API server talks to one engine core. The API server binds both
+    and the engine core connects (IPC on one host), or the other way round
+    (``engine_binds``: TCP, an engine core on another machine binds its node's
+    address and the API server connects)."""
 
     input_address: str
     output_address: str
+    engine_binds: bool = False
 
 
 class ClientChannels:
     def __init__(self, context: zmq.Context, clients: Sequence[ClientAddresses]) -> None:
+        """Connect to API servers that bound ``clients``' addresses."""
         if not clients:
             raise ValueError("an engine core needs at least one API server to talk to")
-        self.outputs = []
-        for client in clients:
-            socket = context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 2000)
-            socket.connect(client.output_address)
-            self.outputs.append(socket)
-        self.inputs = []
-        for client in clients:
-            socket = context.socket(zmq.PULL)
-            socket.connect(client.input_address)
-            self.inputs.append(socket)
+        self.outputs = [_socket(context, zmq.PUSH, client.output_address, bind=False) for client in clients]
+        self.inputs = [_socket(context, zmq.PULL, client.input_address, bind=False) for client in clients]
+        self.addresses = list(clients)
         self.tagged = len(clients) > 1
+
+    @classmethod
+    def bound(cls, context: zmq.Context, host: str, num_clients: int) -> ClientChannels:
+        """Bind a pair of TCP sockets per API server on ``host`` (ports the
+        system picks; ``addresses`` says which), for API servers to connect to."""
+        channels = cls.__new__(cls)
+        channels.outputs = [_socket(context, zmq.PUSH, f"tcp://{host}:*", bind=True) for _ in range(num_clients)]
+        channels.inputs = [_socket(context, zmq.PULL, f"tcp://{host}:*", bind=True) for _ in range(num_clients)]
+        channels.addresses = [
+            ClientAddresses(_bound_address(inputs), _bound_address(outputs), engine_binds=True)
+            for inputs, outputs in zip(channels.inputs, channels.outputs, strict=True)
+        ]
+        channels.tagged = num_clients > 1
+        return channels
 
     # ---- incoming (receive thread) ---------------------------------------------------
 
@@ -90,9 +101,33 @@ class ClientChannels:
         for socket in self.outputs if target == ALL else (self.outputs[target],):
             socket.send(message)
 
-    def send_failure(self, message: str) -> None:
-        self.send(ALL, pack(MessageKind.FAILED, message))
+    def send_failure(self, message: str, timeout_ms: int = 5000) -> None:
+        """Tell every API server why this engine core cannot go on (waiting at
+        most ``timeout_ms`` for one that has not connected)."""
+        failure = pack(MessageKind.FAILED, message)
+        for socket in self.outputs:
+            socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            try:
+                socket.send(failure)
+            except zmq.Again:
+                pass
 
     def close(self) -> None:
         for socket in self.inputs + self.outputs:
             socket.close()
+
+
+def _socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    socket = context.socket(kind)
+    if kind == zmq.PUSH:
+        socket.setsockopt(zmq.LINGER, 2000)  # the last outputs (a failure report) still go out
+    if bind:
+        socket.bind(address)
+    else:
+        socket.connect(address)
+    return socket
+
+
+def _bound_address(socket: zmq.Socket) -> str:
+    address = socket.getsockopt(zmq.LAST_ENDPOINT)
+    return address.decode() if isinstance(address, bytes) else str(address)

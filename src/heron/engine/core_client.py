@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -34,10 +34,29 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineCoreEndpoint:
-    """What one API server needs to talk to an engine core another process started."""
+    """What one API server needs to talk to an engine core another process
+    started (``pid``: a local process, None for one on another machine)."""
 
-    pid: int
+    pid: int | None
     addresses: ClientAddresses
+
+
+class OwnedEngineCore(Protocol):
+    """An engine core a client may own: a local process, or a Ray actor."""
+
+    def endpoint(self, client: int) -> EngineCoreEndpoint: ...
+
+    def exit_code(self) -> int | None:
+        """None while it runs."""
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for it to end by itself; whether it did."""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End it (politely, then not) and release what it held."""
+
+    def kill(self) -> None:
+        """End it at once (no client was made for it)."""
 
 
 @dataclass
@@ -71,6 +90,16 @@ class EngineCoreProcess:
     def endpoint(self, client: int) -> EngineCoreEndpoint:
         return EngineCoreEndpoint(self.process.pid, self.clients[client])
 
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def stop(self, timeout: float = 5.0) -> None:
         """Terminate the process (then kill it) and remove its sockets' directory."""
         for stop in (self.process.terminate, self.process.kill):
@@ -93,23 +122,28 @@ class EngineCoreProcess:
 class EngineCoreClient:
     def __init__(
         self, config: EngineConfig, log_level: str = "INFO",
-        started: EngineCoreProcess | EngineCoreEndpoint | None = None,
+        started: OwnedEngineCore | EngineCoreEndpoint | None = None,
     ) -> None:
-        """``started``: a process already started on ``config``'s arguments (this
-        client owns it), or the endpoint of one another process owns (this client
-        never stops it); else one is started."""
+        """``started``: an engine core already started on ``config``'s arguments
+        (this client owns it), or the endpoint of one another process owns (this
+        client never stops it); else a process is started."""
         started = started or EngineCoreProcess.start(config, log_level)
-        self._owned = started if isinstance(started, EngineCoreProcess) else None
+        self._owned = None if isinstance(started, EngineCoreEndpoint) else started
         endpoint = started if isinstance(started, EngineCoreEndpoint) else started.endpoint(0)
         self.pid = endpoint.pid
         self.context = zmq.asyncio.Context()
-        # the engine core connects to these; ZMQ retries until they are bound
+        # one side binds, the other connects; ZMQ retries until both are there
+        addresses = endpoint.addresses
         self.input_socket = self.context.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(endpoint.addresses.input_address)
         self.output_socket = self.context.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(endpoint.addresses.output_address)
+        if addresses.engine_binds:  # an engine core on another machine
+            self.input_socket.connect(addresses.input_address)
+            self.output_socket.connect(addresses.output_address)
+        else:
+            self.input_socket.bind(addresses.input_address)
+            self.output_socket.bind(addresses.output_address)
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future[Any]] = {}
         self._closed = False
@@ -120,8 +154,8 @@ class EngineCoreClient:
     @property
     def exit_code(self) -> int | None:
         if self._owned is not None:
-            return self._owned.process.poll()
-        return None if _process_running(self.pid) else -1
+            return self._owned.exit_code()
+        return None if self.pid is None or _process_running(self.pid) else -1
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         await self.input_socket.send(pack(MessageKind.ADD, encode_request(request)))
@@ -165,11 +199,11 @@ class EngineCoreClient:
             return
         self._closed = True
         owned = self._owned
-        if owned is not None and owned.process.poll() is None:
+        if owned is not None and owned.exit_code() is None:
             try:
                 self.input_socket.send(pack(MessageKind.SHUTDOWN, None), flags=zmq.NOBLOCK)
-                owned.process.wait(timeout)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                owned.wait(timeout)
+            except zmq.ZMQError:
                 pass
         self.input_socket.close()
         self.output_socket.close()

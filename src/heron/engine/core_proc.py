@@ -59,19 +59,28 @@ def run_engine_core(
     context = zmq.Context()
     channels = ClientChannels(context, clients)
     try:
-        if isinstance(config, EngineArgs):
-            config = config.create_engine_config()
-        engine = EngineCore(config)
-    except BaseException as exc:  # report why start-up failed, then exit
-        message = f"{type(exc).__name__}: {exc}"
-        logger.error("engine core failed to start: %s\n%s", message, traceback.format_exc())
-        channels.send_failure(message)
+        engine = build_engine(config, channels)
+    except BaseException:  # reported; exit without running anyone's cleanup
         channels.close()
         context.term()
         os._exit(1)
     freeze_startup_objects("engine core")
     proc = EngineCoreProc(engine, channels)
     proc.run()
+
+
+def build_engine(config: EngineConfig | EngineArgs, channels: ClientChannels) -> EngineCore:
+    """Resolve the arguments and load the model; on failure tell every API
+    server why, then raise."""
+    try:
+        if isinstance(config, EngineArgs):
+            config = config.create_engine_config()
+        return EngineCore(config)
+    except BaseException as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        logger.error("engine core failed to start: %s\n%s", message, traceback.format_exc())
+        channels.send_failure(message)
+        raise
 
 
 class EngineCoreProc:

@@ -27,10 +27,11 @@ from typing import Any
 
 import zmq.asyncio
 
-from heron.config import EngineConfig, KVEventsConfig
+from heron.config import EngineConfig
 from heron.core.hashing import BlockHash, prompt_block_hashes
 from heron.engine.args import EngineArgs
-from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess
+from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess, OwnedEngineCore
+from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events
 from heron.engine.serialization import MessageKind, decode_outputs
 from heron.request import EngineCoreRequest
 from heron.routing.kv_index import KVBlockIndex
@@ -43,47 +44,27 @@ logger = logging.getLogger(__name__)
 
 def start_engine_cores(
     engine: EngineConfig | EngineArgs, log_level: str = "INFO", num_clients: int = 1
-) -> list[EngineCoreProcess]:
-    """One engine-core process per data-parallel rank, each publishing its
-    KV-cache events on its own socket (the user's endpoint with the port plus
-    the rank, or a private IPC socket when the user asked for none), each
-    talking to ``num_clients`` API servers."""
+) -> list[OwnedEngineCore]:
+    """One engine core per data-parallel rank (local processes, or Ray actors
+    with ``data_parallel_backend`` ray), each publishing its KV-cache events on
+    its own socket (``rank_events.py``), each talking to ``num_clients`` API
+    servers."""
+    if engine.data_parallel_backend == "ray":
+        from heron.engine.ray_engines import start_ray_engine_cores
+
+        return list(start_ray_engine_cores(engine, log_level, num_clients))
     size = engine.data_parallel_size
-    private_dir = tempfile.mkdtemp(prefix="heron-dp-") if size > 1 else ""
-    if private_dir:  # the private event sockets live as long as this (the API server's) process
-        atexit.register(shutil.rmtree, private_dir, ignore_errors=True)
-    processes = []
+    if size == 1:
+        return [EngineCoreProcess.start(engine, log_level, num_clients)]
+    private_dir = tempfile.mkdtemp(prefix="heron-dp-")
+    # the private event sockets live as long as this (the API server's) process
+    atexit.register(shutil.rmtree, private_dir, ignore_errors=True)
+    processes: list[OwnedEngineCore] = []
     for rank in range(size):
-        if isinstance(engine, EngineArgs):
-            base = KVEventsConfig.from_dict(engine.kv_events_config)
-            events = rank_kv_events(base, rank, private_dir) if size > 1 else base
-            ranked: EngineConfig | EngineArgs = replace(engine, kv_events_config=_as_dict(events))
-        else:
-            ranked = replace(engine, kv_events=rank_kv_events(engine.kv_events, rank, private_dir)) if size > 1 \
-                else engine
+        private = f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}"
+        ranked = with_kv_events(engine, rank_kv_events(kv_events_of(engine), rank, private))
         processes.append(EngineCoreProcess.start(ranked, log_level, num_clients))
     return processes
-
-
-def rank_kv_events(base: KVEventsConfig, rank: int, private_dir: str) -> KVEventsConfig:
-    if not base.publishes:
-        return KVEventsConfig(True, "zmq", f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}")
-    return replace(base, endpoint=_port_plus(base.endpoint, rank),
-                   replay_endpoint=None if base.replay_endpoint is None else _port_plus(base.replay_endpoint, rank))
-
-
-def _port_plus(address: str, rank: int) -> str:
-    """``tcp://host:5557`` -> ``tcp://host:5557+rank``; a ``*`` port and IPC paths stay apart by themselves."""
-    if address.startswith("tcp://"):
-        host, _, port = address.rpartition(":")
-        if port.isdigit():
-            return f"{host}:{int(port) + rank}"
-        return address
-    return f"{address}-{rank}"
-
-
-def _as_dict(config: KVEventsConfig) -> dict[str, Any]:
-    return {spec.name: getattr(config, spec.name) for spec in fields(KVEventsConfig)}
 
 
 @dataclass
@@ -106,7 +87,7 @@ class _Engine:
 
 
 class DataParallelClient:
-    def __init__(self, config: EngineConfig, started: Sequence[EngineCoreProcess | EngineCoreEndpoint],
+    def __init__(self, config: EngineConfig, started: Sequence[OwnedEngineCore | EngineCoreEndpoint],
                  policy: RoutingPolicy = "kv_aware") -> None:
         """``started``: the engine cores, owned by this client (processes) or by
         another process (endpoints: ``--api-server-count``)."""

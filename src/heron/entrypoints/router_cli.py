@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
 from heron.routing.policies import RoutingPolicy
@@ -13,8 +15,11 @@ logger = logging.getLogger(__name__)
 
 def add_router_parser(subcommands: Any) -> None:
     router = subcommands.add_parser("router", help="OpenAI-compatible router over heron replicas (KV-cache aware)")
-    router.add_argument("--replica", action="append", required=True, metavar="URL",
+    router.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
+    router.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                        help="also route to the heron servers registered on this Ray cluster (those started with "
+                             "--data-parallel-backend ray), as they come and go; 'auto': this machine's cluster")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8080)
     router.add_argument("--policy", default="kv_aware", choices=list(get_args(RoutingPolicy)))
@@ -42,11 +47,28 @@ def run_router(args: argparse.Namespace) -> int:
 
     if args.max_attempts < 1 or args.probe_interval <= 0:
         raise ValueError("--max-attempts must be >= 1 and --probe-interval > 0")
+    if not args.replica and not args.ray_address:
+        raise ValueError("give the replicas: --replica URL (repeatable) and/or --ray-address")
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
-    replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval)
+    replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval,
+                          discover=_ray_discovery(args.ray_address) if args.ray_address else None)
     hasher = PromptHasher(args.model, args.tokenizer) if args.policy in ("kv_aware", "session") else None
     router = Router(args.policy, cache_weight=args.cache_weight, imbalance_threshold=args.imbalance_threshold)
     server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts)
-    logger.info("heron router (%s) on http://%s:%d over %s", args.policy, args.host, args.port, ", ".join(args.replica))
+    logger.info("heron router (%s) on http://%s:%d over %s", args.policy, args.host, args.port,
+                ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])))
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0
+
+
+def _ray_discovery(address: str) -> Callable[[], Awaitable[list[str]]]:
+    """Lists the heron servers registered on the Ray cluster (joined now, so a
+    wrong address fails at start)."""
+    from heron.engine.ray_engines import connect, discover_replicas
+
+    connect(address)
+
+    async def discover() -> list[str]:
+        return await asyncio.to_thread(discover_replicas)
+
+    return discover

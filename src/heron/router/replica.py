@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -54,11 +54,18 @@ class Replica:
 
 class ReplicaSet:
     """Probes every replica every ``probe_interval`` seconds: ``/health`` for the
-    breaker, ``/metrics`` for the load it reports, ``/v1/kv_events`` to subscribe."""
+    breaker, ``/metrics`` for the load it reports, ``/v1/kv_events`` to subscribe.
+
+    ``discover``, if given, is asked for more replicas' URLs before each round
+    (those registered on a Ray cluster): new ones join, and discovered ones no
+    longer listed leave, with their index and subscription; the ``urls`` given
+    at start always stay."""
 
     def __init__(self, urls: Sequence[str], headers: dict[str, str], probe_interval: float = 1.0,
-                 probe_timeout: float = 2.0) -> None:
+                 probe_timeout: float = 2.0, discover: Callable[[], Awaitable[list[str]]] | None = None) -> None:
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self.fixed = {replica.url for replica in self.replicas}
+        self.discover = discover
         self.headers = headers
         self.probe_interval = probe_interval
         self.timeout = aiohttp.ClientTimeout(total=probe_timeout)
@@ -80,7 +87,7 @@ class ReplicaSet:
             replica.index.reset()
 
     async def start(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(*(self.probe(session, replica) for replica in self.replicas))
+        await self._round(session)
         self._task = asyncio.create_task(self._probe_forever(session), name="heron-router-probes")
 
     async def stop(self) -> None:
@@ -93,7 +100,28 @@ class ReplicaSet:
     async def _probe_forever(self, session: aiohttp.ClientSession) -> None:
         while True:
             await asyncio.sleep(self.probe_interval)
-            await asyncio.gather(*(self.probe(session, replica) for replica in self.replicas))
+            await self._round(session)
+
+    async def _round(self, session: aiohttp.ClientSession) -> None:
+        if self.discover is not None:
+            try:
+                self.set_discovered(await self.discover())
+            except Exception as exc:  # noqa: BLE001 (keep the replicas we have; try again next round)
+                logger.warning("replica discovery failed: %s", exc)
+        await asyncio.gather(*(self.probe(session, replica) for replica in self.replicas))
+
+    def set_discovered(self, urls: Sequence[str]) -> None:
+        """The discovered replicas are now ``urls`` (those given at start stay)."""
+        wanted = {url.rstrip("/") for url in urls} | self.fixed
+        for replica in self.replicas:
+            if replica.url not in wanted:
+                logger.info("replica %s left (no longer registered)", replica.url)
+                replica.stop_subscription()
+        present = {replica.url for replica in self.replicas}
+        self.replicas = [replica for replica in self.replicas if replica.url in wanted]
+        for url in sorted(wanted - present):
+            logger.info("replica %s joined", url)
+            self.replicas.append(Replica(url))
 
     async def probe(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         if replica.breaker.state is BreakerState.OPEN and not replica.breaker.usable:

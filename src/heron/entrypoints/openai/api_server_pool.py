@@ -14,7 +14,8 @@ They share:
 The launcher holds the port bound (not listening) from start to end: no other
 user can take it, and ``--port 0`` resolves to one port for all. It stops
 everything when told to (SIGINT or SIGTERM, passed on to the API servers,
-which finish their requests) or when an API server dies (exit code 1).
+which finish their requests) or when an API server or an engine core dies
+(exit code 1: a supervisor such as systemd or Kubernetes starts it again).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from heron.engine.args import EngineArgs
-from heron.engine.core_client import EngineCoreProcess
-from heron.engine.dp_client import start_engine_cores
+from heron.engine.core_client import OwnedEngineCore
 from heron.entrypoints.openai.shared_gateway import create_shared_gateway_file
 
 logger = logging.getLogger(__name__)
@@ -65,14 +65,12 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
-def run_api_servers(args: argparse.Namespace, engine_args: EngineArgs,
-                    started: list[EngineCoreProcess] | None = None) -> int:
+def run_api_servers(args: argparse.Namespace, engine_args: EngineArgs, started: list[OwnedEngineCore]) -> int:
     """Start the API servers over the engine cores (``started`` with
-    ``args.api_server_count`` connections each, or started here), and supervise."""
+    ``args.api_server_count`` connections each), and supervise."""
     count = args.api_server_count
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ValueError("--api-server-count > 1 needs SO_REUSEPORT (Linux, macOS or BSD)")
-    started = started or start_engine_cores(engine_args, args.log_level, num_clients=count)
     workdir = tempfile.mkdtemp(prefix="heron-api-")
     servers: list[subprocess.Popen[bytes]] = []
     previous = signal.signal(signal.SIGTERM, _raise_stop)
@@ -93,7 +91,7 @@ def run_api_servers(args: argparse.Namespace, engine_args: EngineArgs,
                 [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path], env=env))
         logger.info("%d API servers on port %d (pids %s) over %d engine core(s)",
                     count, port, ", ".join(str(s.pid) for s in servers), len(started))
-        return _supervise(servers)
+        return _supervise(servers, started)
     except (_Stop, KeyboardInterrupt):
         return 0
     finally:
@@ -104,10 +102,16 @@ def run_api_servers(args: argparse.Namespace, engine_args: EngineArgs,
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(servers: Sequence[subprocess.Popen[bytes]]) -> int:
-    """Wait until an API server exits: a clean exit of all (they were told to
-    stop) is 0; one dying under the others is 1."""
+def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore]) -> int:
+    """Wait until an API server or an engine core exits: a clean exit of every
+    API server (they were told to stop) is 0; an API server dying under the
+    others, or an engine core ending, is 1."""
     while True:
+        ended = next((rank for rank, engine in enumerate(engines) if engine.exit_code() is not None), None)
+        if ended is not None:
+            logger.error("engine core %d ended (code %s): stopping the API servers", ended,
+                         engines[ended].exit_code())
+            return 1
         exited = [server for server in servers if server.poll() is not None]
         if (exited and len(exited) < len(servers)) or any(server.returncode for server in exited):
             logger.error("API server (pid %d) exited with code %s: stopping the others",
@@ -118,7 +122,7 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]]) -> int:
         time.sleep(0.2)
 
 
-def _stop_all(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[EngineCoreProcess]) -> None:
+def _stop_all(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore]) -> None:
     """API servers first (they finish what they serve), then the engine cores."""
     for server in servers:
         if server.poll() is None:

@@ -22,7 +22,7 @@ from heron import __version__
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.async_llm import AsyncLLM, StartedEngineCore
-from heron.engine.core_client import EngineCoreProcess
+from heron.engine.core_client import OwnedEngineCore
 from heron.engine.dp_client import start_engine_cores
 from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
@@ -112,17 +112,19 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
-def run_server(args: argparse.Namespace, started: list[EngineCoreProcess] | None = None) -> int:
+def run_server(args: argparse.Namespace, started: list[OwnedEngineCore] | None = None) -> int:
     """Serve. ``started``: the engine cores (one per data-parallel rank), already
     started on the same flags (``heron serve`` starts them before importing the
     web stack or torch: they resolve the flags themselves and load the model
     while this process resolves them too and loads the tokenizer)."""
     engine_args = EngineArgs.from_cli_args(args, usage="serve")
+    started = started or start_engine_cores(engine_args, args.log_level, num_clients=args.api_server_count)
+    # on Ray, routers on the cluster find this server by a name it holds while it runs
+    registration = _register_on_ray(args) if engine_args.data_parallel_backend == "ray" else None
     if args.api_server_count > 1:
         from heron.entrypoints.openai.api_server_pool import run_api_servers
 
         return run_api_servers(args, engine_args, started)
-    started = started or start_engine_cores(engine_args, args.log_level)
     try:
         config = engine_args.create_engine_config()
     except BaseException:
@@ -131,7 +133,20 @@ def run_server(args: argparse.Namespace, started: list[EngineCoreProcess] | None
         raise
     settings = gateway_settings_from_args(args)
     logger.info("starting heron %s (loading %s)", __version__, config.model.served_model_name)
-    return asyncio.run(serve_api(args, config, settings, started))
+    try:
+        return asyncio.run(serve_api(args, config, settings, started))
+    finally:
+        del registration
+
+
+def _register_on_ray(args: argparse.Namespace) -> object:
+    from heron.engine.ray_engines import register_replica, this_node_ip
+
+    host = args.host if args.host not in ("", "0.0.0.0", "::") else this_node_ip()
+    host = f"[{host}]" if ":" in host else host
+    url = f"{'https' if args.ssl_certfile else 'http'}://{host}:{args.port}"
+    logger.info("registered on the Ray cluster as %s", url)
+    return register_replica(url)
 
 
 async def serve_api(

@@ -1,0 +1,209 @@
+"""Engine cores as Ray actors: ``heron serve --data-parallel-size N
+--data-parallel-backend ray`` on a running Ray cluster (``ray start --head`` on
+one machine, ``ray start --address HEAD:6379`` on the others; heron installed
+on each).
+
+The API server is a Ray driver (``RAY_ADDRESS``, default ``auto``: the cluster
+this machine belongs to). It reserves one bundle per engine core in a
+placement group (spread over the nodes where it can), starts an
+``EngineCoreActor`` in each, and talks to them over TCP: each actor binds its
+node's address (``ClientChannels.bound``) and the API server connects, so
+nothing needs to know the API server's address in advance. The actors publish
+their KV-cache events on their node's address too, so the API server's
+placement follows each engine's cache as with local processes.
+
+An actor's ``run()`` returns only when its engine stops; the API server
+watches that call to tell a live engine from a dead one. The actors belong to
+the API server's Ray job: they end with it. A server on Ray also registers its
+URL as a named actor (``replica:<url>`` in the ``heron`` namespace), which
+``heron router --ray-address`` lists to find its replicas.
+
+Ray is optional (``pip install 'heron[ray]'``): nothing here imports it until
+the ray backend is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from heron import envs
+from heron.config import EngineConfig
+from heron.engine.args import EngineArgs
+from heron.engine.core_channels import ClientAddresses, ClientChannels
+from heron.engine.core_client import EngineCoreEndpoint
+from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events
+
+logger = logging.getLogger(__name__)
+
+RAY_NAMESPACE = "heron"
+REPLICA_PREFIX = "replica:"
+_PLACEMENT_TIMEOUT_S = 60.0
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ValueError("the ray backend needs Ray: pip install 'heron[ray]'") from exc
+    return ray
+
+
+def connect(address: str | None = None) -> Any:
+    """Join the Ray cluster at ``address`` (default ``RAY_ADDRESS``, else the one
+    this machine belongs to) as a driver in heron's namespace."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+        except ConnectionError as exc:
+            raise ValueError(f"no Ray cluster at {address!r} (start one with `ray start --head`): {exc}") from exc
+    return ray
+
+
+class EngineCoreActor:
+    """One engine core in a Ray worker process (wrapped by ``ray.remote`` at start)."""
+
+    def __init__(self, engine: EngineConfig | EngineArgs, rank: int, num_clients: int, log_level: str) -> None:
+        import ray
+
+        logging.basicConfig(level=getattr(logging, log_level, logging.INFO),
+                            format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s", datefmt="%H:%M:%S")
+        self.node_ip = ray.util.get_node_ip_address()
+        events = kv_events_of(engine)
+        if engine.data_parallel_size > 1 or events.publishes:  # the API server follows them, over TCP
+            events = rank_kv_events(events, rank, f"tcp://{self.node_ip}:*", host=self.node_ip)
+        self.engine = with_kv_events(engine, events)
+        self.context = zmq.Context()
+        self.channels = ClientChannels.bound(self.context, self.node_ip, num_clients)
+
+    def addresses(self) -> tuple[str, list[ClientAddresses]]:
+        """The node this actor runs on (Ray's node id), and where each API server connects."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), self.channels.addresses
+
+    def run(self) -> None:
+        """Load the model and serve until told to stop (raises if the engine fails)."""
+        from heron.engine.core_proc import EngineCoreProc, build_engine
+
+        EngineCoreProc(build_engine(self.engine, self.channels), self.channels).run()
+
+
+@dataclass
+class RayEngineCore:
+    """The API server's handle on one engine-core actor (an ``OwnedEngineCore``)."""
+
+    actor: Any
+    run_ref: Any  # the actor's run() call: done when the engine has stopped
+    node_id: str
+    clients: list[ClientAddresses]
+    release: Callable[[], None]  # the placement group goes when every core has stopped
+
+    def endpoint(self, client: int) -> EngineCoreEndpoint:
+        return EngineCoreEndpoint(None, self.clients[client])
+
+    def exit_code(self) -> int | None:
+        ray = import_ray()
+        done, _ = ray.wait([self.run_ref], timeout=0)
+        if not done:
+            return None
+        try:
+            ray.get(self.run_ref)
+        except Exception:  # noqa: BLE001 (the actor or its engine died; it said why in its log)
+            return 1
+        return 0
+
+    def wait(self, timeout: float) -> bool:
+        done, _ = import_ray().wait([self.run_ref], timeout=timeout)
+        return bool(done)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if not self.wait(timeout):
+            self.kill()
+        else:
+            self.release()
+
+    def kill(self) -> None:
+        import_ray().kill(self.actor)
+        self.release()
+
+
+def start_ray_engine_cores(engine: EngineConfig | EngineArgs, log_level: str = "INFO",
+                           num_clients: int = 1) -> list[RayEngineCore]:
+    """Place one engine-core actor per data-parallel rank on the Ray cluster."""
+    ray = connect()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    size = engine.data_parallel_size
+    bundle = _bundle(engine, ray)
+    group = placement_group([bundle] * size, strategy="SPREAD")
+    try:
+        ray.get(group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 (GetTimeoutError and friends)
+        remove_placement_group(group)
+        raise ValueError(f"the Ray cluster cannot place {size} engine core(s) of {bundle} each "
+                         f"(available: {ray.available_resources()}): {exc}") from exc
+    remaining = [size]
+
+    def release() -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            remove_placement_group(group)
+
+    actor_class = ray.remote(EngineCoreActor)
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(bundle["CPU"])))}}
+    actors = [
+        actor_class.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=threads,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank))
+        .remote(engine, rank, num_clients, log_level)
+        for rank in range(size)
+    ]
+    placed = ray.get([actor.addresses.remote() for actor in actors])
+    cores = [RayEngineCore(actor, actor.run.remote(), node_id, clients, release)
+             for actor, (node_id, clients) in zip(actors, placed, strict=True)]
+    logger.info("%d engine core(s) on Ray nodes %s", size, ", ".join(core.node_id for core in cores))
+    return cores
+
+
+def _bundle(engine: EngineConfig | EngineArgs, ray: Any) -> dict[str, float]:
+    """What one engine core reserves: a GPU when the engine runs on CUDA (or
+    ``auto`` on a cluster that has a GPU per engine), and CPUs."""
+    cpus = float(envs.get(envs.HERON_RAY_CPUS_PER_ENGINE, "1"))
+    device = engine.device_name if isinstance(engine, EngineConfig) else engine.device
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if device == "cuda" or (device == "auto" and gpus >= engine.data_parallel_size):
+        return {"CPU": cpus, "GPU": 1.0}
+    return {"CPU": cpus}
+
+
+# ---- replica discovery (heron router --ray-address) ----------------------------------
+
+
+class ReplicaRegistration:
+    """Holds a name while its server runs (a named actor ends with its driver)."""
+
+
+def this_node_ip() -> str:
+    return str(connect().util.get_node_ip_address())
+
+
+def register_replica(url: str) -> Any:
+    """Make this server findable by routers on the cluster; returns the handle to keep."""
+    ray = connect()
+    return ray.remote(ReplicaRegistration).options(name=REPLICA_PREFIX + url, num_cpus=0,
+                                                   get_if_exists=True).remote()
+
+
+def discover_replicas() -> list[str]:
+    """The URLs of the heron servers registered on the cluster."""
+    ray = connect()
+    names = ray.util.list_named_actors()
+    return sorted(name[len(REPLICA_PREFIX):] for name in names if name.startswith(REPLICA_PREFIX))
