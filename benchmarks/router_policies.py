@@ -1,10 +1,13 @@
 """Routing policies side by side on two replicas of the embedded model (issue 18).
 
-For each policy: two fresh `heron serve` replicas (empty caches, KV events on,
-the machine's cores split between them),
-`heron router --policy P` in front, and `heron bench serve` through the router
-with a shared-prefix workload (prefix-repetition: a few long system prompts,
-each shared by many requests) at a fixed request rate. Reported per policy:
+For each workload and policy: two fresh `heron serve` replicas (empty caches,
+KV events on, the machine's cores split between them), `heron router --policy
+P` in front, and through the router either `heron bench serve` with a
+shared-prefix workload (prefix-repetition: a few long system prompts, each
+shared by many requests) at a fixed request rate, or multi-turn chats
+(`benchmarks/multi_turn.py`: conversations started at a fixed rate, each
+resending its history every turn; `session` joins the policies there).
+Reported per policy:
 the replicas' prefix-cache hit rate (from their own counters), TTFT p50/p99,
 output throughput, and the router's CPU time per streamed output token. Then
 the router's own cost: the proxy hop (a request the replica answers at once,
@@ -18,20 +21,23 @@ Prints a markdown table and writes results.json into --out. Linux (reads /proc).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from statistics import median
+from collections.abc import Callable
 from pathlib import Path
+from statistics import median
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.multi_turn import run_multi_turn  # noqa: E402
 from benchmarks.process_cpu import cpu_ticks  # noqa: E402
 from tests.e2e.router_process import RouterProcess  # noqa: E402
 from tests.e2e.server_process import ServerProcess  # noqa: E402
@@ -53,7 +59,9 @@ def bench(base_url: str, out: Path, name: str, args: list[str]) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
-def run_policy(policy: str, workload: list[str], out: Path) -> dict:
+def run_policy(policy: str, workload: Callable[[str], dict]) -> dict:
+    """Two fresh replicas and a router with ``policy``; ``workload(router_url)``
+    returns TTFT p50/p99 (ms), output throughput and its output token count."""
     # the machine's cores split between the replicas (torch would give each all of them)
     threads = str(max(1, (os.cpu_count() or 2) // 2))
     replicas = [ServerProcess("--kv-events-config", KV_EVENTS, "--max-num-seqs", "16",
@@ -67,7 +75,7 @@ def run_policy(policy: str, workload: list[str], out: Path) -> dict:
         queries0 = sum(counter(r, "heron:prefix_cache_queries_total") for r in replicas)
         hits0 = sum(counter(r, "heron:prefix_cache_hits_total") for r in replicas)
         ticks0 = cpu_ticks(router.process.pid) or 0
-        result = bench(router.base_url, out, policy, workload)
+        result = workload(router.base_url)
         router_cpu_s = ((cpu_ticks(router.process.pid) or 0) - ticks0) / TICKS
         queries = sum(counter(r, "heron:prefix_cache_queries_total") for r in replicas) - queries0
         hits = sum(counter(r, "heron:prefix_cache_hits_total") for r in replicas) - hits0
@@ -75,11 +83,8 @@ def run_policy(policy: str, workload: list[str], out: Path) -> dict:
         return {
             "policy": policy,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "ttft_p50_ms": result["median_ttft_ms"],
-            "ttft_p99_ms": result["p99_ttft_ms"],
-            "output_throughput": result["output_throughput"],
-            "completed": result["completed"],
-            "router_cpu_ms_per_output_token": 1000 * router_cpu_s / max(1, result["total_output_tokens"]),
+            **{key: result[key] for key in ("ttft_p50_ms", "ttft_p99_ms", "output_throughput", "completed")},
+            "router_cpu_ms_per_output_token": 1000 * router_cpu_s / max(1, result["output_tokens"]),
             "requests_per_replica": list(per_replica.values()),
         }
     finally:
@@ -87,6 +92,28 @@ def run_policy(policy: str, workload: list[str], out: Path) -> dict:
             router.stop()
         for replica in replicas:
             replica.stop()
+
+
+def shared_prefix_workload(out: Path, args: list[str]) -> Callable[[str], dict]:
+    """``heron bench serve`` with the prefix-repetition dataset (shared system prompts)."""
+    def run(base_url: str) -> dict:
+        name = f"bench-{time.monotonic_ns()}"
+        result = bench(base_url, out, name, args)
+        return {"ttft_p50_ms": result["median_ttft_ms"], "ttft_p99_ms": result["p99_ttft_ms"],
+                "output_throughput": result["output_throughput"], "completed": result["completed"],
+                "output_tokens": result["total_output_tokens"]}
+
+    return run
+
+
+def multi_turn_workload(conversations: int, turns: int, rate: float) -> Callable[[str], dict]:
+    """Conversations resending their history every turn (``benchmarks/multi_turn.py``)."""
+    def run(base_url: str) -> dict:
+        result = asyncio.run(run_multi_turn(base_url, conversations, turns, rate))
+        return {**result, "completed": result["turns_completed"],
+                "output_tokens": round(result["output_throughput"] * result["duration_s"])}
+
+    return run
 
 
 def router_latency(num_requests: int = 1000) -> dict:
@@ -143,27 +170,42 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--num-prefixes", type=int, default=8)
     parser.add_argument("--policies", default="round_robin,least_load,kv_aware")
+    parser.add_argument("--conversations", type=int, default=16, help="multi-turn workload: conversations")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
+    parser.add_argument("--conversation-rate", type=float, default=0.4, help="conversations started per second")
+    parser.add_argument("--workloads", default="shared_prefix,multi_turn")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-router-bench-"))
     out.mkdir(parents=True, exist_ok=True)
-    workload = ["--dataset-name", "prefix-repetition", "--num-prompts", str(args.num_prompts),
-                "--prefix-repetition-prefix-len", str(args.prefix_len), "--prefix-repetition-suffix-len", "32",
-                "--prefix-repetition-num-prefixes", str(args.num_prefixes), "--prefix-repetition-output-len", "24",
-                "--request-rate", str(args.request_rate), "--seed", "1", "--ignore-eos"]
-    rows = [run_policy(policy, workload, out) for policy in args.policies.split(",")]
+    shared = ["--dataset-name", "prefix-repetition", "--num-prompts", str(args.num_prompts),
+              "--prefix-repetition-prefix-len", str(args.prefix_len), "--prefix-repetition-suffix-len", "32",
+              "--prefix-repetition-num-prefixes", str(args.num_prefixes), "--prefix-repetition-output-len", "24",
+              "--request-rate", str(args.request_rate), "--seed", "1", "--ignore-eos"]
+    workloads = {"shared_prefix": shared_prefix_workload(out, shared),
+                 "multi_turn": multi_turn_workload(args.conversations, args.turns, args.conversation_rate)}
+    policies = args.policies.split(",")
+    results: dict[str, list[dict]] = {}
+    for name in args.workloads.split(","):
+        # session pins a conversation: compared where there are conversations
+        names = policies + (["session"] if name == "multi_turn" and "session" not in policies else [])
+        results[name] = [run_policy(policy, workloads[name]) for policy in names]
     latency = router_latency()
-    (out / "results.json").write_text(json.dumps({"policies": rows, "router_latency": latency,
-                                                  "workload": workload}, indent=2))
-    print("| policy | prefix-cache hit rate | TTFT p50 | TTFT p99 | output tok/s | requests per replica |"
-          " router CPU per output token |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['policy']} | {row['prefix_cache_hit_rate']:.1%} | {row['ttft_p50_ms']:.0f} ms | "
-              f"{row['ttft_p99_ms']:.0f} ms | {row['output_throughput']:.1f} | {row['requests_per_replica']} | "
-              f"{row['router_cpu_ms_per_output_token']:.2f} ms |")
-    print(f"\nrouter hop (GET /v1/models p50): direct {latency['direct_p50_ms']:.2f} ms, routed "
-          f"{latency['routed_p50_ms']:.2f} ms (+{latency['proxy_hop_ms']:.2f} ms); hashing a 20-line chat and "
-          f"choosing: {latency['decision_mean_ms']:.2f} ms mean")
+    (out / "results.json").write_text(json.dumps({
+        "workloads": results, "router_latency": latency,
+        "shared_prefix_args": shared, "multi_turn": {"conversations": args.conversations, "turns": args.turns,
+                                                     "conversation_rate": args.conversation_rate}}, indent=2))
+    for name, rows in results.items():
+        print(f"\n{name}:\n")
+        print("| policy | prefix-cache hit rate | TTFT p50 | TTFT p99 | output tok/s | completed "
+              "| requests per replica | router CPU per output token |")
+        print("|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['policy']} | {row['prefix_cache_hit_rate']:.1%} | {row['ttft_p50_ms']:.0f} ms | "
+                  f"{row['ttft_p99_ms']:.0f} ms | {row['output_throughput']:.1f} | {row['completed']} | "
+                  f"{row['requests_per_replica']} | {row['router_cpu_ms_per_output_token']:.2f} ms |")
+    print(f"\nrouter hop (GET /v1/models, p50 of paired differences): direct {latency['direct_p50_ms']:.2f} ms, "
+          f"routed {latency['routed_p50_ms']:.2f} ms (+{latency['proxy_hop_ms']:.2f} ms); hashing a chat request "
+          f"and choosing: {latency['decision_mean_ms']:.2f} ms mean")
 
 
 if __name__ == "__main__":

@@ -33,3 +33,22 @@ def test_dtype_compare_reports_both_dtypes():
     figures = json.loads(result.stdout)
     assert set(figures) == {"cpu", "float32", "bfloat16", "bf16_speedup"}
     assert all(value > 0 for value in figures["bf16_speedup"].values())
+
+
+def test_multi_turn_workload_resends_each_conversations_history():
+    from tests.e2e.server_process import ServerProcess
+
+    server = ServerProcess()
+    try:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "multi_turn.py"), "--base-url", server.base_url,
+             "--conversations", "2", "--turns", "3", "--rate", "4"],
+            capture_output=True, text=True, timeout=240, check=True,
+        )
+        figures = json.loads(result.stdout)
+        assert figures["turns_completed"] == 6 and figures["turns_failed"] == 0, figures
+        assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"] and figures["output_throughput"] > 0
+        # every later turn found its conversation's history in the prefix cache
+        assert server.metric("heron:prefix_cache_hits_total") >= 4 * 16
+    finally:
+        server.stop()

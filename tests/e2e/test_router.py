@@ -81,6 +81,36 @@ def test_a_shared_prefix_goes_where_it_is_cached(fleet):
     assert hits(other) == before[other.base_url]
 
 
+def test_a_router_joining_late_rebuilds_each_replicas_cache_from_replayed_events(fleet):
+    """A second router started after traffic it never saw: its index of each
+    replica comes from the replayed event batches alone, equals the live
+    router's (both equal the replica's cache), and routes by it."""
+    router, replicas = fleet
+    system = "You are a careful tide-table reader. Give the time of the next high water and nothing else. " * 3
+    served = replicas[1]
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Leith, today?"}]}
+    assert httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    late = RouterProcess([r.base_url for r in replicas])
+    try:
+        wait_for(lambda: all(state["kv_events"] for state in late.replicas().values()))
+
+        def same_index() -> bool:
+            live, replayed = router.replicas(), late.replicas()
+            return all(live[url]["cached_blocks"] == replayed[url]["cached_blocks"] > 0 for url in live)
+
+        wait_for(same_index)
+        other = next(r for r in replicas if r is not served)
+        before = {r.base_url: hits(r) for r in replicas}
+        body["messages"][1]["content"] = "Dover, tomorrow?"
+        assert httpx.post(f"{late.base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert late.replicas()[served.base_url]["requests"] == 1  # sent where the replay said the prefix is
+        assert hits(served) - before[served.base_url] >= 3 * 16
+        assert hits(other) == before[other.base_url]
+    finally:
+        late.stop()
+
+
 def test_the_openai_client_streams_through_the_router(fleet):
     router, _ = fleet
     client = OpenAI(base_url=f"{router.base_url}/v1", api_key="unused")

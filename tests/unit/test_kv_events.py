@@ -212,11 +212,14 @@ def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cach
 
 
 def test_each_data_parallel_rank_publishes_on_its_own_socket():
-    from heron.engine.dp_client import rank_kv_events
+    from heron.engine.rank_events import rank_kv_events
 
     user = KVEventsConfig(True, "zmq", "tcp://*:5557", replay_endpoint="tcp://*:5600")
-    ranked = rank_kv_events(user, 1, "/tmp/dp")
+    ranked = rank_kv_events(user, 1, "ipc:///d/kv-events-1")
     assert (ranked.endpoint, ranked.replay_endpoint) == ("tcp://*:5558", "tcp://*:5601")
-    assert rank_kv_events(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"), 1, "/d").endpoint == "tcp://127.0.0.1:*"
-    private = rank_kv_events(KVEventsConfig(), 0, "/d")  # the user asked for none: a private socket
+    assert rank_kv_events(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"), 1, "x").endpoint == "tcp://127.0.0.1:*"
+    private = rank_kv_events(KVEventsConfig(), 0, "ipc:///d/kv-events-0")  # the user asked for none
     assert private.publishes and private.endpoint == "ipc:///d/kv-events-0"
+    # a Ray node: the user's wildcard host becomes the node's address (the API server dials it)
+    on_node = rank_kv_events(user, 1, "unused", host="10.0.0.7")
+    assert (on_node.endpoint, on_node.replay_endpoint) == ("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5601")
