@@ -2,7 +2,8 @@
 processes on one port, each talking to both engine cores. Connections reach
 both; answers are right; /metrics from either counts every request once; the
 rate limit holds for the server, not per process; a dying API server takes the
-whole server down cleanly, and so does SIGINT."""
+whole server down cleanly, and so does SIGINT (two API servers over one
+engine core there)."""
 
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def gone(pids: list[int], timeout: float = 30.0) -> bool:
     return False
 
 
-def start() -> ServerProcess:
+def start(data_parallel_size: int = 2) -> ServerProcess:
     keys = [arg for key in KEYS for arg in ("--api-key", key)]
-    return ServerProcess("--api-server-count", "2", "--data-parallel-size", "2", "--max-num-seqs", "8",
-                         "--rate-limit", "0.001", "--rate-limit-burst", str(BURST), *keys)
+    return ServerProcess("--api-server-count", "2", "--data-parallel-size", str(data_parallel_size),
+                         "--max-num-seqs", "8", "--rate-limit", "0.001", "--rate-limit-burst", str(BURST), *keys)
 
 
 def test_two_api_servers_share_the_port_the_metrics_and_the_limits():
@@ -113,7 +114,12 @@ def test_two_api_servers_share_the_port_the_metrics_and_the_limits():
 
 
 def test_a_dead_api_server_stops_the_whole_server_and_sigint_stops_it_cleanly():
-    server = start()
+    server = start(data_parallel_size=1)  # two API servers over one engine core
+    answer = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                        headers={"Authorization": f"Bearer {KEYS[0]}"},
+                        json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
+                              "temperature": 0})
+    assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["text"]
     family = list(descendants(server.process.pid))
     victim = api_server_pids(server)[0]
     os.kill(victim, signal.SIGKILL)
