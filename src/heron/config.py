@@ -85,12 +85,18 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     # CUDA: share of the device memory heron may use in all (weights, activations, KV)
     gpu_memory_utilization: float = 0.9
+    # a KV offload tier in host memory beyond the pool (0: none)
+    kv_offloading_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_offloading_bytes < 0:
+            raise ValueError("kv_offloading_size must be >= 0")
+        if self.kv_offloading_bytes and not self.enable_prefix_caching:
+            raise ValueError("a KV offload tier keeps prefix-cache blocks: it needs prefix caching on")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

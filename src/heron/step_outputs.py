@@ -98,6 +98,12 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # the KV offload tier, cumulative (blocks; hits in prompt tokens), and the blocks it holds now
+    kv_offload_stored: int = 0
+    kv_offload_loaded: int = 0
+    kv_offload_evicted: int = 0
+    kv_offload_hit_tokens: int = 0
+    kv_offload_blocks: int = 0
 
 
 @dataclass

@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from heron.core.hashing import BlockHash
@@ -93,7 +93,10 @@ class BlockPool:
     (``cached_blocks``): a hash registered, a hash evicted, all cleared. Replaying
     them gives exactly the set of hashes the map holds."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None,
+                 on_evict: Callable[[int, BlockHash], None] | None = None) -> None:
+        """``on_evict(block_id, block_hash)``: told before a cached block's
+        contents are given up (an offload tier saves them)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -102,6 +105,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.events = events
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -207,6 +211,8 @@ class BlockPool:
             del self.cached_blocks[block_hash]
             if self.events is not None:
                 self.events.removed(block_hash)
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block_hash)
         block.block_hash = None
 
     def check_integrity(self, owned_blocks: Iterable[list[KVCacheBlock]]) -> None:

@@ -17,8 +17,9 @@ import logging
 from dataclasses import dataclass, field
 
 from heron.core.block_pool import BlockPool, KVCacheBlock
-from heron.core.hashing import update_block_hashes
+from heron.core.hashing import BlockHash, update_block_hashes
 from heron.core.kv_events import KVCacheEvent, KVEventRecorder
+from heron.core.kv_offload import KVTransfers, OffloadIndex
 from heron.request import Request
 from heron.utils import cdiv
 
@@ -27,9 +28,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class KVCacheBlocks:
-    """An opaque handle on some blocks, given to the scheduler."""
+    """An opaque handle on some blocks, given to the scheduler. From
+    ``get_computed_blocks``: the pool's hits, then the hashes of the blocks
+    that follow them in an offload tier (loaded when the slots are allocated)."""
 
     blocks: list[KVCacheBlock] = field(default_factory=list)
+    offloaded: list[BlockHash] = field(default_factory=list)
 
     def get_block_ids(self) -> list[int]:
         return [block.block_id for block in self.blocks]
@@ -53,13 +57,17 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False,
+        num_offload_blocks: int = 0,
     ) -> None:
+        """``num_offload_blocks``: the size of a KV offload tier (``core/kv_offload.py``; 0: none)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         # what the prefix cache gained and lost since the last take_events()
         self.events = KVEventRecorder() if enable_kv_events and enable_caching else None
-        self.block_pool = BlockPool(num_blocks, enable_caching, self.events)
+        self.offload = OffloadIndex(num_offload_blocks) if num_offload_blocks and enable_caching else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.events,
+                                    self.offload.save if self.offload is not None else None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # how many leading blocks of each request are registered in the prefix cache
         self.num_cached_blocks: dict[str, int] = {}
@@ -91,11 +99,17 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        offloaded: list[BlockHash] = []
+        if self.offload is not None:
+            for block_hash in block_hashes[len(hits):max_hit_blocks]:
+                if block_hash not in self.offload:
+                    break
+                offloaded.append(block_hash)
+            self.offload.stats.hit_tokens += len(offloaded) * self.block_size
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
-        return KVCacheBlocks(hits), num_hit_tokens
+        self.prefix_cache_stats.hits += len(hits) * self.block_size
+        return KVCacheBlocks(hits, offloaded), (len(hits) + len(offloaded)) * self.block_size
 
     def allocate_slots(
         self,
@@ -136,8 +150,15 @@ class KVCacheManager:
             self.block_pool.touch(hits)
             owned.extend(hits)
             self.num_cached_blocks[request_id] = len(owned)
+        offloaded = new_computed_blocks.offloaded if new_computed_blocks is not None else []
+        if offloaded:
+            assert self.offload is not None
+            self.offload.pin(offloaded)  # before allocating: the evictions it causes save into the tier
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         owned.extend(new_blocks)
+        for block_hash, block in zip(offloaded, new_blocks, strict=False):
+            assert self.offload is not None
+            self.offload.load(block_hash, block.block_id)
         if self.enable_caching:
             num_tokens_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
             num_full_blocks = num_tokens_to_cache // self.block_size
@@ -161,7 +182,16 @@ class KVCacheManager:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Forget the pool's cached prefixes and the offload tier's (only when no block is in use)."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.clear()
+        return True
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The offload copies the next step must make first (None: no tier)."""
+        return self.offload.take_transfers() if self.offload is not None else None
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV-cache events since the last call ([] when events are off)."""

@@ -87,6 +87,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         async_scheduling: bool = False,
         enable_kv_events: bool = False,
+        num_offload_blocks: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.async_scheduling = async_scheduling
@@ -100,6 +101,7 @@ class Scheduler:
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             enable_kv_events=enable_kv_events,
+            num_offload_blocks=num_offload_blocks,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
@@ -296,6 +298,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.spec_tokens,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=plan.preempted_ids,
+            kv_transfers=self.kv_cache_manager.take_transfers(),
         )
         self._finished_req_ids = set()
         for request_id, num_new in plan.num_scheduled_tokens.items():
@@ -453,7 +456,17 @@ class Scheduler:
             spec_num_drafts=self.spec_stats.num_drafts,
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            **self._offload_stats(),
             num_scheduled_tokens=(
                 scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
             ),
         )
+
+    def _offload_stats(self) -> dict[str, int]:
+        offload = self.kv_cache_manager.offload
+        if offload is None:
+            return {}
+        stats = offload.stats
+        return {"kv_offload_stored": stats.stored, "kv_offload_loaded": stats.loaded,
+                "kv_offload_evicted": stats.evicted, "kv_offload_hit_tokens": stats.hit_tokens,
+                "kv_offload_blocks": len(offload)}

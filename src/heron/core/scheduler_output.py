@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from heron.core.kv_offload import KVTransfers
 from heron.request import Request
 from heron.sampling_params import SamplingParams
 
@@ -65,6 +66,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # requests preempted this step (they return later as new requests)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # KV offload copies to make before the forward pass (None: no offload tier)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def forgotten_req_ids(self) -> set[str]:

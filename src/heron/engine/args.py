@@ -95,6 +95,9 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, "reuse the KV of a shared prompt prefix")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
     kv_cache_memory_bytes: int | None = _arg(None, "KV-cache budget, e.g. 2GiB", parse=parse_size, metavar="SIZE")
+    kv_offloading_size: float = _arg(0.0, "GiB of host memory for a KV offload tier: prefix blocks evicted from the "
+                                          "pool are kept there and loaded back instead of recomputed (0: none)",
+                                     metavar="GIB")
     kv_cache_memory_fraction: float = _arg(0.25, "CPU: share of the memory left after the weights for the KV cache")
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks (overrides the memory budgets)")
     scheduling_policy: SchedulingPolicy = _arg("fcfs", "admission order: first come first served, or by "
@@ -179,6 +182,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_offloading_bytes=int(self.kv_offloading_size * (1 << 30)),
                 kv_cache_memory_fraction=self.kv_cache_memory_fraction,
                 num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,

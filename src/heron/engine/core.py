@@ -50,7 +50,11 @@ class EngineCore:
             config.scheduler.max_num_seqs,
             gpu_budget,
         )
-        self.model_runner.initialize_kv_cache(num_blocks)
+        num_offload_blocks = cache.kv_offloading_bytes // self.model_runner.kv_cache_bytes_per_block()
+        if cache.kv_offloading_bytes and num_offload_blocks < 1:
+            raise ValueError(f"kv_offloading_size {cache.kv_offloading_bytes} bytes holds no block of "
+                             f"{self.model_runner.kv_cache_bytes_per_block()} bytes")
+        self.model_runner.initialize_kv_cache(num_blocks, num_offload_blocks)
         from heron.structured_output.manager import StructuredOutputManager
 
         self.structured_output = StructuredOutputManager(config.model)
@@ -66,6 +70,7 @@ class EngineCore:
             ),
             async_scheduling=config.async_scheduling,
             enable_kv_events=config.kv_events.publishes,
+            num_offload_blocks=num_offload_blocks,
         )
         self.kv_events = ZmqEventPublisher(config.kv_events) if config.kv_events.publishes else None
         # the launched step whose output has not been processed yet (async scheduling)

@@ -38,6 +38,8 @@ EXPORTED_METRICS = (
     "heron:request_prompt_tokens", "heron:request_generation_tokens", "heron:iteration_tokens_total",
     "heron:spec_decode_num_drafts_total", "heron:spec_decode_num_draft_tokens_total",
     "heron:spec_decode_num_accepted_tokens_total", "heron:compute_path_info",
+    "heron:kv_offload_stored_blocks_total", "heron:kv_offload_loaded_blocks_total",
+    "heron:kv_offload_evicted_blocks_total", "heron:kv_offload_hit_tokens_total", "heron:kv_offload_blocks",
 )
 
 
@@ -79,6 +81,18 @@ class PrometheusStatLogger:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (request-steps with drafts)")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        # the KV offload tier (tier="host"; more tiers to come)
+        self.offload_counters = {
+            field: Counter(f"heron:kv_offload_{name}", doc, labels + ["tier"], registry=r)
+            for field, name, doc in (
+                ("kv_offload_stored", "stored_blocks", "Blocks saved to the offload tier"),
+                ("kv_offload_loaded", "loaded_blocks", "Blocks loaded back from the offload tier"),
+                ("kv_offload_evicted", "evicted_blocks", "Blocks the offload tier dropped for room"),
+                ("kv_offload_hit_tokens", "hit_tokens", "Prompt tokens found in the offload tier"),
+            )
+        }
+        self.offload_blocks = Gauge("heron:kv_offload_blocks", "Blocks the offload tier holds", labels + ["tier"],
+                                    registry=r, multiprocess_mode="livemax")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
         self.tpot = histogram(
@@ -146,6 +160,12 @@ class PrometheusStatLogger:
             self.spec_accepted_tokens.labels(name).inc(
                 max(0, scheduler_stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
             )
+            for field, counter_metric in self.offload_counters.items():
+                delta = getattr(scheduler_stats, field) - getattr(last, field)
+                if delta > 0:
+                    counter_metric.labels(name, "host").inc(delta)
+            if scheduler_stats.kv_offload_blocks or last.kv_offload_blocks:
+                self.offload_blocks.labels(name, "host").set(scheduler_stats.kv_offload_blocks)
             if scheduler_stats.num_scheduled_tokens:
                 self.iteration_tokens.labels(name).observe(scheduler_stats.num_scheduled_tokens)
             self._last_cumulative = scheduler_stats

@@ -59,8 +59,8 @@ class DraftModelProposer:
     def kv_cache_bytes_per_block(self) -> int:
         return layers_bytes_per_block(self.layers, self.block_size, self.dtype)
 
-    def bind_kv_caches(self, num_blocks: int) -> None:
-        bind_kv_caches(self.layers, self.backend, num_blocks, self.block_size, self.dtype, self.device)
+    def bind_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        return bind_kv_caches(self.layers, self.backend, num_blocks, self.block_size, self.dtype, self.device)
 
     # ---- request lifecycle -----------------------------------------------------
 

@@ -34,7 +34,9 @@ class DraftProposer(Protocol):
         """KV bytes the proposer keeps per block (a draft model's own caches)."""
         ...
 
-    def bind_kv_caches(self, num_blocks: int) -> None: ...
+    def bind_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """Allocate the proposer's own KV caches (on the pool's block ids); returns them."""
+        ...
 
 
 class NgramDraftProposer:
@@ -61,8 +63,8 @@ class NgramDraftProposer:
     def kv_cache_bytes_per_block(self) -> int:
         return 0  # no model, no cache
 
-    def bind_kv_caches(self, num_blocks: int) -> None:
-        pass
+    def bind_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        return []  # n-gram drafts need no KV cache
 
 
 def build_proposer(config: EngineConfig, device: torch.device) -> DraftProposer | None:

@@ -31,6 +31,7 @@ from heron.utils import cdiv
 from heron.worker.block_table import BlockTableRows
 from heron.worker.compute_path import describe_compute_path, format_compute_path
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
+from heron.worker.kv_offload_store import HostKVStore
 from heron.worker.request_state import CachedRequestState
 from heron.worker.sampling_metadata import SamplingMetadataBuilder
 from heron.worker.spec_verify import verify_drafts
@@ -112,6 +113,7 @@ class ModelRunner:
             config.scheduler.max_num_seqs, cdiv(config.model.max_model_len, config.cache.block_size)
         )
         self.kv_caches: list[torch.Tensor] = []
+        self.offload_store: HostKVStore | None = None
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only
         # the last deferred step's sampled ids (on the device) and each request's row
         self._last_sampled: torch.Tensor | None = None
@@ -130,14 +132,18 @@ class ModelRunner:
         target = layers_bytes_per_block(self.attention_layers, self.block_size, self.config.model.dtype)
         return target + (self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_offload_blocks: int = 0) -> None:
         """Allocate every layer's cache, zeroed (stale NaNs in padded slots would
         leak through a masked softmax as 0 * NaN), and bind it to its layer. With
-        CUDA graphs, one extra block past the pool is the padded rows' scratch."""
+        CUDA graphs, one extra block past the pool is the padded rows' scratch.
+        ``num_offload_blocks``: the size of a host-memory offload tier (0: none)."""
         num_allocated = num_blocks + (1 if self.use_cuda_graphs else 0)
         self._bind_kv_caches(num_allocated)
+        draft_caches: list[torch.Tensor] = []
         if self.proposer is not None:
-            self.proposer.bind_kv_caches(num_allocated)
+            draft_caches = self.proposer.bind_kv_caches(num_allocated)
+        if num_offload_blocks:
+            self.offload_store = HostKVStore(self.kv_caches + draft_caches, num_offload_blocks)
         if self.use_cuda_graphs:
             from heron.attention.triton_backend import TritonAttentionBackend
             from heron.worker.cuda_graphs import DecodeGraphRunner
@@ -240,6 +246,10 @@ class ModelRunner:
         ids are copied back in the background and the next step may use them as
         input ids on the device before the host has seen them."""
         self._update_states(scheduler_output)
+        if scheduler_output.kv_transfers:
+            assert self.offload_store is not None
+            with phase("kv_offload"):
+                self.offload_store.apply(scheduler_output.kv_transfers)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
         with phase("prepare_inputs"):
