@@ -59,11 +59,13 @@ def test_a_later_block_names_its_parent_and_duplicates_are_not_stored_twice():
     assert manager.take_events() == []
 
 
-def test_an_index_replaying_the_events_equals_the_prefix_cache_under_churn():
+@pytest.mark.parametrize("num_offload_blocks", [0, 6])
+def test_an_index_replaying_the_events_equals_the_prefix_cache_under_churn(num_offload_blocks):
     """Random requests through a small pool (evictions, shared prefixes, resets):
-    after every step the router-side index holds exactly the pool's hashes."""
+    after every step the router-side index holds exactly the pool's hashes, and
+    with an offload tier the tier's too (what the engine serves without recomputing)."""
     rng = random.Random(0)
-    manager = KVCacheManager(num_blocks=12, block_size=4, enable_kv_events=True)
+    manager = KVCacheManager(num_blocks=12, block_size=4, enable_kv_events=True, num_offload_blocks=num_offload_blocks)
     index = KVBlockIndex()
     live = []
     kinds = set()
@@ -81,12 +83,16 @@ def test_an_index_replaying_the_events_equals_the_prefix_cache_under_churn():
             while live:
                 manager.free(live.pop())
             assert manager.reset_prefix_cache()
+        manager.take_transfers()  # the step's copies
         events = manager.take_events()
         kinds.update(type(event) for event in events)
         index.apply(step, KVEventBatch(0.0, events))
-        assert index.blocks == set(manager.block_pool.cached_blocks), step
+        tier = set(manager.offload) if manager.offload is not None else set()
+        assert index.blocks == set(manager.block_pool.cached_blocks) | tier, step
         manager.check_integrity()
     assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}  # the churn exercised every kind
+    if num_offload_blocks:
+        assert manager.offload is not None and manager.offload.stats.loaded > 0 and manager.offload.stats.evicted > 0
 
 
 def test_events_round_trip_the_wire_format():

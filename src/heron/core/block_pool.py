@@ -94,9 +94,10 @@ class BlockPool:
     them gives exactly the set of hashes the map holds."""
 
     def __init__(self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None,
-                 on_evict: Callable[[int, BlockHash], None] | None = None) -> None:
+                 on_evict: Callable[[int, BlockHash], bool] | None = None) -> None:
         """``on_evict(block_id, block_hash)``: told before a cached block's
-        contents are given up (an offload tier saves them)."""
+        contents are given up; True when it keeps them (an offload tier saved
+        them), so the block is not reported removed: the engine still holds it."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -209,10 +210,9 @@ class BlockPool:
             return
         if self.cached_blocks.get(block_hash) is block:
             del self.cached_blocks[block_hash]
-            if self.events is not None:
+            kept = self.on_evict(block.block_id, block_hash) if self.on_evict is not None else False
+            if self.events is not None and not kept:
                 self.events.removed(block_hash)
-            if self.on_evict is not None:
-                self.on_evict(block.block_id, block_hash)
         block.block_hash = None
 
     def check_integrity(self, owned_blocks: Iterable[list[KVCacheBlock]]) -> None:

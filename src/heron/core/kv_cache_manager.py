@@ -65,7 +65,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         # what the prefix cache gained and lost since the last take_events()
         self.events = KVEventRecorder() if enable_kv_events and enable_caching else None
-        self.offload = OffloadIndex(num_offload_blocks) if num_offload_blocks and enable_caching else None
+        self.offload = (OffloadIndex(num_offload_blocks, self._tier_dropped)
+                        if num_offload_blocks and enable_caching else None)
         self.block_pool = BlockPool(num_blocks, enable_caching, self.events,
                                     self.offload.save if self.offload is not None else None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -188,6 +189,10 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.clear()
         return True
+
+    def _tier_dropped(self, block_hash: BlockHash) -> None:
+        if self.events is not None and self.block_pool.get_cached_block(block_hash) is None:
+            self.events.removed(block_hash)
 
     def take_transfers(self) -> KVTransfers | None:
         """The offload copies the next step must make first (None: no tier)."""

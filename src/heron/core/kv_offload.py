@@ -9,6 +9,11 @@ the lookup goes on in the tier; blocks found there are allocated fresh in the
 pool and loaded into it instead of being recomputed, and then count as
 computed like any prefix-cache hit.
 
+KV-cache events describe what the engine can serve without recomputing: a
+block saved to the tier is not reported removed when it leaves the pool, only
+when the tier drops it (and the pool does not hold it again), so a router's
+index of a replica covers its tier too.
+
 Copies happen in the worker at the start of the step that needs them, saves
 before loads (a block evicted and refilled in one step is saved first), so a
 loaded block is in the pool before any layer reads it. Slots read by this
@@ -19,7 +24,7 @@ transfers are handed to the worker.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from heron.core.hashing import BlockHash
@@ -49,7 +54,8 @@ class OffloadStats:
 class OffloadIndex:
     """The tier's map from block hash to slot, least recently used first."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, on_drop: Callable[[BlockHash], None] | None = None) -> None:
+        """``on_drop(block_hash)``: told when the tier gives a block up for room."""
         if num_slots < 1:
             raise ValueError("a KV offload tier needs room for at least one block")
         self.num_slots = num_slots
@@ -58,6 +64,7 @@ class OffloadIndex:
         self._pinned: set[int] = set()
         self._pending = KVTransfers()
         self.stats = OffloadStats()
+        self.on_drop = on_drop
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._slots
@@ -65,22 +72,27 @@ class OffloadIndex:
     def __len__(self) -> int:
         return len(self._slots)
 
+    def __iter__(self) -> Iterator[BlockHash]:
+        return iter(self._slots)
+
     def pin(self, block_hashes: Sequence[BlockHash]) -> None:
         """Keep these blocks' slots until this step's transfers are taken."""
         self._pinned.update(self._slots[block_hash] for block_hash in block_hashes)
 
-    def save(self, block_id: int, block_hash: BlockHash) -> None:
-        """A cached pool block is about to be reused: keep its contents here
-        (nothing to do if the tier has it already, or every slot is pinned)."""
+    def save(self, block_id: int, block_hash: BlockHash) -> bool:
+        """A cached pool block is about to be reused: keep its contents here.
+        Whether the tier holds the block now (False only when every slot is
+        pinned by this step's loads)."""
         if block_hash in self._slots:
             self._slots.move_to_end(block_hash)
-            return
+            return True
         slot = self._free.pop() if self._free else self._evict_one()
         if slot is None:
-            return
+            return False
         self._slots[block_hash] = slot
         self._pending.saves.append((block_id, slot))
         self.stats.stored += 1
+        return True
 
     def load(self, block_hash: BlockHash, block_id: int) -> None:
         """Copy a held block into pool block ``block_id`` before this step runs."""
@@ -107,5 +119,7 @@ class OffloadIndex:
             if slot not in self._pinned:
                 del self._slots[block_hash]
                 self.stats.evicted += 1
+                if self.on_drop is not None:
+                    self.on_drop(block_hash)
                 return slot
         return None
