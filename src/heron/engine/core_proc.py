@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -35,11 +36,17 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """If the API server dies without shutting us down, do not linger."""
+def _exit_when_orphaned(parent_pid: int, clients: list[ClientAddresses]) -> None:
+    """If the API server dies without shutting us down, do not linger, and
+    remove the IPC sockets' directory it can no longer remove."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
+            for client in clients:
+                for address in (client.input_address, client.output_address):
+                    directory = os.path.dirname(address.removeprefix("ipc://"))
+                    if address.startswith("ipc://") and os.path.basename(directory).startswith("heron-ipc-"):
+                        shutil.rmtree(directory, ignore_errors=True)
             os._exit(0)
 
 
@@ -49,7 +56,7 @@ def run_engine_core(
     """Process entry point (started by the API server's ``EngineCoreProcess``):
     ``config`` resolved, or the ``EngineArgs`` to resolve; ``clients``: where
     each API server talks to it."""
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), clients), daemon=True).start()
     logging.basicConfig(
         level=getattr(logging, log_level, logging.INFO),
         format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s",
