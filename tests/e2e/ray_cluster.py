@@ -36,8 +36,9 @@ class RayCluster:
                  for arg in (flag, str(free_port()))]
         log = tempfile.NamedTemporaryFile("w+", prefix="heron-ray-", suffix=".log", delete=False)
         self.logs.append(log)
+        # a small object store: heron passes nothing through it, and CI machines may have a small /dev/shm
         command = [sys.executable, "-m", "ray.scripts.scripts", "start", *where, "--num-cpus", str(cpus),
-                   "--disable-usage-stats", "--block", *ports]
+                   "--object-store-memory", str(100 << 20), "--disable-usage-stats", "--block", *ports]
         self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                            start_new_session=True))
 
