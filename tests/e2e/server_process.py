@@ -110,6 +110,15 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+def wait_for(condition, timeout: float = 20.0, what: str = "the condition") -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
 def complete_together(base_url: str, count: int, max_tokens: int = 16) -> None:
     """``count`` short completions sent at once (each from its own thread), all
     of which must succeed: load counted at send spreads them over engines."""

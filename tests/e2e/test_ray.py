@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from openai import OpenAI
 
 from tests.e2e.ray_cluster import RayCluster
 from tests.e2e.router_process import RouterProcess
-from tests.e2e.server_process import ServerProcess, complete_together
+from tests.e2e.server_process import ServerProcess, complete_together, wait_for
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -27,15 +26,6 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def engine_requests(server: ServerProcess) -> list[float]:
     return [server.metric("heron:engine_requests", engine=str(rank)) for rank in (0, 1)]
-
-
-def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +64,8 @@ def test_engine_cores_as_ray_actors_on_two_nodes_behind_one_server_and_a_router(
 
         server.process.send_signal(signal.SIGINT)
         assert server.process.wait(30) in (0, 130)  # 130: Ctrl-C's conventional code
-        wait_for(lambda: not router.replicas(), what="the router to drop the stopped server")
-        wait_for(lambda: ray_cluster.cpus_in_use() == 0, what="the engine actors' CPUs to come back")
+        wait_for(lambda: not router.replicas(), timeout=30, what="the router to drop the stopped server")
+        wait_for(lambda: ray_cluster.cpus_in_use() == 0, timeout=30, what="the engine actors' CPUs to come back")
     finally:
         os.environ.pop("RAY_ADDRESS", None)
         if router is not None:
@@ -95,7 +85,7 @@ def test_a_killed_engine_actor_makes_the_server_dead(ray_cluster):
             response = httpx.get(f"{server.base_url}/health", timeout=5)
             return response.status_code == 503 and response.json()["status"] == "dead"
 
-        wait_for(dead, what="the server to report the engine core dead")
+        wait_for(dead, timeout=30, what="the server to report the engine core dead")
         failed = httpx.post(f"{server.base_url}/v1/completions", timeout=10,
                             json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
         assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_dead"

@@ -10,14 +10,13 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from tests.e2e.router_process import RouterProcess
-from tests.e2e.server_process import ServerProcess, complete_together
+from tests.e2e.server_process import ServerProcess, complete_together, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +35,6 @@ def hits(server: ServerProcess) -> float:
     assert "# TYPE heron:prefix_cache_hits_total counter" in text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("heron:prefix_cache_hits_total{"))
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

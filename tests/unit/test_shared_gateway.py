@@ -107,7 +107,7 @@ def test_engine_core_channels_split_outputs_by_api_server():
     context = zmq.Context()
 
     clients = [ClientAddresses(f"inproc://in-{i}", f"inproc://out-{i}") for i in range(3)]
-    channels = ClientChannels(context, clients)
+    channels = ClientChannels.connected(context, clients)
     assert channels.tag(2, "cmpl-1:x") == "2:cmpl-1:x"
     stats = SchedulerStats(num_running_reqs=2)
     outputs = EngineCoreOutputs(outputs=[EngineCoreOutput("0:a:b", [5]), EngineCoreOutput("2:c", [6])],
@@ -118,7 +118,7 @@ def test_engine_core_channels_split_outputs_by_api_server():
     assert [o.request_id for o in split[0].outputs] == ["a:b"]  # untagged, the rest of the id kept
     assert split[1].outputs == [] and split[1].scheduler_stats.num_running_reqs == 2
     assert [o.request_id for o in split[2].outputs] == ["c"]
-    single = ClientChannels(context, clients[:1])
+    single = ClientChannels.connected(context, clients[:1])
     assert single.tag(0, "x") == "x"  # one API server: ids pass unchanged
     channels.close()
     single.close()

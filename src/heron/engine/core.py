@@ -42,18 +42,19 @@ class EngineCore:
                 lambda: self.model_runner.profile_peak_memory(scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
                 config.device,
             )
+        bytes_per_block = self.model_runner.kv_cache_bytes_per_block()
         num_blocks = determine_num_kv_blocks(
             cache,
-            self.model_runner.kv_cache_bytes_per_block(),
+            bytes_per_block,
             config.device,
             config.model.max_model_len,
             config.scheduler.max_num_seqs,
             gpu_budget,
         )
-        num_offload_blocks = cache.kv_offloading_bytes // self.model_runner.kv_cache_bytes_per_block()
+        num_offload_blocks = cache.kv_offloading_bytes // bytes_per_block
         if cache.kv_offloading_bytes and num_offload_blocks < 1:
             raise ValueError(f"kv_offloading_size {cache.kv_offloading_bytes} bytes holds no block of "
-                             f"{self.model_runner.kv_cache_bytes_per_block()} bytes")
+                             f"{bytes_per_block} bytes")
         self.model_runner.initialize_kv_cache(num_blocks, num_offload_blocks)
         from heron.structured_output.manager import StructuredOutputManager
 

@@ -25,6 +25,8 @@ from heron.step_outputs import EngineCoreOutputs
 
 # an outgoing message's target: an API server's index, or every API server
 ALL = -1
+# the directory of a local engine core's IPC sockets (made by the API server that starts it)
+IPC_DIR_PREFIX = "heron-ipc-"
 
 
 @dataclass(frozen=True)
@@ -40,28 +42,31 @@ class ClientAddresses:
 
 
 class ClientChannels:
-    def __init__(self, context: zmq.Context, clients: Sequence[ClientAddresses]) -> None:
+    def __init__(self, inputs: list[zmq.Socket], outputs: list[zmq.Socket], addresses: list[ClientAddresses]) -> None:
+        """A PULL and a PUSH socket per API server (``connected`` or ``bound``)."""
+        if not inputs or len(inputs) != len(outputs):
+            raise ValueError("an engine core needs a socket pair per API server, and at least one")
+        self.inputs = inputs
+        self.outputs = outputs
+        self.addresses = addresses
+        self.tagged = len(inputs) > 1
+
+    @classmethod
+    def connected(cls, context: zmq.Context, clients: Sequence[ClientAddresses]) -> ClientChannels:
         """Connect to API servers that bound ``clients``' addresses."""
-        if not clients:
-            raise ValueError("an engine core needs at least one API server to talk to")
-        self.outputs = [_socket(context, zmq.PUSH, client.output_address, bind=False) for client in clients]
-        self.inputs = [_socket(context, zmq.PULL, client.input_address, bind=False) for client in clients]
-        self.addresses = list(clients)
-        self.tagged = len(clients) > 1
+        outputs = [_socket(context, zmq.PUSH, client.output_address, bind=False) for client in clients]
+        inputs = [_socket(context, zmq.PULL, client.input_address, bind=False) for client in clients]
+        return cls(inputs, outputs, list(clients))
 
     @classmethod
     def bound(cls, context: zmq.Context, host: str, num_clients: int) -> ClientChannels:
         """Bind a pair of TCP sockets per API server on ``host`` (ports the
         system picks; ``addresses`` says which), for API servers to connect to."""
-        channels = cls.__new__(cls)
-        channels.outputs = [_socket(context, zmq.PUSH, f"tcp://{host}:*", bind=True) for _ in range(num_clients)]
-        channels.inputs = [_socket(context, zmq.PULL, f"tcp://{host}:*", bind=True) for _ in range(num_clients)]
-        channels.addresses = [
-            ClientAddresses(_bound_address(inputs), _bound_address(outputs), engine_binds=True)
-            for inputs, outputs in zip(channels.inputs, channels.outputs, strict=True)
-        ]
-        channels.tagged = num_clients > 1
-        return channels
+        outputs = [_socket(context, zmq.PUSH, f"tcp://{host}:*", bind=True) for _ in range(num_clients)]
+        inputs = [_socket(context, zmq.PULL, f"tcp://{host}:*", bind=True) for _ in range(num_clients)]
+        addresses = [ClientAddresses(_bound_address(pull), _bound_address(push), engine_binds=True)
+                     for pull, push in zip(inputs, outputs, strict=True)]
+        return cls(inputs, outputs, addresses)
 
     # ---- incoming (receive thread) ---------------------------------------------------
 

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
-from heron.engine.core_channels import ClientAddresses
+from heron.engine.core_channels import IPC_DIR_PREFIX, ClientAddresses
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
 
@@ -73,7 +73,7 @@ class EngineCoreProcess:
         """Start the process on a resolved config, or on ``EngineArgs`` (it
         resolves them itself, so it can start loading before the caller has
         imported torch)."""
-        socket_dir = tempfile.mkdtemp(prefix="heron-ipc-")
+        socket_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         clients = [
             ClientAddresses(f"ipc://{os.path.join(socket_dir, f'input-{index}')}",
                             f"ipc://{os.path.join(socket_dir, f'output-{index}')}")

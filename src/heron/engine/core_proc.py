@@ -26,7 +26,7 @@ import zmq
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core import EngineCore
-from heron.engine.core_channels import ALL, ClientAddresses, ClientChannels
+from heron.engine.core_channels import ALL, IPC_DIR_PREFIX, ClientAddresses, ClientChannels
 from heron.engine.serialization import MessageKind, decode_request, pack
 from heron.gc_freeze import freeze_startup_objects
 from heron.step_outputs import EngineCoreOutputs
@@ -45,7 +45,7 @@ def _exit_when_orphaned(parent_pid: int, clients: list[ClientAddresses]) -> None
             for client in clients:
                 for address in (client.input_address, client.output_address):
                     directory = os.path.dirname(address.removeprefix("ipc://"))
-                    if address.startswith("ipc://") and os.path.basename(directory).startswith("heron-ipc-"):
+                    if address.startswith("ipc://") and os.path.basename(directory).startswith(IPC_DIR_PREFIX):
                         shutil.rmtree(directory, ignore_errors=True)
             os._exit(0)
 
@@ -57,14 +57,10 @@ def run_engine_core(
     ``config`` resolved, or the ``EngineArgs`` to resolve; ``clients``: where
     each API server talks to it."""
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), clients), daemon=True).start()
-    logging.basicConfig(
-        level=getattr(logging, log_level, logging.INFO),
-        format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    configure_engine_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when we stop
     context = zmq.Context()
-    channels = ClientChannels(context, clients)
+    channels = ClientChannels.connected(context, clients)
     try:
         engine = build_engine(config, channels)
     except BaseException:  # reported; exit without running anyone's cleanup
@@ -74,6 +70,15 @@ def run_engine_core(
     freeze_startup_objects("engine core")
     proc = EngineCoreProc(engine, channels)
     proc.run()
+
+
+def configure_engine_logging(log_level: str) -> None:
+    """An engine core's log lines: marked ``engine-core``, in the API server's format."""
+    logging.basicConfig(
+        level=getattr(logging, log_level, logging.INFO),
+        format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 def build_engine(config: EngineConfig | EngineArgs, channels: ClientChannels) -> EngineCore:

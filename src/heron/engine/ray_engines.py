@@ -73,8 +73,9 @@ class EngineCoreActor:
     def __init__(self, engine: EngineConfig | EngineArgs, rank: int, num_clients: int, log_level: str) -> None:
         import ray
 
-        logging.basicConfig(level=getattr(logging, log_level, logging.INFO),
-                            format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s", datefmt="%H:%M:%S")
+        from heron.engine.core_proc import configure_engine_logging
+
+        configure_engine_logging(log_level)
         self.node_ip = ray.util.get_node_ip_address()
         events = kv_events_of(engine)
         if engine.data_parallel_size > 1 or events.publishes:  # the API server follows them, over TCP

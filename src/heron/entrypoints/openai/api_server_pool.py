@@ -34,7 +34,6 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from heron.engine.args import EngineArgs
 from heron.engine.core_client import OwnedEngineCore
 from heron.entrypoints.openai.shared_gateway import create_shared_gateway_file
 
@@ -65,7 +64,7 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
-def run_api_servers(args: argparse.Namespace, engine_args: EngineArgs, started: list[OwnedEngineCore]) -> int:
+def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) -> int:
     """Start the API servers over the engine cores (``started`` with
     ``args.api_server_count`` connections each), and supervise."""
     count = args.api_server_count
@@ -114,8 +113,9 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
             return 1
         exited = [server for server in servers if server.poll() is not None]
         if (exited and len(exited) < len(servers)) or any(server.returncode for server in exited):
+            culprit = next((server for server in exited if server.returncode), exited[0])
             logger.error("API server (pid %d) exited with code %s: stopping the others",
-                         exited[0].pid, exited[0].returncode)
+                         culprit.pid, culprit.returncode)
             return 1
         if exited:
             return 0

@@ -124,7 +124,7 @@ def run_server(args: argparse.Namespace, started: list[OwnedEngineCore] | None =
     if args.api_server_count > 1:
         from heron.entrypoints.openai.api_server_pool import run_api_servers
 
-        return run_api_servers(args, engine_args, started)
+        return run_api_servers(args, started)
     try:
         config = engine_args.create_engine_config()
     except BaseException:
