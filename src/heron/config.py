@@ -87,6 +87,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # a KV offload tier in host memory beyond the pool (0: none)
     kv_offloading_bytes: int = 0
+    # a KV offload tier on local disk (None: none), bounded to this many bytes
+    kv_offloading_dir: str | None = None
+    kv_offloading_dir_bytes: int = 16 << 30
+    # a prefix block that cannot be loaded from a tier: compute it again, or fail the request
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -95,8 +100,13 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.kv_offloading_bytes < 0:
             raise ValueError("kv_offloading_size must be >= 0")
-        if self.kv_offloading_bytes and not self.enable_prefix_caching:
+        if (self.kv_offloading_bytes or self.kv_offloading_dir) and not self.enable_prefix_caching:
             raise ValueError("a KV offload tier keeps prefix-cache blocks: it needs prefix caching on")
+        if self.kv_offloading_dir is not None and self.kv_offloading_dir_bytes <= 0:
+            raise ValueError("kv_offloading_dir_size must be positive")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"kv_load_failure_policy must be 'recompute' or 'fail', got {self.kv_load_failure_policy!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -24,6 +24,7 @@ from heron.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_KV = enum.auto()  # its prefix is being loaded from a KV offload tier
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # everything after this is finished

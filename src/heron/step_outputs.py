@@ -98,12 +98,21 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-    # the KV offload tier, cumulative (blocks; hits in prompt tokens), and the blocks it holds now
-    kv_offload_stored: int = 0
-    kv_offload_loaded: int = 0
-    kv_offload_evicted: int = 0
-    kv_offload_hit_tokens: int = 0
-    kv_offload_blocks: int = 0
+    # the KV offload tiers (host memory, disk), cumulative (blocks; hits in prompt
+    # tokens), and the blocks each holds now
+    kv_host_stored: int = 0
+    kv_host_loaded: int = 0
+    kv_host_evicted: int = 0
+    kv_host_hit_tokens: int = 0
+    kv_host_blocks: int = 0
+    kv_host_bytes: int = 0
+    kv_disk_stored: int = 0
+    kv_disk_loaded: int = 0
+    kv_disk_evicted: int = 0
+    kv_disk_hit_tokens: int = 0
+    kv_disk_blocks: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_load_failures: int = 0
 
 
 @dataclass

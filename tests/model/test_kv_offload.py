@@ -50,7 +50,7 @@ def test_an_evicted_prefix_is_loaded_back_not_recomputed(llama, situation):
     check(llm, with_prefix[1:], expected)  # the prefix misses the pool and hits the tier
     assert offload.stats.loaded >= 6 and offload.stats.hit_tokens >= 6 * 8
     stats = llm.engine.engine_core.scheduler.make_stats()
-    assert stats.kv_offload_loaded == offload.stats.loaded and stats.kv_offload_blocks == len(offload)
+    assert stats.kv_host_loaded == offload.stats.loaded and stats.kv_host_blocks == len(offload)
     manager.check_integrity()
     assert manager.num_free_blocks == manager.num_blocks
 

@@ -96,3 +96,20 @@ def test_decode_growth_allocates_a_block_only_at_a_boundary():
     request.append_output_token_ids([12])
     new = manager.allocate_slots(request, 1)
     assert new is not None and new.get_block_ids() == []
+
+
+def test_blocks_registered_for_a_withdrawn_grant_leave_the_prefix_cache():
+    """A request preempted in the step that granted it tokens never computes them:
+    the blocks those tokens completed must not stay cached (a later request would
+    read K/V nobody wrote), while the blocks computed before stay."""
+    manager = KVCacheManager(num_blocks=8, block_size=16)
+    request = make_request(40)
+    manager.allocate_slots(request, 16)
+    request.num_computed_tokens = 16  # the first step ran
+    manager.allocate_slots(request, 24)  # granted, then the request is preempted before computing it
+    assert len(manager.block_pool.cached_blocks) == 2
+    manager.free(request, request.num_computed_tokens)
+    assert len(manager.block_pool.cached_blocks) == 1
+    hits, num_hit = manager.get_computed_blocks(make_request(40))
+    assert num_hit == 16
+    manager.check_integrity()

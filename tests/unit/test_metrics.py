@@ -38,8 +38,10 @@ def test_exporter_records_everything_it_declares():
     logger.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=100,
                                  prefix_cache_hits=40, num_preemptions=3, num_scheduled_tokens=17,
                                  spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=11,
-                                 kv_offload_stored=7, kv_offload_loaded=4, kv_offload_evicted=1,
-                                 kv_offload_hit_tokens=64, kv_offload_blocks=6),
+                                 kv_host_stored=7, kv_host_loaded=4, kv_host_evicted=1,
+                                 kv_host_hit_tokens=64, kv_host_blocks=6, kv_host_bytes=6144,
+                                 kv_disk_stored=9, kv_disk_loaded=3, kv_disk_load_failures=2, kv_disk_blocks=9,
+                                 kv_disk_bytes=9300),
                   one_finished_iteration())
     text = logger.render().decode()
     values = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -53,6 +55,10 @@ def test_exporter_records_everything_it_declares():
     assert values["heron:kv_offload_loaded_blocks_total[('model_name', 'm'), ('tier', 'host')]"] == 4
     assert values["heron:kv_offload_hit_tokens_total[('model_name', 'm'), ('tier', 'host')]"] == 64
     assert values["heron:kv_offload_blocks[('model_name', 'm'), ('tier', 'host')]"] == 6
+    assert values["heron:kv_offload_bytes[('model_name', 'm'), ('tier', 'host')]"] == 6144
+    assert values["heron:kv_offload_stored_blocks_total[('model_name', 'm'), ('tier', 'disk')]"] == 9
+    assert values["heron:kv_offload_load_failures_total[('model_name', 'm'), ('tier', 'disk')]"] == 2
+    assert values["heron:kv_offload_bytes[('model_name', 'm'), ('tier', 'disk')]"] == 9300
     assert values["heron:prompt_tokens_total[('model_name', 'm')]"] == 12
     assert values["heron:generation_tokens_total[('model_name', 'm')]"] == 2
     assert values["heron:request_success_total[('finished_reason', 'length'), ('model_name', 'm')]"] == 1

@@ -230,3 +230,4 @@ def test_duplicate_request_id_is_rejected():
         assert "already in use" in str(exc)
     else:
         raise AssertionError("duplicate id accepted")
+

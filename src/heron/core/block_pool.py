@@ -204,6 +204,17 @@ class BlockPool:
             self.events.cleared()
         return True
 
+    def uncache(self, block: KVCacheBlock) -> BlockHash | None:
+        """Take a block out of the prefix cache without saving it anywhere: its
+        K/V was never computed (its request gave back the step that would have).
+        Returns its hash if it was the cached copy."""
+        block_hash = block.block_hash
+        block.block_hash = None
+        if block_hash is None or self.cached_blocks.get(block_hash) is not block:
+            return None
+        del self.cached_blocks[block_hash]
+        return block_hash
+
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         if block_hash is None:

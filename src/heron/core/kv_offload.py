@@ -28,17 +28,21 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from heron.core.hashing import BlockHash
+from heron.core.kv_disk_index import DiskOps
 
 
 @dataclass(slots=True)
 class KVTransfers:
-    """The copies the worker makes before a step's forward pass, in this order."""
+    """The copies the worker makes before a step's forward pass: the disk
+    tier's captures first (``disk``; its loads start last, in the background),
+    then the host tier's saves and loads, in this order."""
 
     saves: list[tuple[int, int]] = field(default_factory=list)  # (pool block id, tier slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, pool block id)
+    disk: DiskOps = field(default_factory=DiskOps)
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads)
+        return bool(self.saves or self.loads or self.disk)
 
 
 @dataclass(slots=True)

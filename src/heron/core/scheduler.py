@@ -17,6 +17,13 @@ the next step schedules like a known token (its input id comes from the device);
 the placeholder is replaced when the output arrives. Stops are therefore seen a
 step late — a finished request's extra step is discarded — and max_tokens is
 respected ahead by counting placeholders.
+
+A request whose prefix continues in the disk KV tier leaves the waiting queue
+for ``loading`` while the worker reads its blocks in the background, without
+holding up other requests; once the worker reports the load (``update_kv_loads``)
+it goes back to the head of the queue with those tokens computed. A failed load
+is computed again or fails the request (``kv_load_failure_policy``); a request
+aborted while loading keeps its blocks until the worker is done writing them.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from heron.config import CacheConfig, SchedulerConfig
+from heron.core.hashing import BlockHash
 from heron.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from heron.core.kv_disk_layout import DiskTierLayout
 from heron.core.request_queue import create_request_queue
 from heron.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from heron.request import Request, RequestStatus
@@ -88,8 +97,13 @@ class Scheduler:
         async_scheduling: bool = False,
         enable_kv_events: bool = False,
         num_offload_blocks: int = 0,
+        disk_layout: DiskTierLayout | None = None,
+        kv_block_bytes: int = 0,
     ) -> None:
+        """``kv_block_bytes``: one pool block's bytes (the host tier's statistics)."""
         self.config = scheduler_config
+        self.kv_load_failure_policy = cache_config.kv_load_failure_policy
+        self.kv_block_bytes = kv_block_bytes
         self.async_scheduling = async_scheduling
         # slots allocated past the scheduled tokens (a draft model writes its
         # speculative K/V there)
@@ -102,15 +116,21 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             enable_kv_events=enable_kv_events,
             num_offload_blocks=num_offload_blocks,
+            disk_layout=disk_layout,
+            disk_max_bytes=cache_config.kv_offloading_dir_bytes,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
+        # requests whose blocks the worker is reading from disk (aborted ones too, until it is done)
+        self.loading: dict[str, Request] = {}
+        # waiting requests that hold the blocks loaded for them, in the order they were loaded
+        self._holding: dict[str, Request] = {}
         # forgotten by the runner at the next step
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingCounters()
-        self._grammar_failures: list[Request] = []  # reported at the next output
+        self._failed_requests: list[Request] = []  # grammar or KV-load failures, reported at the next output
         # unfinished requests whose sampling reads their previous token on the host
         self._num_needing_latest_tokens = 0
 
@@ -139,17 +159,20 @@ class Scheduler:
         return finished
 
     def _remove_from_queue(self, request: Request) -> None:
-        """Take an unfinished request (or one finished just now) off its queue."""
+        """Take an unfinished request (or one finished just now) off its queue
+        (one loading stays in ``loading`` until the worker is done)."""
         if request in self.running:
             self.running.remove(request)
-        else:
+        elif request.request_id not in self.loading:
             self.waiting.remove(request)
 
     def _free_request(self, request: Request) -> None:
         self._num_needing_latest_tokens -= request.sampling_params.needs_latest_tokens
         if self.structured_output is not None:
             self.structured_output.remove_request(request.request_id)
-        self.kv_cache_manager.free(request)
+        if request.request_id not in self.loading:  # else freed when its load is done
+            self.kv_cache_manager.free(request)
+            self._holding.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -158,7 +181,52 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.num_unfinished_requests > 0
+        """Also while blocks are being loaded (an aborted request's are freed when that is done)."""
+        return self.num_unfinished_requests > 0 or bool(self.loading)
+
+    @property
+    def is_loading_kv(self) -> bool:
+        return bool(self.loading)
+
+    def update_kv_loads(self, finished: list[tuple[str, list[BlockHash]]]) -> None:
+        """The worker is done reading these requests' blocks (with the hashes it
+        could not read): each goes back to the head of the waiting queue with its
+        loaded prefix computed, or is recomputed from the first failure or
+        failed, per ``kv_load_failure_policy``; an aborted one frees its blocks."""
+        for request_id, failed in finished:
+            request = self.loading[request_id]
+            num_computed = self.kv_cache_manager.finish_load(request, failed)
+            del self.loading[request_id]
+            if request.is_finished:
+                self.kv_cache_manager.free(request)
+                continue
+            request.status = RequestStatus.WAITING
+            if failed:
+                logger.warning("%s: %d prefix blocks could not be loaded from the disk tier (%s)",
+                               request_id, len(failed), self.kv_load_failure_policy)
+                self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
+                if self.kv_load_failure_policy == "fail":
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    self._failed_requests.append(request)
+                    self._free_request(request)
+                    continue
+            else:
+                request.num_computed_tokens = num_computed
+                self._holding[request_id] = request
+            self.waiting.add_preempted(request)
+
+    def _release_held_blocks(self, keep: Request | None = None) -> bool:
+        """Free the blocks of the waiting request loaded last (not ``keep``), when
+        the pool is short: they stay cached, to be hit or loaded again when it is
+        admitted. False when no waiting request holds blocks."""
+        for request_id in reversed(self._holding):
+            request = self._holding[request_id]
+            if request is not keep:
+                del self._holding[request_id]
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+                return True
+        return False
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the current one's output
@@ -222,6 +290,8 @@ class Scheduler:
             )
             if new_blocks is not None:
                 return new_blocks, index
+            if self._release_held_blocks():
+                continue  # waiting requests give their loaded blocks back before running ones are preempted
             victim = self._pick_preemption_victim()
             victim_index = self.running.index(victim)
             self._preempt(victim)
@@ -244,7 +314,7 @@ class Scheduler:
                 # preempted while its last token was in flight, or its grammar still compiles
                 not_ready.append(self.waiting.pop())  # after peek: this request
                 continue
-            if not self._admit(request, plan, now):
+            if not self._admit(request, plan, now) and not self._release_held_blocks(keep=request):
                 break
         for request in reversed(not_ready):
             if request.is_finished:  # its grammar failed to compile
@@ -254,8 +324,16 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: _StepPlan, now: float) -> bool:
         """Move the head of the waiting queue to running with its cached prefix
-        and a (possibly chunked) grant; False when it does not fit."""
-        computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        and a (possibly chunked) grant, or to ``loading`` when its prefix goes on
+        on disk; False when it does not fit."""
+        computed_blocks: KVCacheBlocks | None = None
+        loaded = self.kv_cache_manager.has_blocks(request.request_id)  # its prefix, from disk
+        if loaded:
+            num_hit_tokens = request.num_computed_tokens
+        else:
+            computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if computed_blocks.needs_load:
+                return self._start_load(request, computed_blocks, num_hit_tokens)
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.token_budget:
             if not self.config.enable_chunked_prefill:
@@ -265,12 +343,13 @@ class Scheduler:
             request,
             num_new,
             new_computed_blocks=computed_blocks,
-            num_new_computed_tokens=num_hit_tokens,
+            num_new_computed_tokens=0 if loaded else num_hit_tokens,
             num_lookahead_tokens=self.num_lookahead_tokens,
         )
         if new_blocks is None:
             return False
         self.waiting.pop()
+        self._holding.pop(request.request_id, None)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
@@ -281,6 +360,16 @@ class Scheduler:
         plan.new_reqs.append(
             NewRequestData.from_request(request, self.kv_cache_manager.get_block_ids(request.request_id))
         )
+        return True
+
+    def _start_load(self, request: Request, computed_blocks: KVCacheBlocks, num_hit_tokens: int) -> bool:
+        if not self.kv_cache_manager.start_load(request, computed_blocks):
+            return False
+        self.waiting.pop()
+        self.loading[request.request_id] = request
+        request.status = RequestStatus.WAITING_FOR_KV
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
         return True
 
     def _emit(self, plan: _StepPlan) -> SchedulerOutput:
@@ -319,7 +408,7 @@ class Scheduler:
         ready = self.structured_output.is_ready(request)
         if ready is None:
             request.status = RequestStatus.FINISHED_ABORTED
-            self._grammar_failures.append(request)
+            self._failed_requests.append(request)
             return False
         return ready
 
@@ -345,7 +434,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free(request, request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -409,12 +498,18 @@ class Scheduler:
                 # a step emits at most 1 + drafts tokens: never propose past max_tokens
                 room = request.max_tokens - request.num_output_tokens - 1
                 request.spec_token_ids = runner_output.draft_token_ids[request_id][: max(room, 0)]
-        for failed in self._grammar_failures:
-            outputs.append(EngineCoreOutput(failed.request_id, [], finish_reason="abort"))
-        self._grammar_failures.clear()
+        outputs.extend(self.take_failure_outputs())
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(scheduler_output), timestamp=time.monotonic()
         )
+
+    def take_failure_outputs(self) -> list[EngineCoreOutput]:
+        """Final outputs of the requests failed since the last call (grammar, KV load)."""
+        outputs = [EngineCoreOutput(failed.request_id, [], finish_reason="abort",
+                                    num_cached_tokens=max(failed.num_cached_tokens, 0))
+                   for failed in self._failed_requests]
+        self._failed_requests.clear()
+        return outputs
 
     def _follow_grammar(self, request: Request, token_id: int) -> bool:
         """Advance the request's grammar; True if that finished the request."""
@@ -448,7 +543,7 @@ class Scheduler:
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.loading),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
@@ -463,10 +558,17 @@ class Scheduler:
         )
 
     def _offload_stats(self) -> dict[str, int]:
-        offload = self.kv_cache_manager.offload
-        if offload is None:
-            return {}
-        stats = offload.stats
-        return {"kv_offload_stored": stats.stored, "kv_offload_loaded": stats.loaded,
-                "kv_offload_evicted": stats.evicted, "kv_offload_hit_tokens": stats.hit_tokens,
-                "kv_offload_blocks": len(offload)}
+        manager = self.kv_cache_manager
+        stats: dict[str, int] = {}
+        for tier, index in (("host", manager.offload), ("disk", manager.disk)):
+            if index is not None:
+                counts = index.stats
+                stats.update({f"kv_{tier}_stored": counts.stored, f"kv_{tier}_loaded": counts.loaded,
+                              f"kv_{tier}_evicted": counts.evicted, f"kv_{tier}_hit_tokens": counts.hit_tokens,
+                              f"kv_{tier}_blocks": len(index)})
+        if manager.offload is not None:
+            stats["kv_host_bytes"] = len(manager.offload) * self.kv_block_bytes
+        if manager.disk is not None:
+            stats["kv_disk_load_failures"] = manager.disk.stats.load_failures
+            stats["kv_disk_bytes"] = len(manager.disk) * manager.disk.layout.file_bytes
+        return stats

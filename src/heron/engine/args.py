@@ -98,6 +98,15 @@ class EngineArgs:
     kv_offloading_size: float = _arg(0.0, "GiB of host memory for a KV offload tier: prefix blocks evicted from the "
                                           "pool are kept there and loaded back instead of recomputed (0: none)",
                                      metavar="GIB")
+    kv_offloading_dir: str | None = _arg(None, "directory of a local-disk KV offload tier: prefix blocks evicted from "
+                                               "the pool (or the host tier) are written there, survive a restart and "
+                                               "are shared by every replica pointed at the same directory",
+                                         metavar="DIR")
+    kv_offloading_dir_size: float = _arg(16.0, "GiB the disk tier may fill before it deletes its least recently "
+                                               "used blocks", metavar="GIB")
+    kv_load_failure_policy: Literal["recompute", "fail"] = _arg(
+        "recompute", "a prefix block an offload tier cannot deliver (deleted, corrupt): compute it again, or fail "
+                     "the request")
     kv_cache_memory_fraction: float = _arg(0.25, "CPU: share of the memory left after the weights for the KV cache")
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks (overrides the memory budgets)")
     scheduling_policy: SchedulingPolicy = _arg("fcfs", "admission order: first come first served, or by "
@@ -183,6 +192,9 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 kv_offloading_bytes=int(self.kv_offloading_size * (1 << 30)),
+                kv_offloading_dir=self.kv_offloading_dir,
+                kv_offloading_dir_bytes=int(self.kv_offloading_dir_size * (1 << 30)),
+                kv_load_failure_policy=self.kv_load_failure_policy,
                 kv_cache_memory_fraction=self.kv_cache_memory_fraction,
                 num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 from heron.config import EngineConfig
+from heron.core.kv_disk_layout import DiskTierLayout, layout_fingerprint
 from heron.core.scheduler import Scheduler
 from heron.core.scheduler_output import SchedulerOutput
 from heron.engine.kv_events_publisher import ZmqEventPublisher
@@ -56,6 +57,9 @@ class EngineCore:
             raise ValueError(f"kv_offloading_size {cache.kv_offloading_bytes} bytes holds no block of "
                              f"{bytes_per_block} bytes")
         self.model_runner.initialize_kv_cache(num_blocks, num_offload_blocks)
+        disk_layout = self._disk_tier_layout(bytes_per_block) if cache.kv_offloading_dir else None
+        if disk_layout is not None:
+            self.model_runner.attach_disk_tier(disk_layout)
         from heron.structured_output.manager import StructuredOutputManager
 
         self.structured_output = StructuredOutputManager(config.model)
@@ -72,6 +76,8 @@ class EngineCore:
             async_scheduling=config.async_scheduling,
             enable_kv_events=config.kv_events.publishes,
             num_offload_blocks=num_offload_blocks,
+            disk_layout=disk_layout,
+            kv_block_bytes=bytes_per_block,
         )
         self.kv_events = ZmqEventPublisher(config.kv_events) if config.kv_events.publishes else None
         # the launched step whose output has not been processed yet (async scheduling)
@@ -80,6 +86,19 @@ class EngineCore:
         self.profiler = (
             StepProfiler(profile.directory, profile.num_steps, profile.start_step) if profile.directory else None
         )
+
+    def _disk_tier_layout(self, bytes_per_block: int) -> DiskTierLayout:
+        config = self.config
+        assert config.cache.kv_offloading_dir is not None
+        fingerprint = layout_fingerprint(
+            config.model.model, config.model.hf_config,
+            [config.model.dtype_name, config.model.quantization, config.cache.block_size,
+             *self.model_runner.kv_cache_layout()],
+        )
+        layout = DiskTierLayout.create(config.cache.kv_offloading_dir, fingerprint, bytes_per_block)
+        logger.info("disk KV tier: %s (%.1f GiB at most)", layout.root,
+                    config.cache.kv_offloading_dir_bytes / (1 << 30))
+        return layout
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         request = Request(core_request)
@@ -105,9 +124,17 @@ class EngineCore:
         """Schedule and run one step; return the outputs of the step that finished
         (this one, or with async scheduling usually the one before). The step's
         KV-cache events are published as one batch."""
+        self.scheduler.update_kv_loads(self.model_runner.take_finished_kv_loads())
         outputs = self._run_step()
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            self._flush_kv_transfers()  # idle: no step will come to write the last one's blocks
         self._publish_kv_events()
         return outputs
+
+    def _flush_kv_transfers(self) -> None:
+        transfers = self.scheduler.kv_cache_manager.take_transfers(idle=True)
+        if transfers:
+            self.model_runner.apply_kv_transfers(transfers)
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -121,13 +148,17 @@ class EngineCore:
                 "topic": self.config.kv_events.topic}
 
     def shutdown(self) -> None:
+        """Publish the last events and finish the disk tier's writes."""
+        self._flush_kv_transfers()
+        self.model_runner.close()
         if self.kv_events is not None:
             self._publish_kv_events()
             self.kv_events.shutdown()
 
     def _run_step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+            return EngineCoreOutputs(outputs=self.scheduler.take_failure_outputs(),
+                                     scheduler_stats=self.scheduler.make_stats())
         in_flight = self._in_flight
         if in_flight is not None and not self.scheduler.can_schedule_ahead():
             self._in_flight = None  # the next step needs this one's tokens on the host
@@ -147,8 +178,11 @@ class EngineCore:
                 else None
             )
         if scheduler_output.is_empty and in_flight is None:
-            # only requests waiting for their grammars: let the compiler run
-            self.structured_output.wait_for_compile(timeout=0.02)
+            # only requests waiting for their grammars or KV loads: let those run
+            if self.scheduler.is_loading_kv:
+                self.model_runner.wait_for_kv_loads(timeout=0.02)
+            else:
+                self.structured_output.wait_for_compile(timeout=0.02)
         runner_output = self.model_runner.execute_model(
             scheduler_output, grammar, defer_output=self.scheduler.can_schedule_ahead()
         )
@@ -184,5 +218,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if reset:
+            self._flush_kv_transfers()  # the disk tier's deletes
         self._publish_kv_events()
         return reset

@@ -40,7 +40,9 @@ EXPORTED_METRICS = (
     "heron:spec_decode_num_accepted_tokens_total", "heron:compute_path_info",
     "heron:kv_offload_stored_blocks_total", "heron:kv_offload_loaded_blocks_total",
     "heron:kv_offload_evicted_blocks_total", "heron:kv_offload_hit_tokens_total", "heron:kv_offload_blocks",
+    "heron:kv_offload_bytes", "heron:kv_offload_load_failures_total",
 )
+_OFFLOAD_TIERS = ("host", "disk")
 
 
 def multiprocess_dir() -> str | None:
@@ -81,18 +83,22 @@ class PrometheusStatLogger:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (request-steps with drafts)")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        # the KV offload tier (tier="host"; more tiers to come)
+        # the KV offload tiers (tier="host" | "disk"), from SchedulerStats.kv_<tier>_<field>
         self.offload_counters = {
             field: Counter(f"heron:kv_offload_{name}", doc, labels + ["tier"], registry=r)
             for field, name, doc in (
-                ("kv_offload_stored", "stored_blocks", "Blocks saved to the offload tier"),
-                ("kv_offload_loaded", "loaded_blocks", "Blocks loaded back from the offload tier"),
-                ("kv_offload_evicted", "evicted_blocks", "Blocks the offload tier dropped for room"),
-                ("kv_offload_hit_tokens", "hit_tokens", "Prompt tokens found in the offload tier"),
+                ("stored", "stored_blocks", "Blocks saved to the offload tier"),
+                ("loaded", "loaded_blocks", "Blocks loaded back from the offload tier"),
+                ("evicted", "evicted_blocks", "Blocks the offload tier dropped for room"),
+                ("hit_tokens", "hit_tokens", "Prompt tokens found in the offload tier"),
+                ("load_failures", "load_failures", "Blocks the offload tier could not deliver (missing, corrupt)"),
             )
         }
-        self.offload_blocks = Gauge("heron:kv_offload_blocks", "Blocks the offload tier holds", labels + ["tier"],
-                                    registry=r, multiprocess_mode="livemax")
+        self.offload_gauges = {
+            field: Gauge(f"heron:kv_offload_{field}", doc, labels + ["tier"], registry=r, multiprocess_mode="livemax")
+            for field, doc in (("blocks", "Blocks the offload tier holds"),
+                               ("bytes", "Bytes the offload tier holds"))
+        }
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
         self.tpot = histogram(
@@ -118,6 +124,17 @@ class PrometheusStatLogger:
         self._last_cumulative = SchedulerStats()
         for metric in (self.running, self.waiting, self.kv_usage):
             metric.labels(model_name).set(0)
+
+    def _record_offload(self, stats: SchedulerStats, last: SchedulerStats) -> None:
+        for tier in _OFFLOAD_TIERS:
+            for field, counter_metric in self.offload_counters.items():
+                delta = getattr(stats, f"kv_{tier}_{field}", 0) - getattr(last, f"kv_{tier}_{field}", 0)
+                if delta > 0:
+                    counter_metric.labels(self.model_name, tier).inc(delta)
+            for field, gauge in self.offload_gauges.items():
+                value, before = getattr(stats, f"kv_{tier}_{field}"), getattr(last, f"kv_{tier}_{field}")
+                if value or before:
+                    gauge.labels(self.model_name, tier).set(value)
 
     def set_engine_requests(self, counts: Sequence[int]) -> None:
         """Requests placed on each engine core (data parallelism), so far."""
@@ -160,12 +177,7 @@ class PrometheusStatLogger:
             self.spec_accepted_tokens.labels(name).inc(
                 max(0, scheduler_stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
             )
-            for field, counter_metric in self.offload_counters.items():
-                delta = getattr(scheduler_stats, field) - getattr(last, field)
-                if delta > 0:
-                    counter_metric.labels(name, "host").inc(delta)
-            if scheduler_stats.kv_offload_blocks or last.kv_offload_blocks:
-                self.offload_blocks.labels(name, "host").set(scheduler_stats.kv_offload_blocks)
+            self._record_offload(scheduler_stats, last)
             if scheduler_stats.num_scheduled_tokens:
                 self.iteration_tokens.labels(name).observe(scheduler_stats.num_scheduled_tokens)
             self._last_cumulative = scheduler_stats

@@ -20,6 +20,9 @@ import torch
 from heron.attention.backend import flat_batch_layout
 from heron.attention.registry import get_attention_backend
 from heron.config import EngineConfig
+from heron.core.hashing import BlockHash
+from heron.core.kv_disk_layout import DiskTierLayout
+from heron.core.kv_offload import KVTransfers
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
 from heron.profiling import phase
@@ -31,6 +34,7 @@ from heron.utils import cdiv
 from heron.worker.block_table import BlockTableRows
 from heron.worker.compute_path import describe_compute_path, format_compute_path
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
+from heron.worker.kv_disk_store import DiskKVStore
 from heron.worker.kv_offload_store import HostKVStore
 from heron.worker.request_state import CachedRequestState
 from heron.worker.sampling_metadata import SamplingMetadataBuilder
@@ -113,7 +117,9 @@ class ModelRunner:
             config.scheduler.max_num_seqs, cdiv(config.model.max_model_len, config.cache.block_size)
         )
         self.kv_caches: list[torch.Tensor] = []
+        self.all_kv_caches: list[torch.Tensor] = []  # the draft model's too
         self.offload_store: HostKVStore | None = None
+        self.disk_store: DiskKVStore | None = None
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only
         # the last deferred step's sampled ids (on the device) and each request's row
         self._last_sampled: torch.Tensor | None = None
@@ -142,8 +148,9 @@ class ModelRunner:
         draft_caches: list[torch.Tensor] = []
         if self.proposer is not None:
             draft_caches = self.proposer.bind_kv_caches(num_allocated)
+        self.all_kv_caches = self.kv_caches + draft_caches
         if num_offload_blocks:
-            self.offload_store = HostKVStore(self.kv_caches + draft_caches, num_offload_blocks)
+            self.offload_store = HostKVStore(self.all_kv_caches, num_offload_blocks)
         if self.use_cuda_graphs:
             from heron.attention.triton_backend import TritonAttentionBackend
             from heron.worker.cuda_graphs import DecodeGraphRunner
@@ -159,6 +166,38 @@ class ModelRunner:
                 device=self.device,
             )
             self.decode_graphs.capture()
+
+    def kv_cache_layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Each layer's cache dtype and per-block shape (what a block's bytes mean)."""
+        return [(str(cache.dtype), tuple(cache[:, 0].shape)) for cache in self.all_kv_caches]
+
+    def attach_disk_tier(self, layout: DiskTierLayout) -> None:
+        """Read and write the disk KV tier's block files (after ``initialize_kv_cache``)."""
+        self.disk_store = DiskKVStore(layout, self.all_kv_caches)
+
+    def take_finished_kv_loads(self) -> list[tuple[str, list[BlockHash]]]:
+        """Disk-tier loads done since the last call: (request id, hashes that failed)."""
+        return self.disk_store.take_finished_loads() if self.disk_store is not None else []
+
+    def wait_for_kv_loads(self, timeout: float) -> None:
+        if self.disk_store is not None:
+            self.disk_store.wait_for_loads(timeout)
+
+    def apply_kv_transfers(self, transfers: KVTransfers) -> None:
+        """The tier copies a step makes before its forward pass (or, with no step
+        coming, the disk tier's last writes): disk captures, then the host tier's
+        saves and loads; disk loads run on in the background."""
+        if transfers.disk:
+            assert self.disk_store is not None
+            self.disk_store.apply(transfers.disk)
+        if transfers.saves or transfers.loads:
+            assert self.offload_store is not None
+            self.offload_store.apply(transfers)
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes."""
+        if self.disk_store is not None:
+            self.disk_store.close()
 
     def _bind_kv_caches(self, num_blocks: int) -> None:
         self.kv_caches = bind_kv_caches(
@@ -247,9 +286,8 @@ class ModelRunner:
         input ids on the device before the host has seen them."""
         self._update_states(scheduler_output)
         if scheduler_output.kv_transfers:
-            assert self.offload_store is not None
             with phase("kv_offload"):
-                self.offload_store.apply(scheduler_output.kv_transfers)
+                self.apply_kv_transfers(scheduler_output.kv_transfers)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
         with phase("prepare_inputs"):

@@ -1,0 +1,185 @@
+"""The scheduler's half of the disk KV tier: which blocks the tier directory
+holds (``core/kv_disk_layout.py``), which writes, deletes and loads the worker
+must make, and the tier's bound.
+
+The disk tier is written through: a block is queued for writing in the step
+after the one that computed it (its K/V is complete then, and is read before
+the next forward pass could reuse the block), so a prefix is on disk while it
+is still in the pool, survives a restart, and other replicas that share the
+directory find it at once. Loads are asynchronous: a request whose prefix
+continues on disk waits in its own state while the worker reads the files;
+the blocks being read are pinned (LRU eviction skips them) until the worker
+reports the load finished or failed.
+
+The index starts from a scan of the directory. A lookup that misses it asks
+the file system (one ``stat``), so blocks written by other replicas are found;
+blocks deleted by other replicas are found missing when loaded, which the
+load-failure policy handles. Each replica bounds what it knows of; replicas
+sharing a directory each keep within their own bound.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from heron.core.hashing import BlockHash
+from heron.core.kv_disk_layout import DiskTierLayout
+
+
+@dataclass(slots=True)
+class DiskLoad:
+    """One request's blocks to read, in prefix order: (block hash, pool block id)."""
+
+    request_id: str
+    blocks: list[tuple[BlockHash, int]]
+
+
+@dataclass(slots=True)
+class DiskOps:
+    """What the worker does with the tier directory this step, in this order:
+    capture and write ``writes`` (pool block id, hash), delete ``deletes``, then
+    start ``loads`` in the background."""
+
+    writes: list[tuple[int, BlockHash]] = field(default_factory=list)
+    deletes: list[BlockHash] = field(default_factory=list)
+    loads: list[DiskLoad] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.deletes or self.loads)
+
+
+@dataclass(slots=True)
+class DiskTierStats:
+    """Cumulative: blocks written, loaded, evicted and failed to load; prompt tokens found."""
+
+    stored: int = 0
+    loaded: int = 0
+    evicted: int = 0
+    hit_tokens: int = 0
+    load_failures: int = 0
+
+
+class DiskIndex:
+    def __init__(self, layout: DiskTierLayout, max_bytes: int,
+                 on_drop: Callable[[BlockHash], None] | None = None) -> None:
+        """``on_drop(block_hash)``: told when the tier deletes a block for room."""
+        self.layout = layout
+        self.capacity = max_bytes // layout.file_bytes
+        if self.capacity < 1:
+            raise ValueError(f"kv_offloading_dir_size {max_bytes} bytes holds no block file of "
+                             f"{layout.file_bytes} bytes")
+        self._held: OrderedDict[BlockHash, None] = OrderedDict.fromkeys(layout.scan()[-self.capacity:])
+        self._pins: dict[BlockHash, int] = {}
+        # (pool block id, hash) registered while the step being scheduled is planned
+        # (it computes them), then while the step before was (complete now)
+        self._next_writes: list[tuple[int, BlockHash]] = []
+        self._ready_writes: list[tuple[int, BlockHash]] = []
+        self._ops = DiskOps()
+        self.stats = DiskTierStats()
+        self.on_drop = on_drop
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        """Whether the tier holds the block: known here, or found on disk (written
+        by another replica, or before this index was built)."""
+        if block_hash in self._held:
+            return True
+        if not self.layout.path_for(block_hash).is_file():
+            return False
+        self._add(block_hash)
+        return True
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Known here (no file-system lookup)."""
+        return block_hash in self._held
+
+    def write_through(self, block_id: int, block_hash: BlockHash) -> None:
+        """Pool block ``block_id`` is registered under ``block_hash`` and computed by
+        the step now being scheduled: write it out at the start of the next one."""
+        if block_hash in self._held:
+            self._held.move_to_end(block_hash)
+            return
+        self._next_writes.append((block_id, block_hash))
+        self._add(block_hash)
+        self.stats.stored += 1
+
+    def forget_unwritten(self, block_hash: BlockHash) -> None:
+        """A block registered during this step's planning will not be computed:
+        drop its write (a block the tier held before keeps its file)."""
+        for i, (_, pending_hash) in enumerate(self._next_writes):
+            if pending_hash == block_hash:
+                del self._next_writes[i]
+                del self._held[block_hash]
+                self.stats.stored -= 1
+                return
+
+    def load(self, request_id: str, blocks: list[tuple[BlockHash, int]]) -> None:
+        """Read these blocks into the pool in the background; pinned until ``finish_load``."""
+        for block_hash, _ in blocks:
+            self._pins[block_hash] = self._pins.get(block_hash, 0) + 1
+            self._held.move_to_end(block_hash)
+        self._ops.loads.append(DiskLoad(request_id, blocks))
+
+    def finish_load(self, blocks: Sequence[BlockHash], failed: Iterable[BlockHash]) -> None:
+        """The worker is done with a load: unpin its blocks and forget the failed ones."""
+        for block_hash in blocks:
+            count = self._pins.pop(block_hash)
+            if count > 1:
+                self._pins[block_hash] = count - 1
+        failed = set(failed)
+        for block_hash in failed:
+            self._held.pop(block_hash, None)
+        self.stats.load_failures += len(failed)
+        self.stats.loaded += len(blocks) - len(failed)
+
+    def take_ops(self, idle: bool = False) -> DiskOps:
+        """The worker's work for the step being emitted: the writes of the step
+        before it (``idle``, no step is coming: every write, the last step's
+        blocks are complete then), this step's deletes and loads."""
+        ops, self._ops = self._ops, DiskOps()
+        if idle:
+            ops.writes = self._ready_writes + self._next_writes
+            self._ready_writes = []
+        else:
+            ops.writes, self._ready_writes = self._ready_writes, self._next_writes
+        self._next_writes = []
+        return ops
+
+    def clear(self) -> None:
+        """Delete every block this replica knows of (a prefix-cache reset, when idle)."""
+        for block_hash in self._held:
+            if block_hash not in self._pins:
+                self._ops.deletes.append(block_hash)
+        self._held = OrderedDict((h, None) for h in self._held if h in self._pins)
+        self._next_writes = []
+        self._ready_writes = []
+
+    def _drop_unwritten(self, block_hash: BlockHash) -> bool:
+        """Forget a write not handed to the worker yet; whether there was one."""
+        for writes in (self._next_writes, self._ready_writes):
+            for i, (_, pending_hash) in enumerate(writes):
+                if pending_hash == block_hash:
+                    del writes[i]
+                    return True
+        return False
+
+    def _add(self, block_hash: BlockHash) -> None:
+        self._held[block_hash] = None
+        while len(self._held) > self.capacity and self._evict_one():
+            pass
+
+    def _evict_one(self) -> bool:
+        for block_hash in self._held:
+            if block_hash not in self._pins:
+                del self._held[block_hash]
+                if not self._drop_unwritten(block_hash):
+                    self._ops.deletes.append(block_hash)
+                self.stats.evicted += 1
+                if self.on_drop is not None:
+                    self.on_drop(block_hash)
+                return True
+        return False

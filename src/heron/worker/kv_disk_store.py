@@ -1,0 +1,214 @@
+"""The worker's half of the disk KV tier (``core/kv_disk_index.py``): block
+files written and read by two background threads, so the step loop only
+copies blocks out of the pool.
+
+- ``apply`` (at the start of a step, before its forward pass): copies each
+  block to write into a buffer of its own and queues it; queues deletes after
+  the writes (in one FIFO, so a delete never overtakes a write of the same
+  block); queues the loads.
+- The writer writes ``<name>.<pid>.tmp`` then renames it over the block's file
+  (a reader sees a whole file or none), skipping blocks already on disk
+  (another replica wrote them). A failed write (disk full) loses that block
+  only: a later load of it fails and is handled by the load-failure policy.
+- The loader reads each block, from the writer's queue when not written yet,
+  else from its file, checks it (``DiskTierLayout.check``) and copies it into
+  its pool block; a block it cannot read is reported failed (a corrupt file is
+  removed). Pool blocks being loaded belong to a waiting request that no step
+  reads, so the copies may overlap a forward pass.
+
+Buffered writes are bounded (``max_buffered_bytes``): past it, ``apply`` waits
+for the writer, so a slow disk slows the engine rather than filling memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from heron.core.hashing import BlockHash
+from heron.core.kv_disk_index import DiskLoad, DiskOps
+from heron.core.kv_disk_layout import CorruptBlockFile, DiskTierLayout
+
+logger = logging.getLogger(__name__)
+
+_STOP = None
+
+
+class DiskKVStore:
+    def __init__(self, layout: DiskTierLayout, caches: Sequence[torch.Tensor],
+                 max_buffered_bytes: int = 512 << 20) -> None:
+        """``caches``: every attention layer's pool cache, each
+        ``[2, num_blocks, block_size, heads, head_dim]``; a block's payload is
+        each cache's ``[:, block]`` in order."""
+        self.layout = layout
+        self.caches = list(caches)
+        self._sizes = [cache[:, 0].numel() * cache.element_size() for cache in self.caches]
+        if sum(self._sizes) != layout.payload_bytes:
+            raise ValueError(f"the disk tier's layout holds {layout.payload_bytes} bytes per block, "
+                             f"the caches {sum(self._sizes)}")
+        self.max_buffered_bytes = max_buffered_bytes
+        self._lock = threading.Condition()
+        self._buffered: dict[BlockHash, torch.Tensor] = {}  # captured, not written yet
+        self._buffered_bytes = 0
+        self._writes: queue.Queue[tuple[str, BlockHash, torch.Tensor | None] | None] = queue.Queue()
+        self._loads: queue.Queue[DiskLoad | None] = queue.Queue()
+        self._finished: list[tuple[str, list[BlockHash]]] = []
+        self._loads_in_flight = 0
+        self._write_errors = 0
+        # the threads hold the store weakly: an engine dropped without close() is
+        # collected, and its threads stop with it
+        self._threads = [
+            threading.Thread(target=_serve, args=(weakref.ref(self), self._writes, DiskKVStore._write_one),
+                             name="kv-disk-writer", daemon=True),
+            threading.Thread(target=_serve, args=(weakref.ref(self), self._loads, DiskKVStore._load_one),
+                             name="kv-disk-loader", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        weakref.finalize(self, _stop, self._writes, self._loads)
+
+    # ---- the step loop's side ---------------------------------------------
+
+    @torch.inference_mode()
+    def apply(self, ops: DiskOps) -> None:
+        for block_id, block_hash in ops.writes:
+            buffer = self._capture(block_id)
+            with self._lock:
+                self._lock.wait_for(lambda: self._buffered_bytes < self.max_buffered_bytes)
+                self._buffered[block_hash] = buffer
+                self._buffered_bytes += buffer.numel()
+            self._writes.put(("write", block_hash, buffer))
+        for block_hash in ops.deletes:
+            self._writes.put(("delete", block_hash, None))
+        if ops.loads:
+            with self._lock:
+                self._loads_in_flight += len(ops.loads)
+            for load in ops.loads:
+                self._loads.put(load)
+
+    def take_finished_loads(self) -> list[tuple[str, list[BlockHash]]]:
+        """Loads done since the last call: (request id, hashes that failed)."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until some load finishes (or ``timeout`` seconds pass, or none is in flight)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._finished or not self._loads_in_flight, timeout)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every captured block is written (or failed to); whether it was in time."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._buffered_bytes, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the queued writes (a restart finds them) and stop both threads."""
+        _stop(self._writes, self._loads)
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def _capture(self, block_id: int) -> torch.Tensor:
+        buffer = torch.empty(self.layout.payload_bytes, dtype=torch.uint8)
+        offset = 0
+        for cache, size in zip(self.caches, self._sizes, strict=True):
+            block = cache[:, block_id]
+            buffer[offset:offset + size].view(block.dtype).view(block.shape).copy_(block)
+            offset += size
+        return buffer
+
+    def _restore(self, payload: torch.Tensor, block_id: int) -> None:
+        offset = 0
+        for cache, size in zip(self.caches, self._sizes, strict=True):
+            block = cache[:, block_id]
+            block.copy_(payload[offset:offset + size].view(block.dtype).view(block.shape))
+            offset += size
+
+    # ---- the writer ---------------------------------------------------------
+
+    def _write_one(self, item: tuple[str, BlockHash, torch.Tensor | None]) -> None:
+        kind, block_hash, buffer = item
+        path = self.layout.path_for(block_hash)
+        if kind == "delete":
+            path.unlink(missing_ok=True)
+            return
+        assert buffer is not None
+        try:
+            if not path.is_file():
+                self._write_file(block_hash, buffer)
+        except OSError as error:
+            self._write_errors += 1
+            if self._write_errors == 1 or self._write_errors % 1000 == 0:
+                logger.warning("disk KV tier: cannot write %s (%s; %d failed writes)", path, error, self._write_errors)
+        finally:
+            with self._lock:
+                if self._buffered.get(block_hash) is buffer:
+                    del self._buffered[block_hash]
+                self._buffered_bytes -= buffer.numel()
+                self._lock.notify_all()
+
+    def _write_file(self, block_hash: BlockHash, buffer: torch.Tensor) -> None:
+        path = self.layout.path_for(block_hash)
+        path.parent.mkdir(exist_ok=True)
+        payload = memoryview(buffer.numpy().data)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as file:
+                file.write(self.layout.header(block_hash, payload))
+                file.write(payload)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    # ---- the loader ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def _load_one(self, load: DiskLoad) -> None:
+        failed = [block_hash for block_hash, block_id in load.blocks if not self._load_block(block_hash, block_id)]
+        with self._lock:
+            self._finished.append((load.request_id, failed))
+            self._loads_in_flight -= 1
+            self._lock.notify_all()
+
+    def _load_block(self, block_hash: BlockHash, block_id: int) -> bool:
+        with self._lock:
+            buffered = self._buffered.get(block_hash)
+        if buffered is not None:
+            self._restore(buffered, block_id)
+            return True
+        path = self.layout.path_for(block_hash)
+        try:
+            data = path.read_bytes()
+            payload = self.layout.check(block_hash, data)
+        except FileNotFoundError:
+            return False  # deleted by another replica sharing the directory
+        except (OSError, CorruptBlockFile) as error:
+            logger.warning("disk KV tier: %s unusable (%s); removed", path, error)
+            path.unlink(missing_ok=True)
+            return False
+        self._restore(torch.frombuffer(bytearray(payload), dtype=torch.uint8), block_id)
+        return True
+
+
+def _serve(store_ref: weakref.ref[DiskKVStore], items: queue.Queue[Any], handle: Callable[[DiskKVStore, Any], None],
+           ) -> None:
+    """A background thread's loop: each queued item to ``handle`` until told to stop."""
+    while (item := items.get()) is not _STOP:
+        store = store_ref()
+        if store is None:
+            return
+        handle(store, item)
+        del store
+
+
+def _stop(*queues: queue.Queue[Any]) -> None:
+    for items in queues:
+        items.put(_STOP)

@@ -1,0 +1,195 @@
+"""The disk KV tier on a tiny random Llama (float32, CPU): prefixes written
+through to a directory are loaded back (in the background, the request waiting
+in its own state) instead of recomputed, by the same engine once the pool has
+evicted them, by a restarted engine, and by another engine sharing the
+directory; missing or corrupt files are recomputed or fail the request per
+policy; an abort during a load frees everything. Greedy output stays
+token-identical to transformers throughout and the pool's books balance."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from heron import LLM, SamplingParams
+from heron.core.hashing import prompt_block_hashes
+from heron.core.kv_disk_layout import HEADER_BYTES
+from heron.engine.core import EngineCore
+from heron.request import EngineCoreRequest, RequestStatus
+from tests.model.conftest import load_reference, random_prompts, reference_greedy
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+POOL = dict(dtype="float32", block_size=8, num_kv_blocks=12, max_model_len=96)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    shared, = random_prompts([48], seed=31)
+    tails = random_prompts([3, 9, 5], seed=32)
+    fillers = random_prompts([40, 44, 36], seed=33)  # enough to push the shared prefix out of the pool
+    reference = load_reference(directory)
+    with_prefix = [shared + tail for tail in tails]
+    expected = {tuple(prompt): reference_greedy(reference, prompt, NEW_TOKENS) for prompt in with_prefix + fillers}
+    return directory, with_prefix, fillers, expected
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list:
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+
+
+def check(llm: LLM, prompts: list[list[int]], expected: dict) -> None:
+    assert [o.token_ids for o in generate(llm, prompts)] == [expected[tuple(p)] for p in prompts]
+
+
+def core(llm: LLM) -> EngineCore:
+    return llm.engine.engine_core
+
+
+def disk_stats(llm: LLM):
+    disk = core(llm).scheduler.kv_cache_manager.disk
+    assert disk is not None
+    return disk.stats
+
+
+def settle(llm: LLM) -> None:
+    """Every block written, the pool's books balanced and every block free."""
+    store = core(llm).model_runner.disk_store
+    assert store is not None and store.flush()
+    manager = core(llm).scheduler.kv_cache_manager
+    manager.check_integrity()
+    assert manager.num_free_blocks == manager.num_blocks and not manager.loading
+
+
+def block_files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob("*.kv"))
+
+
+@pytest.mark.parametrize("situation", [
+    dict(),
+    dict(max_num_batched_tokens=16),  # chunked prefill on top of loaded blocks
+    dict(async_scheduling=True),
+    dict(kv_offloading_size=1e-5),  # a host tier in front: some blocks from memory, the rest from disk
+])
+def test_an_evicted_prefix_is_loaded_from_disk(llama, tmp_path, situation):
+    directory, with_prefix, fillers, expected = llama
+    llm = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL, **situation)
+    check(llm, with_prefix[:1], expected)
+    check(llm, fillers, expected)  # evicts the shared prefix from the pool
+    check(llm, with_prefix[1:], expected)  # misses the pool, hits the disk tier
+    stats = disk_stats(llm)
+    assert stats.stored >= 6 and stats.load_failures == 0
+    host = core(llm).scheduler.kv_cache_manager.offload
+    loaded = stats.loaded + (host.stats.loaded if host is not None else 0)
+    assert loaded >= 6 and stats.hit_tokens + (host.stats.hit_tokens if host is not None else 0) >= 6 * 8
+    settle(llm)
+    assert len(block_files(tmp_path)) == stats.stored
+    engine_stats = core(llm).scheduler.make_stats()
+    assert engine_stats.kv_disk_loaded == stats.loaded and engine_stats.kv_disk_blocks == stats.stored
+
+
+def test_a_restarted_engine_answers_from_disk(llama, tmp_path):
+    directory, with_prefix, _, expected = llama
+    first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    check(first, with_prefix[:1], expected)
+    core(first).shutdown()  # finishes the writes
+    second = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    assert len(core(second).scheduler.kv_cache_manager.disk) == len(block_files(tmp_path)) >= 6
+    check(second, with_prefix[1:], expected)
+    assert disk_stats(second).loaded >= 6  # the shared prefix was not prefilled again
+    settle(second)
+
+
+def test_engines_sharing_a_directory_share_prefixes(llama, tmp_path):
+    directory, with_prefix, _, expected = llama
+    first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    second = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    check(first, with_prefix[:1], expected)
+    settle(first)
+    check(second, with_prefix[1:2], expected)  # found by a file-system lookup: second never saw it
+    assert disk_stats(second).loaded >= 6 and disk_stats(second).stored < disk_stats(first).stored
+    settle(second)
+
+
+def _written_then_damaged(llama, tmp_path, damage, **engine_args) -> tuple[LLM, list[list[int]], dict]:
+    """An engine started on a directory that another engine filled, whose files
+    are then damaged behind its back (half of them)."""
+    directory, with_prefix, _, expected = llama
+    first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    check(first, with_prefix[:1], expected)
+    core(first).shutdown()
+    llm = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL, **engine_args)
+    files = block_files(tmp_path)
+    assert len(core(llm).scheduler.kv_cache_manager.disk) == len(files) >= 6
+    for path in files[: len(files) // 2]:
+        damage(path)
+    return llm, with_prefix, expected
+
+
+def _flip_a_payload_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_flip_a_payload_byte, Path.unlink, lambda path: path.write_bytes(b"x" * 10)],
+                         ids=["corrupt", "deleted", "truncated"])
+def test_unusable_files_are_recomputed(llama, tmp_path, damage):
+    llm, with_prefix, expected = _written_then_damaged(llama, tmp_path, damage)
+    check(llm, with_prefix[1:], expected)
+    assert disk_stats(llm).load_failures >= 1
+    settle(llm)
+    layout = core(llm).scheduler.kv_cache_manager.disk.layout
+    for block_hash in prompt_block_hashes(with_prefix[1], 8)[:6]:  # the shared prefix, written again intact
+        layout.check(block_hash, layout.path_for(block_hash).read_bytes())
+
+
+def test_unusable_files_fail_the_request_when_asked(llama, tmp_path):
+    llm, with_prefix, expected = _written_then_damaged(llama, tmp_path, _flip_a_payload_byte,
+                                                       kv_load_failure_policy="fail")
+    failed, = generate(llm, with_prefix[1:2])
+    assert failed.finish_reason == "abort" and failed.token_ids == []
+    settle(llm)
+    check(llm, with_prefix[2:], expected)  # the damaged blocks are forgotten: recomputed, not failed again
+
+
+def test_an_abort_while_loading_frees_everything(llama, tmp_path):
+    directory, with_prefix, _, expected = llama
+    first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    check(first, with_prefix[:1], expected)
+    core(first).shutdown()
+    engine = core(LLM(directory, kv_offloading_dir=str(tmp_path), **POOL))
+    engine.add_request(EngineCoreRequest("r", with_prefix[1], GREEDY, (), NEW_TOKENS, time.time()))
+    engine.step()  # the request starts loading
+    assert engine.scheduler.loading["r"].status == RequestStatus.WAITING_FOR_KV
+    assert [o.finish_reason for o in engine.abort_requests(["r"])] == ["abort"]
+    assert engine.has_unfinished_requests()  # until the worker is done with the blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    manager = engine.scheduler.kv_cache_manager
+    manager.check_integrity()
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_the_tier_keeps_to_its_size(llama, tmp_path):
+    directory, with_prefix, fillers, expected = llama
+    llm = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    file_bytes = core(llm).scheduler.kv_cache_manager.disk.layout.file_bytes
+    small = LLM(directory, kv_offloading_dir=str(tmp_path / "small"), kv_offloading_dir_size=8 * file_bytes / (1 << 30),
+                **POOL)
+    check(small, with_prefix + fillers, expected)
+    settle(small)
+    assert disk_stats(small).evicted > 0 and len(block_files(tmp_path / "small")) <= 8
+
+
+def test_another_layout_gets_its_own_directory(llama, tmp_path):
+    directory, with_prefix, _, expected = llama
+    first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    check(first, with_prefix[:1], expected)
+    core(first).shutdown()
+    other = LLM(directory, kv_offloading_dir=str(tmp_path), **{**POOL, "block_size": 16})
+    assert len(core(other).scheduler.kv_cache_manager.disk) == 0
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
