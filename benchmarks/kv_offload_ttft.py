@@ -1,11 +1,15 @@
 """TTFT of a long prefix the pool cannot keep: recomputed, loaded from the host
-offload tier, or found in a pool large enough to keep it (issue 19).
+offload tier or the disk tier, or found in a pool large enough to keep it; and
+the first request after a restart, from the disk tier (issue 19).
 
 For each mode a fresh `heron serve` of the embedded model: the long prompt is
 sent once, then filler prompts that push it out of a small pool, then the long
 prompt again with a new ending; the TTFT of that last request (streamed, to
 the first token) is what each mode is about. Repeated with fresh endings,
-median reported.
+median reported. The restart mode sends the long prompt to one server, stops
+it, and times the first request (the prompt with a new ending) of a new server
+on the same directory, once per round. Block files are then in the OS page
+cache (written moments before): what a restart costs on a warm machine.
 
     python benchmarks/kv_offload_ttft.py --out benchmarks/results/kv-offload-cpu
 
@@ -36,8 +40,11 @@ WORDS = ("heron egret curlew godwit avocet plover dunlin knot sanderling redshan
 MODES = {
     "recompute (small pool)": ["--kv-cache-memory-bytes", "110MiB"],
     "host tier (small pool + 1 GiB tier)": ["--kv-cache-memory-bytes", "110MiB", "--kv-offloading-size", "1"],
+    "disk tier (small pool + --kv-offloading-dir)": ["--kv-cache-memory-bytes", "110MiB",
+                                                      "--kv-offloading-dir", "{dir}"],
     "warm pool (large pool)": ["--kv-cache-memory-bytes", "1GiB"],
 }
+RESTART_MODE = "first request after a restart (disk tier)"
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -56,7 +63,8 @@ def ttft(base_url: str, prompt: str) -> float:
 
 
 def run_mode(flags: list[str], prefix_words: int, rounds: int) -> dict:
-    server = ServerProcess("--max-model-len", "2048", *flags)
+    directory = tempfile.mkdtemp(prefix="heron-kv-disk-")
+    server = ServerProcess("--max-model-len", "2048", *[flag.replace("{dir}", directory) for flag in flags])
     rng = random.Random(5)
     prefix = text(rng, prefix_words)
     fillers = [text(rng, prefix_words) for _ in range(2)]
@@ -77,6 +85,27 @@ def run_mode(flags: list[str], prefix_words: int, rounds: int) -> dict:
         server.stop()
 
 
+def run_restarts(prefix_words: int, rounds: int) -> dict:
+    directory = tempfile.mkdtemp(prefix="heron-kv-disk-")
+    flags = ["--max-model-len", "2048", "--kv-offloading-dir", directory]
+    prefix = text(random.Random(5), prefix_words)
+    first = ServerProcess(*flags)
+    try:
+        ttft(first.base_url, prefix + " first")
+    finally:
+        first.stop()
+    times, loaded = [], []
+    for round_index in range(rounds):
+        server = ServerProcess(*flags)
+        try:
+            times.append(ttft(server.base_url, prefix + f" ending {round_index}"))
+            loaded.append(_metric(server, "heron:kv_offload_loaded_blocks_total"))
+        finally:
+            server.stop()
+    return {"ttft_p50_ms": 1000 * median(times), "ttft_all_ms": [1000 * t for t in times],
+            "tier_loaded_blocks": median(loaded), "prefix_tokens": None}
+
+
 def _metric(server: ServerProcess, name: str) -> float:
     text_ = httpx.get(f"{server.base_url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text_.splitlines() if line.startswith(name + "{"))
@@ -91,6 +120,7 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-kv-offload-"))
     out.mkdir(parents=True, exist_ok=True)
     rows = {mode: run_mode(flags, args.prefix_words, args.rounds) for mode, flags in MODES.items()}
+    rows[RESTART_MODE] = run_restarts(args.prefix_words, args.rounds)
     (out / "results.json").write_text(json.dumps({"modes": rows, "flags": MODES,
                                                   "prefix_words": args.prefix_words}, indent=2))
     print("| mode | TTFT p50 | blocks loaded from the tier | prefix tokens |")

@@ -127,10 +127,11 @@ class PrometheusStatLogger:
 
     def _record_offload(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         for tier in _OFFLOAD_TIERS:
+            if not (getattr(stats, f"kv_{tier}_stored") or getattr(stats, f"kv_{tier}_blocks")):
+                continue  # no such tier, or nothing in it yet
             for field, counter_metric in self.offload_counters.items():
                 delta = getattr(stats, f"kv_{tier}_{field}", 0) - getattr(last, f"kv_{tier}_{field}", 0)
-                if delta > 0:
-                    counter_metric.labels(self.model_name, tier).inc(delta)
+                counter_metric.labels(self.model_name, tier).inc(max(delta, 0))  # a zero still shows the series
             for field, gauge in self.offload_gauges.items():
                 value, before = getattr(stats, f"kv_{tier}_{field}"), getattr(last, f"kv_{tier}_{field}")
                 if value or before:
