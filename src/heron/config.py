@@ -9,7 +9,7 @@ model and the machine), so the rest of the engine never re-validates them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:  # the API server process never imports torch
@@ -26,6 +26,7 @@ LowBitMethod = Literal["int8", "int4"]
 ResolvedQuantization = Literal["none", "int8", "int4"]
 Quantization = Literal["auto", "none", "int8", "int4"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVEventsPublisher = Literal["null", "zmq"]
 DataParallelBackend = Literal["mp", "ray"]
 Usage = Literal["offline", "serve"]  # serving on a CPU favours short steps (engine/args.py)
@@ -233,6 +234,54 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (worker/kv_transfer.py), with vLLM's keys: a
+    producer (prefill engine) keeps a finished ``do_remote_decode`` request's
+    blocks for ``kv_lease_seconds`` and serves them on ``kv_ip:kv_port``
+    (0: a free port); a consumer (decode engine) pulls them for a
+    ``do_remote_prefill`` request, giving up after ``kv_timeout_seconds``."""
+
+    kv_connector: str = "HeronConnector"
+    kv_role: KVRole = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_lease_seconds: float = 30.0
+    kv_timeout_seconds: float = 30.0
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @staticmethod
+    def from_dict(value: dict[str, Any] | KVTransferConfig | None) -> KVTransferConfig | None:
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError('kv_transfer_config must be a dict such as {"kv_connector": "HeronConnector", '
+                             '"kv_role": "kv_producer"}')
+        known = {field.name for field in fields(KVTransferConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {unknown}; known: {sorted(known)}")
+        return KVTransferConfig(**value)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector != "HeronConnector":
+            raise ValueError(f"kv_transfer_config.kv_connector: heron has 'HeronConnector' (TCP over ZMQ), "
+                             f"not {self.kv_connector!r}")
+        check_choice("kv_transfer_config.kv_role", self.kv_role, KVRole)
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError("kv_transfer_config.kv_port must be a port number (0: any free one)")
+        for name in ("kv_lease_seconds", "kv_timeout_seconds"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+                raise ValueError(f"kv_transfer_config.{name} must be a positive number")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -247,6 +296,7 @@ class EngineConfig:
     # schedule and prepare step N+1 while the device runs step N (see engine/core.py)
     async_scheduling: bool = False
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation
     # engine-core processes behind one API server (heron serve), each with the whole model
     data_parallel_size: int = 1
     # where they run: processes on this host (mp), or Ray actors on a Ray cluster

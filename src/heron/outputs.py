@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -42,3 +43,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # a finished prefill's blocks, for a decode engine (prefill/decode disaggregation)
+    kv_transfer_params: dict[str, Any] | None = None

@@ -85,6 +85,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.remote_prefill_tried = False  # its kv_transfer_params' blocks were pulled (or tried)
         # lifecycle events not yet reported: (EngineEventType, time.monotonic())
         self.events: list[tuple[int, float]] = []
 

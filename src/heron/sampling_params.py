@@ -105,6 +105,9 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} on a
+    # prefill engine; what its answer carried, on a decode engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

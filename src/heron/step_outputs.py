@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -79,6 +80,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # lifecycle events since the last output: (EngineEventType, monotonic time)
     events: list[tuple[int, float]] | None = None
+    # a finished prefill's blocks, leased to a decode engine (core/scheduler_kv.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

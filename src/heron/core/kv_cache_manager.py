@@ -71,13 +71,15 @@ class PrefixCacheStats:
 
 
 @dataclass(slots=True)
-class _DiskLoad:
-    """A request's blocks being read from disk: its prefix, from the first block
-    past its pool hits, and which of those come from disk."""
+class _PendingLoad:
+    """A request's blocks being loaded in the background: its prefix from the
+    first block past its pool hits, and which of those come from disk (the rest
+    from the host tier; all of them from a prefill engine when ``remote``)."""
 
     first_block: int
     block_hashes: list[BlockHash]
     on_disk: list[bool]
+    remote: bool = False
 
 
 class KVCacheManager:
@@ -98,7 +100,7 @@ class KVCacheManager:
                      if disk_layout is not None and enable_caching else None)
         self.block_pool = BlockPool(num_blocks, enable_caching, self.events,
                                     self._pool_evicted if self.offload is not None or self.disk is not None else None)
-        self.loading: dict[str, _DiskLoad] = {}
+        self.loading: dict[str, _PendingLoad] = {}
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # how many leading blocks of each request are registered in the prefix cache
         self.num_cached_blocks: dict[str, int] = {}
@@ -116,10 +118,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request, tiers: bool = True) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a request that has no blocks yet, as blocks
-        and a token count. At least one token is always left to compute, since the
-        last position's logits are needed to sample."""
+        and a token count (``tiers``: continued in the offload tiers). At least one
+        token is always left to compute, since the last position's logits are
+        needed to sample."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return KVCacheBlocks(), 0  # prompt logprobs need every prompt position computed
         block_hashes = update_block_hashes(request, self.block_size)
@@ -131,7 +134,7 @@ class KVCacheManager:
                 break
             hits.append(block)
         found = KVCacheBlocks(hits)
-        for block_hash in block_hashes[len(hits):max_hit_blocks]:
+        for block_hash in block_hashes[len(hits):max_hit_blocks] if tiers else ():
             if self.offload is not None and block_hash in self.offload:
                 found.on_disk.append(False)
             elif self.disk is not None and block_hash in self.disk:
@@ -248,17 +251,38 @@ class KVCacheManager:
             for block_hash, block, on_disk in zip(computed.offloaded, new_blocks, computed.on_disk, strict=True)
             if on_disk
         ])
-        self.loading[request.request_id] = _DiskLoad(len(computed.blocks), computed.offloaded, computed.on_disk)
+        self.loading[request.request_id] = _PendingLoad(len(computed.blocks), computed.offloaded, computed.on_disk)
         return True
+
+    def start_remote_load(self, request: Request, hits: KVCacheBlocks, num_blocks: int,
+                          ) -> list[tuple[BlockHash, int]] | None:
+        """Give a request with no blocks yet its pool hits and new blocks up to its
+        first ``num_blocks`` prompt blocks, to be pulled from a prefill engine:
+        (hash, pool block id) of each, or None, changing nothing, when the pool
+        is short. Registered by ``finish_load``."""
+        assert request.request_id not in self.req_to_blocks and num_blocks > len(hits.blocks)
+        num_new = num_blocks - len(hits.blocks)
+        num_free_hits = sum(1 for block in hits.blocks if block.ref_cnt == 0)
+        if num_new + num_free_hits > self.block_pool.num_free_blocks:
+            return None
+        self.block_pool.touch(hits.blocks)
+        owned = self.req_to_blocks[request.request_id] = list(hits.blocks)
+        self.num_cached_blocks[request.request_id] = len(owned)
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        owned.extend(new_blocks)
+        block_hashes = update_block_hashes(request, self.block_size)[len(hits.blocks):num_blocks]
+        self.loading[request.request_id] = _PendingLoad(len(hits.blocks), block_hashes, [False] * num_new, True)
+        return [(block_hash, block.block_id) for block_hash, block in zip(block_hashes, new_blocks, strict=True)]
 
     def finish_load(self, request: Request, failed: list[BlockHash]) -> int:
         """The worker finished reading a request's blocks (``failed``: those it
         could not). Registers the blocks before the first failure and returns
         how many of the request's tokens they hold."""
         load = self.loading.pop(request.request_id)
-        assert self.disk is not None
-        self.disk.finish_load([h for h, on_disk in zip(load.block_hashes, load.on_disk, strict=True) if on_disk],
-                              failed)
+        if not load.remote:
+            assert self.disk is not None
+            self.disk.finish_load([h for h, on_disk in zip(load.block_hashes, load.on_disk, strict=True) if on_disk],
+                                  failed)
         failed_set = set(failed)
         num_good = next((i for i, h in enumerate(load.block_hashes) if h in failed_set), len(load.block_hashes))
         num_blocks = load.first_block + num_good

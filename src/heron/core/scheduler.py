@@ -18,12 +18,8 @@ the placeholder is replaced when the output arrives. Stops are therefore seen a
 step late — a finished request's extra step is discarded — and max_tokens is
 respected ahead by counting placeholders.
 
-A request whose prefix continues in the disk KV tier leaves the waiting queue
-for ``loading`` while the worker reads its blocks in the background, without
-holding up other requests; once the worker reports the load (``update_kv_loads``)
-it goes back to the head of the queue with those tokens computed. A failed load
-is computed again or fails the request (``kv_load_failure_policy``); a request
-aborted while loading keeps its blocks until the worker is done writing them.
+Requests whose prefix is loaded in the background (disk tier, prefill engine)
+and leases on finished prefills are the KV-connector half, ``core/scheduler_kv.py``.
 """
 
 from __future__ import annotations
@@ -33,11 +29,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from heron.config import CacheConfig, SchedulerConfig
-from heron.core.hashing import BlockHash
+from heron.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from heron.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from heron.core.kv_disk_layout import DiskTierLayout
 from heron.core.request_queue import create_request_queue
+from heron.core.scheduler_kv import SchedulerKVMixin
 from heron.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from heron.request import Request, RequestStatus
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, EngineEventType, ModelRunnerOutput, SchedulerStats
@@ -85,7 +81,7 @@ class _StepPlan:
         self.running_block_ids.pop(request.request_id, None)
 
 
-class Scheduler:
+class Scheduler(SchedulerKVMixin):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -99,10 +95,10 @@ class Scheduler:
         num_offload_blocks: int = 0,
         disk_layout: DiskTierLayout | None = None,
         kv_block_bytes: int = 0,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         """``kv_block_bytes``: one pool block's bytes (the host tier's statistics)."""
         self.config = scheduler_config
-        self.kv_load_failure_policy = cache_config.kv_load_failure_policy
         self.kv_block_bytes = kv_block_bytes
         self.async_scheduling = async_scheduling
         # slots allocated past the scheduled tokens (a draft model writes its
@@ -122,10 +118,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
-        # requests whose blocks the worker is reading from disk (aborted ones too, until it is done)
-        self.loading: dict[str, Request] = {}
-        # waiting requests that hold the blocks loaded for them, in the order they were loaded
-        self._holding: dict[str, Request] = {}
+        self._init_kv_connector(cache_config, kv_transfer)
         # forgotten by the runner at the next step
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
@@ -137,7 +130,7 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._leases:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self._num_needing_latest_tokens += request.sampling_params.needs_latest_tokens
@@ -166,11 +159,12 @@ class Scheduler:
         elif request.request_id not in self.loading:
             self.waiting.remove(request)
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request, keep_blocks: bool = False) -> None:
+        """``keep_blocks``: leased to a decode engine (freed by ``release_leases``)."""
         self._num_needing_latest_tokens -= request.sampling_params.needs_latest_tokens
         if self.structured_output is not None:
             self.structured_output.remove_request(request.request_id)
-        if request.request_id not in self.loading:  # else freed when its load is done
+        if request.request_id not in self.loading and not keep_blocks:  # else freed when its load is done
             self.kv_cache_manager.free(request)
             self._holding.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
@@ -181,52 +175,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        """Also while blocks are being loaded (an aborted request's are freed when that is done)."""
-        return self.num_unfinished_requests > 0 or bool(self.loading)
-
-    @property
-    def is_loading_kv(self) -> bool:
-        return bool(self.loading)
-
-    def update_kv_loads(self, finished: list[tuple[str, list[BlockHash]]]) -> None:
-        """The worker is done reading these requests' blocks (with the hashes it
-        could not read): each goes back to the head of the waiting queue with its
-        loaded prefix computed, or is recomputed from the first failure or
-        failed, per ``kv_load_failure_policy``; an aborted one frees its blocks."""
-        for request_id, failed in finished:
-            request = self.loading[request_id]
-            num_computed = self.kv_cache_manager.finish_load(request, failed)
-            del self.loading[request_id]
-            if request.is_finished:
-                self.kv_cache_manager.free(request)
-                continue
-            request.status = RequestStatus.WAITING
-            if failed:
-                logger.warning("%s: %d prefix blocks could not be loaded from the disk tier (%s)",
-                               request_id, len(failed), self.kv_load_failure_policy)
-                self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
-                if self.kv_load_failure_policy == "fail":
-                    request.status = RequestStatus.FINISHED_ABORTED
-                    self._failed_requests.append(request)
-                    self._free_request(request)
-                    continue
-            else:
-                request.num_computed_tokens = num_computed
-                self._holding[request_id] = request
-            self.waiting.add_preempted(request)
-
-    def _release_held_blocks(self, keep: Request | None = None) -> bool:
-        """Free the blocks of the waiting request loaded last (not ``keep``), when
-        the pool is short: they stay cached, to be hit or loaded again when it is
-        admitted. False when no waiting request holds blocks."""
-        for request_id in reversed(self._holding):
-            request = self._holding[request_id]
-            if request is not keep:
-                del self._holding[request_id]
-                self.kv_cache_manager.free(request)
-                request.num_computed_tokens = 0
-                return True
-        return False
+        """Also while blocks are being loaded (an aborted request's are freed when
+        that is done) or are leased to decode engines."""
+        return self.num_unfinished_requests > 0 or bool(self.loading) or bool(self._leases)
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the current one's output
@@ -331,6 +282,9 @@ class Scheduler:
         if loaded:
             num_hit_tokens = request.num_computed_tokens
         else:
+            remote = self._start_remote_load(request)
+            if remote is not None:
+                return remote
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             if computed_blocks.needs_load:
                 return self._start_load(request, computed_blocks, num_hit_tokens)
@@ -360,16 +314,6 @@ class Scheduler:
         plan.new_reqs.append(
             NewRequestData.from_request(request, self.kv_cache_manager.get_block_ids(request.request_id))
         )
-        return True
-
-    def _start_load(self, request: Request, computed_blocks: KVCacheBlocks, num_hit_tokens: int) -> bool:
-        if not self.kv_cache_manager.start_load(request, computed_blocks):
-            return False
-        self.waiting.pop()
-        self.loading[request.request_id] = request
-        request.status = RequestStatus.WAITING_FOR_KV
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
         return True
 
     def _emit(self, plan: _StepPlan) -> SchedulerOutput:
@@ -477,6 +421,7 @@ class Scheduler:
                     break
             if logprobs is not None:
                 logprobs = logprobs[: len(new_token_ids)]
+            kv_transfer_params = self._lease(request) if request.is_finished else None
             if new_token_ids or prompt_logprobs or request.is_finished or request.events:
                 outputs.append(
                     EngineCoreOutput(
@@ -488,12 +433,13 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         events=request.take_events(),
+                        kv_transfer_params=kv_transfer_params,
                     )
                 )
             if request.is_finished:
                 # (an async step may report a request preempted since: it waits)
                 self._remove_from_queue(request)
-                self._free_request(request)
+                self._free_request(request, keep_blocks=kv_transfer_params is not None)
             elif request_id in runner_output.draft_token_ids:
                 # a step emits at most 1 + drafts tokens: never propose past max_tokens
                 room = request.max_tokens - request.num_output_tokens - 1

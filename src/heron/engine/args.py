@@ -24,6 +24,7 @@ from heron.config import (
     DType,
     EngineConfig,
     KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     ModelImpl,
     ProfilerConfig,
@@ -130,6 +131,10 @@ class EngineArgs:
     kv_events_config: dict[str, Any] | None = _arg(
         None, 'publish KV-cache events for a KV-aware router, e.g. \'{"enable_kv_cache_events": true, '
               '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'', parse=parse_json_object, metavar="JSON")
+    kv_transfer_config: dict[str, Any] | None = _arg(
+        None, 'prefill/decode disaggregation: this engine serves finished prefills to decode engines and/or '
+              'pulls them, e.g. \'{"kv_connector": "HeronConnector", "kv_role": "kv_both"}\'',
+        parse=parse_json_object, metavar="JSON")
     data_parallel_size: int = _arg(
         1, "heron serve: engine-core processes behind the one API server, each request placed where its prefix "
            "is cached unless that engine is much busier")
@@ -209,6 +214,7 @@ class EngineArgs:
             draft_model=draft_model,
             async_scheduling=async_scheduling,
             kv_events=KVEventsConfig.from_dict(self.kv_events_config),
+            kv_transfer=KVTransferConfig.from_dict(self.kv_transfer_config),
             data_parallel_size=self._data_parallel_size(),
             data_parallel_backend=self._data_parallel_backend(),
         )

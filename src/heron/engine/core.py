@@ -57,9 +57,12 @@ class EngineCore:
             raise ValueError(f"kv_offloading_size {cache.kv_offloading_bytes} bytes holds no block of "
                              f"{bytes_per_block} bytes")
         self.model_runner.initialize_kv_cache(num_blocks, num_offload_blocks)
-        disk_layout = self._disk_tier_layout(bytes_per_block) if cache.kv_offloading_dir else None
+        fingerprint = self._layout_fingerprint() if cache.kv_offloading_dir or config.kv_transfer else b""
+        disk_layout = self._disk_tier_layout(fingerprint, bytes_per_block) if cache.kv_offloading_dir else None
         if disk_layout is not None:
             self.model_runner.attach_disk_tier(disk_layout)
+        kv_transfer_address = (self.model_runner.attach_kv_transfer(config.kv_transfer, fingerprint)
+                               if config.kv_transfer else None)
         from heron.structured_output.manager import StructuredOutputManager
 
         self.structured_output = StructuredOutputManager(config.model)
@@ -78,7 +81,11 @@ class EngineCore:
             num_offload_blocks=num_offload_blocks,
             disk_layout=disk_layout,
             kv_block_bytes=bytes_per_block,
+            kv_transfer=config.kv_transfer,
         )
+        self.scheduler.kv_transfer_address = kv_transfer_address
+        if kv_transfer_address is not None:
+            logger.info("serving finished prefills' KV blocks at %s", kv_transfer_address)
         self.kv_events = ZmqEventPublisher(config.kv_events) if config.kv_events.publishes else None
         # the launched step whose output has not been processed yet (async scheduling)
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
@@ -87,14 +94,18 @@ class EngineCore:
             StepProfiler(profile.directory, profile.num_steps, profile.start_step) if profile.directory else None
         )
 
-    def _disk_tier_layout(self, bytes_per_block: int) -> DiskTierLayout:
+    def _layout_fingerprint(self) -> bytes:
+        """What engines must share to exchange K/V blocks (disk tier, P/D)."""
         config = self.config
-        assert config.cache.kv_offloading_dir is not None
-        fingerprint = layout_fingerprint(
+        return layout_fingerprint(
             config.model.model, config.model.hf_config,
             [config.model.dtype_name, config.model.quantization, config.cache.block_size,
              *self.model_runner.kv_cache_layout()],
         )
+
+    def _disk_tier_layout(self, fingerprint: bytes, bytes_per_block: int) -> DiskTierLayout:
+        config = self.config
+        assert config.cache.kv_offloading_dir is not None
         layout = DiskTierLayout.create(config.cache.kv_offloading_dir, fingerprint, bytes_per_block)
         logger.info("disk KV tier: %s (%.1f GiB at most)", layout.root,
                     config.cache.kv_offloading_dir_bytes / (1 << 30))
@@ -125,11 +136,27 @@ class EngineCore:
         (this one, or with async scheduling usually the one before). The step's
         KV-cache events are published as one batch."""
         self.scheduler.update_kv_loads(self.model_runner.take_finished_kv_loads())
+        self._settle_kv_leases()
         outputs = self._run_step()
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+        runner, scheduler = self.model_runner, self.scheduler
+        runner.offer_kv(scheduler.take_kv_offers())  # before the outputs naming them go out
+        runner.start_remote_loads(scheduler.take_remote_loads())
+        if not scheduler.has_unfinished_requests() and self._in_flight is None:
             self._flush_kv_transfers()  # idle: no step will come to write the last one's blocks
         self._publish_kv_events()
         return outputs
+
+    def _settle_kv_leases(self) -> None:
+        """Free the blocks decode engines took, and those whose lease expired
+        (withdrawn first: no pull reads them once they are reused)."""
+        if not self.scheduler.has_kv_leases:
+            return
+        expired = self.scheduler.expired_leases()
+        if expired:
+            logger.warning("no decode engine pulled %d finished prefills in time: their blocks are freed",
+                           len(expired))
+            self.model_runner.withdraw_kv(expired)
+        self.scheduler.release_leases(self.model_runner.take_released_kv() + expired)
 
     def _flush_kv_transfers(self) -> None:
         transfers = self.scheduler.kv_cache_manager.take_transfers(idle=True)
@@ -181,6 +208,8 @@ class EngineCore:
             # only requests waiting for their grammars or KV loads: let those run
             if self.scheduler.is_loading_kv:
                 self.model_runner.wait_for_kv_loads(timeout=0.02)
+            elif self.scheduler.has_kv_leases:
+                self.model_runner.wait_for_kv_release(timeout=0.02)
             else:
                 self.structured_output.wait_for_compile(timeout=0.02)
         runner_output = self.model_runner.execute_model(

@@ -91,6 +91,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.sent_text_offset = 0
         self.sent_token_offset = 0
         self.sent_logprobs_offset = 0
@@ -102,6 +103,8 @@ class RequestState:
     def apply(self, output: EngineCoreOutput) -> bool:
         """Fold in one engine delta; True if a stop string finished the request here."""
         self.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dicts(output.new_prompt_logprobs))
         if self.text_at_end:
@@ -298,4 +301,5 @@ class OutputProcessor:
             finished=parent.finished,
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params,
         )

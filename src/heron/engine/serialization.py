@@ -110,6 +110,7 @@ def encode_outputs(outputs: EngineCoreOutputs) -> list[Any]:
                 o.stop_reason,
                 o.num_cached_tokens,
                 o.events,
+                o.kv_transfer_params,
             ]
             for o in outputs.outputs
         ],
@@ -130,8 +131,10 @@ def decode_outputs(values: list[Any]) -> EngineCoreOutputs:
             stop_reason=stop_reason,
             num_cached_tokens=cached,
             events=[tuple(e) for e in events] if events else None,
+            kv_transfer_params=kv_params,
         )
-        for rid, tokens, logprobs, prompt_logprobs, finish_reason, stop_reason, cached, events in raw_outputs
+        for rid, tokens, logprobs, prompt_logprobs, finish_reason, stop_reason, cached, events, kv_params
+        in raw_outputs
     ]
     stats = None if raw_stats is None else SchedulerStats(**dict(zip(_STATS_FIELDS, raw_stats)))
     return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=timestamp)

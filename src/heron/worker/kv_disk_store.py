@@ -35,6 +35,8 @@ import torch
 from heron.core.hashing import BlockHash
 from heron.core.kv_disk_index import DiskLoad, DiskOps
 from heron.core.kv_disk_layout import CorruptBlockFile, DiskTierLayout
+from heron.worker.kv_block_codec import BlockCodec
+from heron.worker.kv_load_reports import LoadReports
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +44,22 @@ _STOP = None
 
 
 class DiskKVStore:
-    def __init__(self, layout: DiskTierLayout, caches: Sequence[torch.Tensor],
+    def __init__(self, layout: DiskTierLayout, caches: Sequence[torch.Tensor], reports: LoadReports,
                  max_buffered_bytes: int = 512 << 20) -> None:
         """``caches``: every attention layer's pool cache, each
-        ``[2, num_blocks, block_size, heads, head_dim]``; a block's payload is
-        each cache's ``[:, block]`` in order."""
+        ``[2, num_blocks, block_size, heads, head_dim]``; finished loads go to ``reports``."""
         self.layout = layout
-        self.caches = list(caches)
-        self._sizes = [cache[:, 0].numel() * cache.element_size() for cache in self.caches]
-        if sum(self._sizes) != layout.payload_bytes:
+        self.codec = BlockCodec(caches)
+        if self.codec.block_bytes != layout.payload_bytes:
             raise ValueError(f"the disk tier's layout holds {layout.payload_bytes} bytes per block, "
-                             f"the caches {sum(self._sizes)}")
+                             f"the caches {self.codec.block_bytes}")
         self.max_buffered_bytes = max_buffered_bytes
         self._lock = threading.Condition()
         self._buffered: dict[BlockHash, torch.Tensor] = {}  # captured, not written yet
         self._buffered_bytes = 0
         self._writes: queue.Queue[tuple[str, BlockHash, torch.Tensor | None] | None] = queue.Queue()
         self._loads: queue.Queue[DiskLoad | None] = queue.Queue()
-        self._finished: list[tuple[str, list[BlockHash]]] = []
-        self._loads_in_flight = 0
+        self.reports = reports
         self._write_errors = 0
         # the threads hold the store weakly: an engine dropped without close() is
         # collected, and its threads stop with it
@@ -79,7 +78,7 @@ class DiskKVStore:
     @torch.inference_mode()
     def apply(self, ops: DiskOps) -> None:
         for block_id, block_hash in ops.writes:
-            buffer = self._capture(block_id)
+            buffer = self.codec.capture(block_id)
             with self._lock:
                 self._lock.wait_for(lambda: self._buffered_bytes < self.max_buffered_bytes)
                 self._buffered[block_hash] = buffer
@@ -88,21 +87,9 @@ class DiskKVStore:
         for block_hash in ops.deletes:
             self._writes.put(("delete", block_hash, None))
         if ops.loads:
-            with self._lock:
-                self._loads_in_flight += len(ops.loads)
+            self.reports.started(len(ops.loads))
             for load in ops.loads:
                 self._loads.put(load)
-
-    def take_finished_loads(self) -> list[tuple[str, list[BlockHash]]]:
-        """Loads done since the last call: (request id, hashes that failed)."""
-        with self._lock:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def wait_for_loads(self, timeout: float) -> None:
-        """Block until some load finishes (or ``timeout`` seconds pass, or none is in flight)."""
-        with self._lock:
-            self._lock.wait_for(lambda: self._finished or not self._loads_in_flight, timeout)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every captured block is written (or failed to); whether it was in time."""
@@ -114,22 +101,6 @@ class DiskKVStore:
         _stop(self._writes, self._loads)
         for thread in self._threads:
             thread.join(timeout)
-
-    def _capture(self, block_id: int) -> torch.Tensor:
-        buffer = torch.empty(self.layout.payload_bytes, dtype=torch.uint8)
-        offset = 0
-        for cache, size in zip(self.caches, self._sizes, strict=True):
-            block = cache[:, block_id]
-            buffer[offset:offset + size].view(block.dtype).view(block.shape).copy_(block)
-            offset += size
-        return buffer
-
-    def _restore(self, payload: torch.Tensor, block_id: int) -> None:
-        offset = 0
-        for cache, size in zip(self.caches, self._sizes, strict=True):
-            block = cache[:, block_id]
-            block.copy_(payload[offset:offset + size].view(block.dtype).view(block.shape))
-            offset += size
 
     # ---- the writer ---------------------------------------------------------
 
@@ -173,16 +144,13 @@ class DiskKVStore:
     @torch.inference_mode()
     def _load_one(self, load: DiskLoad) -> None:
         failed = [block_hash for block_hash, block_id in load.blocks if not self._load_block(block_hash, block_id)]
-        with self._lock:
-            self._finished.append((load.request_id, failed))
-            self._loads_in_flight -= 1
-            self._lock.notify_all()
+        self.reports.finished(load.request_id, failed)
 
     def _load_block(self, block_hash: BlockHash, block_id: int) -> bool:
         with self._lock:
             buffered = self._buffered.get(block_hash)
         if buffered is not None:
-            self._restore(buffered, block_id)
+            self.codec.restore(buffered, block_id)
             return True
         path = self.layout.path_for(block_hash)
         try:
@@ -194,7 +162,7 @@ class DiskKVStore:
             logger.warning("disk KV tier: %s unusable (%s); removed", path, error)
             path.unlink(missing_ok=True)
             return False
-        self._restore(torch.frombuffer(bytearray(payload), dtype=torch.uint8), block_id)
+        self.codec.restore(torch.frombuffer(bytearray(payload), dtype=torch.uint8), block_id)
         return True
 
 

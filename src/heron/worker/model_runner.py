@@ -9,6 +9,7 @@ positions that will be sampled, and samples them in one batched call.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ import torch
 
 from heron.attention.backend import flat_batch_layout
 from heron.attention.registry import get_attention_backend
-from heron.config import EngineConfig
+from heron.config import EngineConfig, KVTransferConfig
 from heron.core.hashing import BlockHash
 from heron.core.kv_disk_layout import DiskTierLayout
 from heron.core.kv_offload import KVTransfers
+from heron.core.kv_remote import RemoteLoad
 from heron.core.scheduler_output import SchedulerOutput
 from heron.models.registry import build_model
 from heron.profiling import phase
@@ -35,7 +37,9 @@ from heron.worker.block_table import BlockTableRows
 from heron.worker.compute_path import describe_compute_path, format_compute_path
 from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.kv_disk_store import DiskKVStore
+from heron.worker.kv_load_reports import LoadReports
 from heron.worker.kv_offload_store import HostKVStore
+from heron.worker.kv_transfer import KVBlockServer, RemoteKVLoader
 from heron.worker.request_state import CachedRequestState
 from heron.worker.sampling_metadata import SamplingMetadataBuilder
 from heron.worker.spec_verify import verify_drafts
@@ -120,6 +124,9 @@ class ModelRunner:
         self.all_kv_caches: list[torch.Tensor] = []  # the draft model's too
         self.offload_store: HostKVStore | None = None
         self.disk_store: DiskKVStore | None = None
+        self.kv_load_reports = LoadReports()  # disk and remote loads report here
+        self.kv_server: KVBlockServer | None = None  # prefill side of P/D disaggregation
+        self.kv_loader: RemoteKVLoader | None = None  # decode side
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only
         # the last deferred step's sampled ids (on the device) and each request's row
         self._last_sampled: torch.Tensor | None = None
@@ -173,15 +180,49 @@ class ModelRunner:
 
     def attach_disk_tier(self, layout: DiskTierLayout) -> None:
         """Read and write the disk KV tier's block files (after ``initialize_kv_cache``)."""
-        self.disk_store = DiskKVStore(layout, self.all_kv_caches)
+        self.disk_store = DiskKVStore(layout, self.all_kv_caches, self.kv_load_reports)
+
+    def attach_kv_transfer(self, config: KVTransferConfig, fingerprint: bytes) -> str | None:
+        """Serve finished prefills' blocks and/or pull them (after ``initialize_kv_cache``);
+        returns the address decode engines pull from (None: a pure consumer)."""
+        if config.consumes:
+            self.kv_loader = RemoteKVLoader(self.all_kv_caches, fingerprint, self.kv_load_reports,
+                                            config.kv_timeout_seconds)
+        if not config.produces:
+            return None
+        self.kv_server = KVBlockServer(self.all_kv_caches, fingerprint, config.kv_ip, config.kv_port)
+        host = socket.gethostname() if config.kv_ip in ("0.0.0.0", "*") else config.kv_ip
+        return f"tcp://{host}:{self.kv_server.port}"
+
+    def start_remote_loads(self, loads: list[RemoteLoad]) -> None:
+        if loads:
+            assert self.kv_loader is not None
+            self.kv_loader.load(loads)
+
+    def offer_kv(self, offers: list[tuple[str, list[int]]]) -> None:
+        assert self.kv_server is not None or not offers
+        for request_id, block_ids in offers:
+            assert self.kv_server is not None
+            self.kv_server.offer(request_id, block_ids)
+
+    def withdraw_kv(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            assert self.kv_server is not None
+            self.kv_server.withdraw(request_id)
+
+    def take_released_kv(self) -> list[str]:
+        return self.kv_server.take_released() if self.kv_server is not None else []
+
+    def wait_for_kv_release(self, timeout: float) -> None:
+        if self.kv_server is not None:
+            self.kv_server.wait_for_release(timeout)
 
     def take_finished_kv_loads(self) -> list[tuple[str, list[BlockHash]]]:
-        """Disk-tier loads done since the last call: (request id, hashes that failed)."""
-        return self.disk_store.take_finished_loads() if self.disk_store is not None else []
+        """Background KV loads done since the last call: (request id, hashes that failed)."""
+        return self.kv_load_reports.take()
 
     def wait_for_kv_loads(self, timeout: float) -> None:
-        if self.disk_store is not None:
-            self.disk_store.wait_for_loads(timeout)
+        self.kv_load_reports.wait(timeout)
 
     def apply_kv_transfers(self, transfers: KVTransfers) -> None:
         """The tier copies a step makes before its forward pass (or, with no step
@@ -195,9 +236,13 @@ class ModelRunner:
             self.offload_store.apply(transfers)
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes."""
+        """Finish the disk tier's queued writes; stop serving and pulling blocks."""
         if self.disk_store is not None:
             self.disk_store.close()
+        if self.kv_server is not None:
+            self.kv_server.close()
+        if self.kv_loader is not None:
+            self.kv_loader.close()
 
     def _bind_kv_caches(self, num_blocks: int) -> None:
         self.kv_caches = bind_kv_caches(

@@ -1,0 +1,21 @@
+"""What the scheduler asks the worker to pull from a prefill engine
+(``worker/kv_transfer.py`` does it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from heron.core.hashing import BlockHash
+
+
+@dataclass(slots=True)
+class RemoteLoad:
+    """Pull ``blocks`` (hash, pool block id), the run of blocks starting at block
+    ``first`` of request ``remote_request_id`` on the engine at ``address``, for
+    request ``request_id``."""
+
+    request_id: str
+    address: str
+    remote_request_id: str
+    first: int
+    blocks: list[tuple[BlockHash, int]]

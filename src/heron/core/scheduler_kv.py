@@ -1,0 +1,196 @@
+"""The scheduler's KV-connector half (a mixin of ``core/scheduler.py``):
+requests whose prefix is loaded in the background, and leases on the blocks
+of finished prefills that a decode engine will pull.
+
+Loading: a request whose prefix continues on disk (``core/kv_disk_index.py``)
+or was prefilled by another engine (``kv_transfer_params`` with
+``do_remote_prefill``) leaves the waiting queue for ``loading`` in state
+``WAITING_FOR_KV`` while the worker fills its blocks; other requests keep
+running. When the worker reports the load (``update_kv_loads``) the request
+goes back to the head of the queue with the loaded prefix computed, holding
+its blocks; a failed load is recomputed from the first failure or fails the
+request (``kv_load_failure_policy``). Waiting requests that hold loaded blocks
+give them back (they stay cached) before a running request is preempted or
+when the head of the queue does not fit, so loads never deadlock the pool. A
+request aborted while loading keeps its blocks until the worker is done.
+
+Leases (prefill side): a ``do_remote_decode`` request that finishes keeps its
+prompt's full blocks, offered to decode engines, until one releases them or
+``kv_lease_seconds`` pass; its final output carries the ``kv_transfer_params``
+a decode engine needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from heron.core.hashing import BlockHash
+from heron.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from heron.core.kv_remote import RemoteLoad
+from heron.core.request_queue import RequestQueue
+from heron.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from heron.config import CacheConfig, KVTransferConfig
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerKVMixin:
+    # the scheduler's own state this half works with
+    kv_cache_manager: KVCacheManager
+    waiting: RequestQueue
+    requests: dict[str, Request]
+    _failed_requests: list[Request]
+
+    def _free_request(self, request: Request, keep_blocks: bool = False) -> None: ...
+
+    def _init_kv_connector(self, cache_config: CacheConfig, kv_transfer: KVTransferConfig | None) -> None:
+        self.kv_load_failure_policy = cache_config.kv_load_failure_policy
+        self.kv_transfer = kv_transfer
+        self.kv_transfer_address: str | None = None  # where this engine's block server listens (producer)
+        # requests whose blocks are being loaded (aborted ones too, until the worker is done)
+        self.loading: dict[str, Request] = {}
+        # waiting requests that hold the blocks loaded for them, in the order they were loaded
+        self._holding: dict[str, Request] = {}
+        self._remote_loads: list[RemoteLoad] = []
+        # finished prefills whose blocks wait for a decode engine: id -> (request, deadline)
+        self._leases: dict[str, tuple[Request, float]] = {}
+        self._new_offers: list[tuple[str, list[int]]] = []
+
+    @property
+    def is_loading_kv(self) -> bool:
+        return bool(self.loading)
+
+    @property
+    def has_kv_leases(self) -> bool:
+        return bool(self._leases)
+
+    # ---- loading -------------------------------------------------------------
+
+    def update_kv_loads(self, finished: list[tuple[str, list[BlockHash]]]) -> None:
+        """The worker is done loading these requests' blocks (with the hashes it
+        could not load)."""
+        for request_id, failed in finished:
+            request = self.loading[request_id]
+            num_computed = self.kv_cache_manager.finish_load(request, failed)
+            del self.loading[request_id]
+            if request.is_finished:  # aborted while loading
+                self.kv_cache_manager.free(request)
+                continue
+            request.status = RequestStatus.WAITING
+            if failed:
+                logger.warning("%s: %d prefix blocks could not be loaded (%s)",
+                               request_id, len(failed), self.kv_load_failure_policy)
+                self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
+                request.num_cached_tokens = -1  # what is found again when it is admitted
+                if self.kv_load_failure_policy == "fail":
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    self._failed_requests.append(request)
+                    self._free_request(request)
+                    continue
+            else:
+                request.num_computed_tokens = num_computed
+                self._holding[request_id] = request
+            self.waiting.add_preempted(request)
+
+    def _release_held_blocks(self, keep: Request | None = None) -> bool:
+        """Free the blocks of the waiting request loaded last (not ``keep``): they
+        stay cached, to be hit or loaded again when it is admitted. False when no
+        waiting request holds blocks."""
+        for request_id in reversed(self._holding):
+            request = self._holding[request_id]
+            if request is not keep:
+                del self._holding[request_id]
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+                return True
+        return False
+
+    def _start_load(self, request: Request, computed_blocks: KVCacheBlocks, num_hit_tokens: int) -> bool:
+        """The head of the queue, whose prefix goes on on disk, to ``loading``;
+        False when the pool is short."""
+        if not self.kv_cache_manager.start_load(request, computed_blocks):
+            return False
+        self._to_loading(request, num_hit_tokens)
+        return True
+
+    def _start_remote_load(self, request: Request) -> bool | None:
+        """The head of the queue, prefilled by another engine, to ``loading``
+        (True); False when the pool is short; None when there is nothing to pull
+        (admit it as usual)."""
+        params = request.sampling_params.kv_transfer_params
+        if (not params or not params.get("do_remote_prefill") or request.remote_prefill_tried
+                or self.kv_transfer is None or not self.kv_transfer.consumes):
+            return None
+        block_size = self.kv_cache_manager.block_size
+        if params.get("remote_block_size") != block_size:
+            logger.warning("%s: the prefill engine's blocks hold %s tokens, ours %d: computing the prompt here",
+                           request.request_id, params.get("remote_block_size"), block_size)
+            request.remote_prefill_tried = True
+            return None
+        hits, _ = self.kv_cache_manager.get_computed_blocks(request, tiers=False)
+        num_blocks = min(int(params.get("remote_num_blocks", 0)), (request.num_tokens - 1) // block_size)
+        if num_blocks <= len(hits.blocks):
+            request.remote_prefill_tried = True
+            return None
+        blocks = self.kv_cache_manager.start_remote_load(request, hits, num_blocks)
+        if blocks is None:
+            return False
+        request.remote_prefill_tried = True
+        self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
+                                             str(params["remote_request_id"]), len(hits.blocks), blocks))
+        self._to_loading(request, num_blocks * block_size)
+        return True
+
+    def _to_loading(self, request: Request, num_hit_tokens: int) -> None:
+        self.waiting.pop()
+        self.loading[request.request_id] = request
+        request.status = RequestStatus.WAITING_FOR_KV
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+
+    def take_remote_loads(self) -> list[RemoteLoad]:
+        """Pulls from prefill engines to start now."""
+        loads, self._remote_loads = self._remote_loads, []
+        return loads
+
+    # ---- leases (prefill side) -------------------------------------------------
+
+    def _lease(self, request: Request) -> dict[str, Any] | None:
+        """A finished ``do_remote_decode`` request keeps its prompt's full blocks for
+        a decode engine: the ``kv_transfer_params`` that engine needs (None: not such
+        a request, or nothing to keep)."""
+        params = request.sampling_params.kv_transfer_params
+        if (not params or not params.get("do_remote_decode") or self.kv_transfer is None
+                or not self.kv_transfer.produces or request.status == RequestStatus.FINISHED_ABORTED):
+            return None
+        block_size = self.kv_cache_manager.block_size
+        num_blocks = min(request.num_prompt_tokens, request.num_computed_tokens) // block_size
+        if num_blocks == 0:
+            return None
+        assert self.kv_transfer_address is not None
+        self._leases[request.request_id] = (request, time.monotonic() + self.kv_transfer.kv_lease_seconds)
+        self._new_offers.append((request.request_id,
+                                 self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks]))
+        return {"do_remote_prefill": True, "remote_engine_address": self.kv_transfer_address,
+                "remote_request_id": request.request_id, "remote_num_blocks": num_blocks,
+                "remote_block_size": block_size}
+
+    def take_kv_offers(self) -> list[tuple[str, list[int]]]:
+        """Leased blocks to offer to decode engines now: (request id, block ids)."""
+        offers, self._new_offers = self._new_offers, []
+        return offers
+
+    def expired_leases(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [request_id for request_id, (_, deadline) in self._leases.items() if deadline <= now]
+
+    def release_leases(self, request_ids: list[str]) -> None:
+        """Free leased blocks (released by a decode engine, or expired and withdrawn)."""
+        for request_id in request_ids:
+            entry = self._leases.pop(request_id, None)
+            if entry is not None:
+                self.kv_cache_manager.free(entry[0])

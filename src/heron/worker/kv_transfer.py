@@ -1,0 +1,178 @@
+"""Prefill/decode disaggregation, the worker's half: a prefill engine serves
+the blocks of its finished ``do_remote_decode`` requests (``KVBlockServer``),
+a decode engine pulls them into its own pool (``RemoteKVLoader``), over TCP
+with ZMQ (msgpack frames).
+
+    decode -> prefill   ["pull", request id, first block, count]
+    prefill -> decode   [True, layout fingerprint, count x block bytes] | [False, reason]
+    decode -> prefill   ["release", request id]
+
+The prefill engine's scheduler holds a finished request's blocks under a
+lease (``offer``) until the decode engine releases them or the lease expires
+(``withdraw``); a pull and a withdraw exclude each other, so blocks are never
+read while being reused. The decode engine checks the fingerprint (the same
+model and cache layout, ``core/kv_disk_layout.py``) and reports every block
+failed when the pull fails or times out: the scheduler's load-failure policy
+decides what happens then (recompute, or fail the request).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import msgpack
+import torch
+import zmq
+
+from heron.core.kv_remote import RemoteLoad
+from heron.worker.kv_block_codec import BlockCodec
+from heron.worker.kv_load_reports import LoadReports
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+
+class KVBlockServer:
+    def __init__(self, caches: Sequence[torch.Tensor], fingerprint: bytes, host: str, port: int) -> None:
+        self.codec = BlockCodec(caches)
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._offers: dict[str, list[int]] = {}
+        self._released: list[str] = []
+        self._release_event = threading.Event()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._socket.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.host = host
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-block-server", daemon=True)
+        self._thread.start()
+
+    def offer(self, request_id: str, block_ids: list[int]) -> None:
+        """Serve these blocks (leased by the scheduler) until released or withdrawn."""
+        with self._lock:
+            self._offers[request_id] = block_ids
+
+    def withdraw(self, request_id: str) -> None:
+        """Stop serving a request's blocks (its lease expired); no pull reads them after this returns."""
+        with self._lock:
+            self._offers.pop(request_id, None)
+
+    def take_released(self) -> list[str]:
+        """Requests whose blocks a decode engine has taken since the last call."""
+        with self._lock:
+            released, self._released = self._released, []
+            self._release_event.clear()
+        return released
+
+    def wait_for_release(self, timeout: float) -> None:
+        self._release_event.wait(timeout)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        self._socket.close(0)
+        self._context.term()
+
+    def _serve(self) -> None:
+        with torch.inference_mode():
+            while not self._stopped.is_set():
+                if not self._socket.poll(_POLL_MS):
+                    continue
+                identity, frame = self._socket.recv_multipart()
+                try:
+                    reply = self._handle(msgpack.unpackb(frame))
+                except Exception as error:  # a malformed message: answered, never fatal
+                    reply = [False, f"bad message: {error}"]
+                if reply is not None:
+                    self._socket.send_multipart([identity, msgpack.packb(reply)])
+
+    def _handle(self, message: list) -> list | None:
+        kind, request_id = message[0], str(message[1])
+        if kind == "release":
+            with self._lock:
+                if self._offers.pop(request_id, None) is not None:
+                    self._released.append(request_id)
+                    self._release_event.set()
+            return None
+        if kind != "pull":
+            return [False, f"unknown message {kind!r}"]
+        first, count = int(message[2]), int(message[3])
+        with self._lock:
+            block_ids = self._offers.get(request_id)
+            if block_ids is None:
+                return [False, f"no blocks offered for {request_id!r} (unknown, released or expired)"]
+            if first < 0 or count < 0 or first + count > len(block_ids):
+                return [False, f"{request_id!r} offers {len(block_ids)} blocks, not [{first}, {first + count})"]
+            payload = b"".join(self.codec.capture(block_id).numpy().tobytes()
+                               for block_id in block_ids[first:first + count])
+        return [True, self.fingerprint, payload]
+
+
+class RemoteKVLoader:
+    def __init__(self, caches: Sequence[torch.Tensor], fingerprint: bytes, reports: LoadReports,
+                 timeout_s: float) -> None:
+        self.codec = BlockCodec(caches)
+        self.fingerprint = fingerprint
+        self.reports = reports
+        self.timeout_ms = int(timeout_s * 1000)
+        self._context = zmq.Context()
+        self._jobs: queue.Queue[RemoteLoad | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-remote-loader", daemon=True)
+        self._thread.start()
+
+    def load(self, loads: list[RemoteLoad]) -> None:
+        self.reports.started(len(loads))
+        for job in loads:
+            self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+        self._context.term()
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while (job := self._jobs.get()) is not None:
+                error = self._pull(job)
+                if error is not None:
+                    logger.warning("%s: could not pull %d blocks from %s: %s",
+                                   job.request_id, len(job.blocks), job.address, error)
+                self.reports.finished(job.request_id, [] if error is None else [h for h, _ in job.blocks])
+
+    def _pull(self, job: RemoteLoad) -> str | None:
+        """Pull and write the blocks; the reason it failed, or None."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)
+        try:
+            socket.connect(job.address)
+            socket.send(msgpack.packb(["pull", job.remote_request_id, job.first, len(job.blocks)]))
+            if not socket.poll(self.timeout_ms):
+                return f"no answer in {self.timeout_ms / 1000:.0f} s"
+            reply = msgpack.unpackb(socket.recv())
+            if not reply[0]:
+                return str(reply[1])
+            fingerprint, payload = reply[1], reply[2]
+            if fingerprint != self.fingerprint:
+                return "the prefill engine runs another model or cache layout"
+            if len(payload) != len(job.blocks) * self.codec.block_bytes:
+                return f"{len(payload)} bytes for {len(job.blocks)} blocks"
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            size = self.codec.block_bytes
+            for index, (_, block_id) in enumerate(job.blocks):
+                self.codec.restore(data[index * size:(index + 1) * size], block_id)
+            socket.send(msgpack.packb(["release", job.remote_request_id]))
+            return None
+        except (zmq.ZMQError, ValueError, IndexError, TypeError, msgpack.ExtraData) as error:
+            return f"{type(error).__name__}: {error}"
+        finally:
+            socket.close()

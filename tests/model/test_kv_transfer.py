@@ -1,0 +1,106 @@
+"""Prefill/decode disaggregation between two engines on a tiny random Llama
+(float32, CPU): a prefill engine computes a prompt and keeps its blocks under
+a lease; a decode engine pulls them over TCP (ZMQ) instead of prefilling, and
+its greedy output is token-identical to transformers. A pull that cannot
+happen (the prefill engine gone, the lease expired) is recomputed or fails the
+request per policy; the books of both pools balance."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from heron import LLM, SamplingParams
+from tests.model.conftest import load_reference, random_prompts, reference_greedy
+
+NEW_TOKENS = 8
+POOL = dict(dtype="float32", block_size=8, num_kv_blocks=24, max_model_len=96)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prompts = random_prompts([45, 29, 60], seed=41)
+    reference = load_reference(directory)
+    expected = {tuple(p): reference_greedy(reference, p, NEW_TOKENS) for p in prompts}
+    return directory, prompts, expected
+
+
+def engines(directory: str, **producer_args):
+    prefill = LLM(directory, kv_transfer_config={"kv_role": "kv_producer", **producer_args}, **POOL)
+    decode = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 5}, **POOL)
+    return prefill, decode
+
+
+def prefill_then_decode(prefill: LLM, decode: LLM, prompts: list[list[int]]) -> list:
+    prefilled = prefill.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(max_tokens=1, temperature=0,
+                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    params = [output.kv_transfer_params for output in prefilled]
+    assert all(p is not None and p["do_remote_prefill"] for p in params)
+    return decode_with(decode, prompts, params)
+
+
+def decode_with(decode: LLM, prompts: list[list[int]], params: list) -> list:
+    outputs = []
+    for prompt, kv_params in zip(prompts, params, strict=True):
+        greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, kv_transfer_params=kv_params)
+        outputs.append(decode.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0])
+    return outputs
+
+
+def books_balance(llm: LLM) -> None:
+    engine = llm.engine.engine_core
+    while engine.has_unfinished_requests():  # leases being released
+        engine.step()
+    manager = engine.scheduler.kv_cache_manager
+    manager.check_integrity()
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_a_decode_engine_pulls_the_prefill_instead_of_computing_it(llama):
+    directory, prompts, expected = llama
+    prefill, decode = engines(directory)
+    outputs = prefill_then_decode(prefill, decode, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
+    # every full prompt block but the one holding the last token came over the wire
+    assert [o.num_cached_tokens for o in outputs] == [(len(p) - 1) // 8 * 8 for p in prompts]
+    books_balance(prefill)
+    books_balance(decode)
+
+
+def test_a_vanished_prefill_engine_is_recomputed_or_fails_per_policy(llama):
+    directory, prompts, expected = llama
+    prefill, decode = engines(directory)
+    prefilled = prefill.generate([{"prompt_token_ids": prompts[0]}],
+                                 SamplingParams(max_tokens=1, temperature=0,
+                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    params = prefilled[0].kv_transfer_params
+    prefill.engine.engine_core.shutdown()  # the prefill engine is gone before the pull
+    output, = decode_with(decode, prompts[:1], [params])
+    assert output.outputs[0].token_ids == expected[tuple(prompts[0])]
+    assert output.num_cached_tokens == 0  # nothing came over: computed here
+    books_balance(decode)
+    strict = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 1},
+                 kv_load_failure_policy="fail", **POOL)
+    failed, = decode_with(strict, prompts[:1], [params])
+    assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
+    books_balance(strict)
+
+
+def test_an_unclaimed_prefill_lease_expires(llama):
+    directory, prompts, _ = llama
+    prefill, decode = engines(directory, kv_lease_seconds=0.5)
+    prefill.generate([{"prompt_token_ids": prompts[0]}],
+                     SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True}),
+                     use_tqdm=False)
+    engine = prefill.engine.engine_core
+    manager = engine.scheduler.kv_cache_manager
+    assert engine.has_unfinished_requests() and manager.num_free_blocks < manager.num_blocks  # leased
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    manager.check_integrity()
+    assert manager.num_free_blocks == manager.num_blocks
