@@ -91,3 +91,21 @@ def test_data_parallelism_is_for_the_server():
         EngineArgs(device="cpu", data_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
         EngineArgs(device="cpu", usage="serve", data_parallel_size=0).create_engine_config()
+
+
+def test_kv_transfer_config_takes_vllm_keys_and_refuses_what_heron_lacks():
+    import pytest
+
+    from heron.config import KVTransferConfig
+
+    config = KVTransferConfig.from_dict({"kv_connector": "HeronConnector", "kv_role": "kv_producer", "kv_port": 0})
+    assert config is not None and config.produces and not config.consumes
+    assert KVTransferConfig.from_dict(None) is None
+    with pytest.raises(ValueError, match="HeronConnector"):
+        KVTransferConfig.from_dict({"kv_connector": "NixlConnector"})
+    with pytest.raises(ValueError, match="unknown keys"):
+        KVTransferConfig.from_dict({"kv_rank": 0})
+    with pytest.raises(ValueError, match="kv_role"):
+        KVTransferConfig.from_dict({"kv_role": "prefill"})
+    with pytest.raises(ValueError, match="kv_lease_seconds"):
+        KVTransferConfig.from_dict({"kv_lease_seconds": 0})

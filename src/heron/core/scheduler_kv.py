@@ -133,8 +133,10 @@ class SchedulerKVMixin:
             return None
         hits, _ = self.kv_cache_manager.get_computed_blocks(request, tiers=False)
         num_blocks = min(int(params.get("remote_num_blocks", 0)), (request.num_tokens - 1) // block_size)
-        if num_blocks <= len(hits.blocks):
+        if num_blocks <= len(hits.blocks):  # cached here already: the prefill engine may free its copy
             request.remote_prefill_tried = True
+            self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
+                                                 str(params["remote_request_id"]), 0, []))
             return None
         blocks = self.kv_cache_manager.start_remote_load(request, hits, num_blocks)
         if blocks is None:
@@ -153,7 +155,7 @@ class SchedulerKVMixin:
             request.num_cached_tokens = num_hit_tokens
 
     def take_remote_loads(self) -> list[RemoteLoad]:
-        """Pulls from prefill engines to start now."""
+        """Pulls from prefill engines to start now (one with no blocks: only a release)."""
         loads, self._remote_loads = self._remote_loads, []
         return loads
 

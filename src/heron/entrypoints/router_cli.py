@@ -15,8 +15,12 @@ logger = logging.getLogger(__name__)
 
 def add_router_parser(subcommands: Any) -> None:
     router = subcommands.add_parser("router", help="OpenAI-compatible router over heron replicas (KV-cache aware)")
-    router.add_argument("--replica", action="append", default=[], metavar="URL",
-                        help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
+    router.add_argument("--replica", "--decode", action="append", default=[], metavar="URL",
+                        help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each); with --prefill, "
+                             "the decode replicas")
+    router.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="prefill/decode disaggregation: a prefill replica (repeat for each; started with "
+                             "--kv-transfer-config kv_producer), to which every prompt goes first")
     router.add_argument("--ray-address", default=None, metavar="ADDRESS",
                         help="also route to the heron servers registered on this Ray cluster (those started with "
                              "--data-parallel-backend ray), as they come and go; 'auto': this machine's cluster")
@@ -54,9 +58,13 @@ def run_router(args: argparse.Namespace) -> int:
                           discover=_ray_discovery(args.ray_address) if args.ray_address else None)
     hasher = PromptHasher(args.model, args.tokenizer) if args.policy in ("kv_aware", "session") else None
     router = Router(args.policy, cache_weight=args.cache_weight, imbalance_threshold=args.imbalance_threshold)
-    server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts)
-    logger.info("heron router (%s) on http://%s:%d over %s", args.policy, args.host, args.port,
-                ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])))
+    prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval)
+                        if args.prefill else None)
+    server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts,
+                          prefill_replicas=prefill_replicas)
+    logger.info("heron router (%s) on http://%s:%d over %s%s", args.policy, args.host, args.port,
+                ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])),
+                f"; prompts prefilled first on {', '.join(args.prefill)}" if args.prefill else "")
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0
 

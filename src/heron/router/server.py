@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from heron.gc_freeze import freeze_startup_objects
+from heron.router.disaggregation import PrefillStage
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
 from heron.routing.policies import Router
@@ -61,7 +62,9 @@ class RouterMetrics:
 
 class RouterServer:
     def __init__(self, replicas: ReplicaSet, router: Router, hasher: PromptHasher | None, max_attempts: int = 3,
-                 request_timeout: float = 600.0) -> None:
+                 request_timeout: float = 600.0, prefill_replicas: ReplicaSet | None = None) -> None:
+        """``prefill_replicas``: prefill/decode disaggregation, ``replicas`` decode
+        (``router/disaggregation.py``)."""
         self.replicas = replicas
         self.router = router
         self.hasher = hasher
@@ -69,6 +72,8 @@ class RouterServer:
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=2.0)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
+        self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry, request_timeout)
+                        if prefill_replicas is not None else None)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
@@ -86,10 +91,14 @@ class RouterServer:
     async def _start(self, _: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.replicas.start(self.session)
+        if self.prefill is not None:
+            await self.prefill.replicas.start(self.session)
         freeze_startup_objects("router")  # the tokenizer and transformers' objects: no full-collection pauses
 
     async def _stop(self, _: web.Application) -> None:
         await self.replicas.stop()
+        if self.prefill is not None:
+            await self.prefill.replicas.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -102,6 +111,12 @@ class RouterServer:
         hashes = self.hasher.block_hashes(request.path, body, self.replicas.block_size) if self.hasher and body else []
         session = (body.get("user") if body else None) or request.headers.get("X-Session-Id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if self.prefill is not None and body is not None and "kv_transfer_params" not in body:
+            assert self.session is not None
+            headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+            kv_transfer_params = await self.prefill.run(self.session, request.path, body, headers, hashes)
+            if kv_transfer_params is not None:
+                raw = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
         return await self._proxy(request, raw, hashes, session if isinstance(session, str) else None)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -114,7 +129,10 @@ class RouterServer:
                                   "replicas": self._replica_states()}, status=status)
 
     async def describe(self, _: web.Request) -> web.Response:
-        return web.json_response({"policy": self.router.policy, "replicas": self._replica_states()})
+        described: dict[str, Any] = {"policy": self.router.policy, "replicas": self._replica_states()}
+        if self.prefill is not None:
+            described["prefill_replicas"] = self._replica_states(self.prefill.replicas)
+        return web.json_response(described)
 
     async def prometheus(self, _: web.Request) -> web.Response:
         for replica in self.replicas.replicas:
@@ -122,10 +140,10 @@ class RouterServer:
             self.metrics.usable.labels(replica.url).set(1 if replica.breaker.usable else 0)
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
 
-    def _replica_states(self) -> list[dict[str, Any]]:
+    def _replica_states(self, replicas: ReplicaSet | None = None) -> list[dict[str, Any]]:
         return [{"url": r.url, "state": r.breaker.state.value, "in_flight": r.load.in_flight,
                  "load": r.load.score(), "cached_blocks": len(r.index.blocks), "requests": r.num_requests,
-                 "kv_events": r.subscription is not None} for r in self.replicas.replicas]
+                 "kv_events": r.subscription is not None} for r in (replicas or self.replicas).replicas]
 
     # ---- proxying ----------------------------------------------------------------
 

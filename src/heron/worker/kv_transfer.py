@@ -131,7 +131,8 @@ class RemoteKVLoader:
         self._thread.start()
 
     def load(self, loads: list[RemoteLoad]) -> None:
-        self.reports.started(len(loads))
+        """Pull each load's blocks (one with none only releases the prefill engine's lease)."""
+        self.reports.started(sum(1 for job in loads if job.blocks))
         for job in loads:
             self._jobs.put(job)
 
@@ -143,11 +144,27 @@ class RemoteKVLoader:
     def _run(self) -> None:
         with torch.inference_mode():
             while (job := self._jobs.get()) is not None:
+                if not job.blocks:
+                    self._release(job)
+                    continue
                 error = self._pull(job)
                 if error is not None:
                     logger.warning("%s: could not pull %d blocks from %s: %s",
                                    job.request_id, len(job.blocks), job.address, error)
+                    self._release(job)
                 self.reports.finished(job.request_id, [] if error is None else [h for h, _ in job.blocks])
+
+    def _release(self, job: RemoteLoad) -> None:
+        """Tell the prefill engine its blocks are not needed (best effort: its lease expires anyway)."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)
+        try:
+            socket.connect(job.address)
+            socket.send(msgpack.packb(["release", job.remote_request_id]))
+        except zmq.ZMQError as error:
+            logger.info("could not release %s at %s: %s", job.remote_request_id, job.address, error)
+        finally:
+            socket.close()
 
     def _pull(self, job: RemoteLoad) -> str | None:
         """Pull and write the blocks; the reason it failed, or None."""

@@ -53,6 +53,10 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} asks a
+    # prefill server to keep the prompt's KV; its answer's kv_transfer_params, sent to
+    # a decode server, make that server pull it
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -14,9 +14,11 @@ from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
+    check_kv_transfer_params,
     check_request,
     final_outputs,
     invalid_input,
+    kv_transfer_field,
     merge_streams,
     new_request_id,
     resolve_max_tokens,
@@ -63,6 +65,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     if not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", "top_logprobs")
     prompt = chat_prompt(ctx, request)
+    check_kv_transfer_params(ctx, request)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), requested, param, "messages")
@@ -139,6 +142,7 @@ class _ChatBuilder:
             "model": self.ctx.served_model_name,
             "choices": [self._message_choice(c) for c in final.outputs],
             "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
+            **kv_transfer_field(final),
         }
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:

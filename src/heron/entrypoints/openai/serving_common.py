@@ -82,6 +82,32 @@ def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) 
         )
 
 
+def check_kv_transfer_params(ctx: ServingContext, request: SamplingFields, num_prompts: int = 1) -> None:
+    """400 unless ``kv_transfer_params`` (prefill/decode disaggregation) fits this
+    server's ``--kv-transfer-config`` and names what a pull needs."""
+    params = request.kv_transfer_params
+    if params is None:
+        return
+    config = ctx.engine.config.kv_transfer
+    if config is None:
+        raise bad_request("kv_transfer_params needs a server started with --kv-transfer-config", "kv_transfer_params")
+    if request.n != 1 or num_prompts != 1:
+        raise bad_request("kv_transfer_params takes one prompt and n = 1", "kv_transfer_params")
+    if params.get("do_remote_decode") and not config.produces:
+        raise bad_request("this server is a kv_consumer: it does not keep prefills for others", "kv_transfer_params")
+    if params.get("do_remote_prefill"):
+        if not config.consumes:
+            raise bad_request("this server is a kv_producer: it does not pull prefills", "kv_transfer_params")
+        address = params.get("remote_engine_address")
+        if not isinstance(address, str) or not address.startswith("tcp://"):
+            raise bad_request("kv_transfer_params.remote_engine_address must be a tcp:// address", "kv_transfer_params")
+        for key in ("remote_num_blocks", "remote_block_size"):
+            if not isinstance(params.get(key), int) or params[key] < 0:
+                raise bad_request(f"kv_transfer_params.{key} must be an integer >= 0", "kv_transfer_params")
+        if not isinstance(params.get("remote_request_id"), str):
+            raise bad_request("kv_transfer_params.remote_request_id must be a string", "kv_transfer_params")
+
+
 def resolve_max_tokens(
     ctx: ServingContext, num_prompt_tokens: int, requested: int | None, param: str, where: str
 ) -> int:
@@ -172,9 +198,15 @@ def sampling_params(
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured_outputs(request),
+            kv_transfer_params=request.kv_transfer_params,
         )
     except SamplingParamError as exc:
         raise bad_request(str(exc), exc.param) from exc
+
+
+def kv_transfer_field(output: RequestOutput) -> dict[str, Any]:
+    """A finished prefill's ``kv_transfer_params`` for the response body (or nothing)."""
+    return {"kv_transfer_params": output.kv_transfer_params} if output.kv_transfer_params is not None else {}
 
 
 def invalid_input(exc: InvalidRequestError) -> APIError:

@@ -14,9 +14,11 @@ from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.protocol import CompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
+    check_kv_transfer_params,
     check_request,
     final_outputs,
     invalid_input,
+    kv_transfer_field,
     merge_streams,
     new_request_id,
     resolve_max_tokens,
@@ -60,6 +62,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of must equal n (heron returns every sample)", "best_of")
     prompts = [_process(ctx, request, p) for p in _prompts(request)]
+    check_kv_transfer_params(ctx, request, len(prompts))
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:
         prompt_logprobs = request.logprobs
@@ -175,6 +178,7 @@ class _CompletionBuilder:
             "model": self.ctx.served_model_name,
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached),
+            **kv_transfer_field(finals[0]),
         }
 
     def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
