@@ -229,3 +229,18 @@ def test_each_data_parallel_rank_publishes_on_its_own_socket():
     # a Ray node: the user's wildcard host becomes the node's address (the API server dials it)
     on_node = rank_kv_events(user, 1, "unused", host="10.0.0.7")
     assert (on_node.endpoint, on_node.replay_endpoint) == ("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5601")
+
+
+def test_each_rank_serves_prefill_blocks_on_its_own_port_and_a_reachable_host():
+    from heron.config import KVTransferConfig
+    from heron.engine.args import EngineArgs
+    from heron.engine.rank_events import with_rank_kv_transfer
+
+    args = EngineArgs(kv_transfer_config={"kv_role": "kv_producer", "kv_port": 7100})
+    ranked = with_rank_kv_transfer(args, 2, host="10.0.0.5")
+    assert isinstance(ranked, EngineArgs)
+    config = KVTransferConfig.from_dict(ranked.kv_transfer_config)
+    assert config is not None and (config.kv_port, config.kv_ip, config.kv_role) == (7102, "10.0.0.5", "kv_producer")
+    any_port = EngineArgs(kv_transfer_config={"kv_role": "kv_producer"})
+    assert with_rank_kv_transfer(any_port, 3) is any_port  # a free port each, on loopback
+    assert with_rank_kv_transfer(EngineArgs(), 1).kv_transfer_config is None

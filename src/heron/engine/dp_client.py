@@ -31,7 +31,7 @@ from heron.config import EngineConfig
 from heron.core.hashing import BlockHash, prompt_block_hashes
 from heron.engine.args import EngineArgs
 from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess, OwnedEngineCore
-from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events
+from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events, with_rank_kv_transfer
 from heron.engine.serialization import MessageKind, decode_outputs
 from heron.request import EngineCoreRequest
 from heron.routing.kv_index import KVBlockIndex
@@ -62,7 +62,8 @@ def start_engine_cores(
     processes: list[OwnedEngineCore] = []
     for rank in range(size):
         private = f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}"
-        ranked = with_kv_events(engine, rank_kv_events(kv_events_of(engine), rank, private))
+        ranked = with_rank_kv_transfer(with_kv_events(engine, rank_kv_events(kv_events_of(engine), rank, private)),
+                                       rank)
         processes.append(EngineCoreProcess.start(ranked, log_level, num_clients))
     return processes
 

@@ -1,14 +1,15 @@
 """Where each data-parallel rank publishes its KV-cache events: on the user's
 endpoint with the port plus the rank, or, when the user asked for none, on a
 private endpoint the API server follows (an IPC path on one host, any TCP port
-on a Ray node's address)."""
+on a Ray node's address). Likewise where a rank serves finished prefills'
+blocks (``--kv-transfer-config``): a given ``kv_port`` plus the rank."""
 
 from __future__ import annotations
 
 from dataclasses import fields, replace
 from typing import Any
 
-from heron.config import EngineConfig, KVEventsConfig
+from heron.config import EngineConfig, KVEventsConfig, KVTransferConfig
 from heron.engine.args import EngineArgs
 
 
@@ -46,3 +47,26 @@ def with_kv_events(engine: EngineConfig | EngineArgs, events: KVEventsConfig) ->
         as_dict: dict[str, Any] = {spec.name: getattr(events, spec.name) for spec in fields(KVEventsConfig)}
         return replace(engine, kv_events_config=as_dict)
     return replace(engine, kv_events=events)
+
+
+def with_rank_kv_transfer(engine: EngineConfig | EngineArgs, rank: int,
+                          host: str | None = None) -> EngineConfig | EngineArgs:
+    """Rank ``rank``'s block server: a given ``kv_port`` plus the rank (0 stays any
+    free port); ``host``: the node's address, replacing a loopback ``kv_ip`` (a
+    Ray actor's blocks must be reachable from other machines)."""
+    config = (engine.kv_transfer if isinstance(engine, EngineConfig)
+              else KVTransferConfig.from_dict(engine.kv_transfer_config))
+    if config is None:
+        return engine
+    changes: dict[str, Any] = {}
+    if config.kv_port:
+        changes["kv_port"] = config.kv_port + rank
+    if host is not None and config.kv_ip in ("127.0.0.1", "localhost"):
+        changes["kv_ip"] = host
+    if not changes:
+        return engine
+    ranked = replace(config, **changes)
+    if isinstance(engine, EngineArgs):
+        return replace(engine, kv_transfer_config={spec.name: getattr(ranked, spec.name)
+                                                   for spec in fields(KVTransferConfig)})
+    return replace(engine, kv_transfer=ranked)

@@ -37,7 +37,7 @@ from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core_channels import ClientAddresses, ClientChannels
 from heron.engine.core_client import EngineCoreEndpoint
-from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events
+from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events, with_rank_kv_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class EngineCoreActor:
         events = kv_events_of(engine)
         if engine.data_parallel_size > 1 or events.publishes:  # the API server follows them, over TCP
             events = rank_kv_events(events, rank, f"tcp://{self.node_ip}:*", host=self.node_ip)
-        self.engine = with_kv_events(engine, events)
+        self.engine = with_rank_kv_transfer(with_kv_events(engine, events), rank, host=self.node_ip)
         self.context = zmq.Context()
         self.channels = ClientChannels.bound(self.context, self.node_ip, num_clients)
 
