@@ -27,9 +27,10 @@ def llama(tiny_model_dir):
     return directory, prompts, expected
 
 
-def engines(directory: str, **producer_args):
+def engines(directory: str, decode_args: dict | None = None, **producer_args):
     prefill = LLM(directory, kv_transfer_config={"kv_role": "kv_producer", **producer_args}, **POOL)
-    decode = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 5}, **POOL)
+    decode = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 5},
+                 **{**POOL, **(decode_args or {})})
     return prefill, decode
 
 
@@ -66,6 +67,26 @@ def test_a_decode_engine_pulls_the_prefill_instead_of_computing_it(llama):
     assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
     # every full prompt block but the one holding the last token came over the wire
     assert [o.num_cached_tokens for o in outputs] == [(len(p) - 1) // 8 * 8 for p in prompts]
+    books_balance(prefill)
+    books_balance(decode)
+
+
+@pytest.mark.parametrize("decode_args", [
+    dict(max_num_batched_tokens=16),  # the last partial block and the decodes in chunks
+    dict(async_scheduling=True),
+    dict(num_kv_blocks=14),  # pulls wait for room, and waiting pulled requests give their blocks back
+], ids=["chunked", "async", "tight-pool"])
+def test_pulled_prompts_decode_together_in_every_batching_situation(llama, decode_args):
+    directory, prompts, expected = llama
+    prefill, decode = engines(directory, decode_args)
+    prefilled = prefill.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(max_tokens=1, temperature=0,
+                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                             kv_transfer_params=output.kv_transfer_params) for output in prefilled]
+    outputs = decode.generate(batch, params, use_tqdm=False)  # all at once: loads beside running requests
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
     books_balance(prefill)
     books_balance(decode)
 
