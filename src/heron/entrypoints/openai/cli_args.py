@@ -16,6 +16,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats log lines")
     group.add_argument("--api-server-count", type=_positive_int, default=1,
                        help="API-server processes sharing the port (SO_REUSEPORT), each talking to every engine core")
+    group.add_argument("--dead-engine-grace", type=_non_negative_float, default=5.0, metavar="SECONDS",
+                       help="when the engine core dies: seconds the server goes on answering 503 (so clients and "
+                            "load balancers see it) before it exits with code 1, for a supervisor to restart it")
     gateway = parser.add_argument_group("gateway")
     gateway.add_argument("--api-key", action="append", default=None,
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")
@@ -39,4 +42,14 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value

@@ -191,10 +191,20 @@ async def serve_api(
             base_url, name, base_url, auth, name,
         )
 
-    announcer = asyncio.create_task(announce_when_ready())
+    async def exit_when_the_engine_dies() -> None:
+        while not engine.is_dead:
+            await asyncio.sleep(0.1)
+        grace = args.dead_engine_grace
+        logger.error("the engine core is dead: answering 503 for %.1f s, then exiting with code 1 "
+                     "(a supervisor restarts heron)", grace)
+        await asyncio.sleep(grace)
+        server.should_exit = True
+
+    watchers = [asyncio.create_task(announce_when_ready()), asyncio.create_task(exit_when_the_engine_dies())]
     try:
         await server.serve(sockets=[role.listen_socket] if role else None)
     finally:
-        announcer.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         engine.shutdown()
     return 1 if engine.is_dead else 0

@@ -1,0 +1,59 @@
+"""A dying engine under load (issue #20, item 3): the engine-core process is
+SIGKILLed while a stream and a plain request are under way. /health says so
+within a second, the stream ends with an error event and [DONE], the plain
+request gets a 503, new requests get 503 (engine_dead), and after
+--dead-engine-grace seconds `heron serve` exits with code 1, for a supervisor
+to restart it, with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.e2e.server_process import ServerProcess, wait_for
+
+MODEL = "SmolLM2-135M-Instruct"
+GRACE = 3.0
+
+
+def test_a_killed_engine_fails_every_request_then_the_server_exits_for_its_supervisor():
+    server = ServerProcess("--dead-engine-grace", str(GRACE))
+    try:
+        stream_lines: list[str] = []
+        plain: list[httpx.Response] = []
+        body = {"model": MODEL, "prompt": "Tell me about herons. " * 4, "max_tokens": 400, "ignore_eos": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True},
+                              timeout=60) as response:
+                stream_lines.extend(line for line in response.iter_lines() if line)
+
+        def request() -> None:
+            plain.append(httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60))
+
+        readers = [threading.Thread(target=stream), threading.Thread(target=request)]
+        for reader in readers:
+            reader.start()
+        wait_for(lambda: len(stream_lines) > 3, what="the stream to start")
+        engine = server.engine_core_pid()
+        os.kill(engine, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: httpx.get(f"{server.base_url}/health", timeout=1).status_code == 503, timeout=1.0,
+                 what="/health to answer 503")
+        assert httpx.get(f"{server.base_url}/health", timeout=1).json()["status"] == "dead"
+        for reader in readers:
+            reader.join(10)
+            assert not reader.is_alive(), "a request hung on a dead engine"
+        assert stream_lines[-1] == "data: [DONE]" and '"error"' in stream_lines[-2], stream_lines[-3:]
+        assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "engine_dead"
+        late = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+        assert server.process.wait(GRACE + 15) == 1
+        assert time.monotonic() - killed >= GRACE  # clients saw the 503s first
+        assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] == "Z"
+    finally:
+        server.stop()
