@@ -81,17 +81,13 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request,
 
 
 @router.post("/tokenize")
-async def tokenize(body: dict[str, Any], ctx: Serving) -> dict[str, Any]:
-    if "messages" in body:
-        chat_request = TokenizeChatRequest.model_validate(body)
-        _check_model(ctx, chat_request.model)
-        token_ids = chat_prompt(ctx, chat_request).token_ids
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, ctx: Serving) -> dict[str, Any]:
+    """A prompt (``{"prompt": ...}``) or a conversation (``{"messages": [...]}``)."""
+    _check_model(ctx, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        token_ids = chat_prompt(ctx, body).token_ids
     else:
-        completion_request = TokenizeCompletionRequest.model_validate(body)
-        _check_model(ctx, completion_request.model)
-        token_ids = ctx.engine.tokenizer.encode(
-            completion_request.prompt, add_special_tokens=completion_request.add_special_tokens
-        )
+        token_ids = ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": token_ids, "count": len(token_ids), "max_model_len": ctx.max_model_len}
 
 
