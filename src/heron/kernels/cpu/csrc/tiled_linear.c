@@ -168,10 +168,11 @@ static inline __m512 load_float_pair(const float *low, const float *high) {
 /* per column, the int32 sum over 16 inputs p of a half block's four groups of weights w0..w3 */
 static inline __m512i q4_half_dot(__m512i w0, __m512i w1, __m512i w2, __m512i w3, const int8_t *p) {
 #if defined(HERON_AVX512_VNNI)
-    __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, broadcast4_512(p));
-    sum = _mm512_dpbusd_epi32(sum, w1, broadcast4_512(p + 4));
-    sum = _mm512_dpbusd_epi32(sum, w2, broadcast4_512(p + 8));
-    return _mm512_dpbusd_epi32(sum, w3, broadcast4_512(p + 12));
+    /* two chains of two, so four dependent vpdpbusd do not serialise (exact integer sums: any order) */
+    const __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, broadcast4_512(p));
+    const __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, broadcast4_512(p + 4));
+    return _mm512_add_epi32(_mm512_dpbusd_epi32(even, w2, broadcast4_512(p + 8)),
+                            _mm512_dpbusd_epi32(odd, w3, broadcast4_512(p + 12)));
 #else
     __m512i sum = _mm512_maddubs_epi16(w0, broadcast4_512(p));
     sum = _mm512_add_epi16(sum, _mm512_maddubs_epi16(w1, broadcast4_512(p + 4)));
