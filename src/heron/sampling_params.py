@@ -12,6 +12,10 @@ from typing import Any
 
 # The most top logprobs a request may ask for (per sampled token or prompt token).
 MAX_LOGPROBS = 20
+# Integers the engine carries in 64-bit fields (msgpack to the engine core, int64
+# tensors there): a top_k past them stopped the engine core.
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
 _EPS = 1e-5
 
 
@@ -150,8 +154,8 @@ class SamplingParams:
             fail("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
+            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer below 2**63, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", f"must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -172,8 +176,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 fail(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
+            fail("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
         assert isinstance(self.stop, list)
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")

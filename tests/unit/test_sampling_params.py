@@ -11,6 +11,9 @@ from heron.sampling_params import SamplingParamError, SamplingParams
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # past the engine's int64 tensors: it stopped the engine core
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"min_p": 1.5}, "min_p"),
         ({"n": 0}, "n"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
@@ -29,6 +32,11 @@ def test_bad_values_name_the_parameter(kwargs, param):
         SamplingParams(**kwargs)
     assert info.value.param == param
     assert param in str(info.value)
+
+
+def test_64_bit_bounds_are_accepted():
+    assert SamplingParams(top_k=2**63 - 1, seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=2**63 - 1).top_k == 0
 
 
 def test_defaults_and_normalization():
