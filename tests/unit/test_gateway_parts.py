@@ -1,4 +1,5 @@
 import asyncio
+import hmac
 
 import pytest
 
@@ -45,6 +46,31 @@ def test_api_key_checker_and_sources(tmp_path, monkeypatch):
             checker.check(header)
         assert info.value.status_code == 401
     assert APIKeyChecker([]).check(None) == ""
+
+
+def test_api_key_check_compares_fixed_length_digests_with_every_key(monkeypatch):
+    """Timing tells nothing: every comparison is of two 32-byte digests (not of
+    the presented key, whose length would show), every key is compared even
+    when the first one matches, and the checker keeps no key in the clear."""
+    keys = ["short", "a-much-longer-key-" * 4, "third"]
+    checker = APIKeyChecker(keys)
+    assert not any(key.encode() in repr(vars(checker)).encode() for key in keys)
+    compared: list[tuple[int, int]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    for presented, accepted in (("short", True), ("third", True), ("x", False), ("y" * 5000, False)):
+        compared.clear()
+        if accepted:
+            assert checker.check(f"Bearer {presented}") == presented
+        else:
+            with pytest.raises(APIError):
+                checker.check(f"Bearer {presented}")
+        assert compared == [(32, 32)] * len(keys), (presented, compared)
 
 
 def output(text: str, finished: bool = False, index: int = 0) -> RequestOutput:
