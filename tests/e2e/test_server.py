@@ -200,6 +200,7 @@ def test_non_streaming_client_disconnect_frees_blocks(server):
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": [10**7]}, "prompt", "vocabulary"),
         ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias"),
+        ({"stop_token_ids": [10**7]}, "stop_token_ids", "vocabulary"),
         ({"max_tokens": 400, "prompt": "word " * 300}, "max_tokens", "512"),
     ],
 )

@@ -14,7 +14,7 @@ from typing import Any
 
 from heron.config import ModelConfig
 from heron.request import EngineCoreRequest
-from heron.sampling_params import SamplingParams
+from heron.sampling_params import SamplingParamError, SamplingParams
 
 
 class InvalidRequestError(ValueError):
@@ -152,7 +152,10 @@ class InputProcessor:
                 f"length is {max_model_len} tokens and at least one token must be generated",
                 "prompt",
             )
-        params.validate_for_vocab(self.vocab_size)
+        try:
+            params.validate_for_vocab(self.vocab_size)
+        except SamplingParamError as exc:  # the client's token ids: a 400, not a server error
+            raise InvalidRequestError(str(exc), exc.param) from exc
         if params.structured_outputs is not None:
             from heron.structured_output.xgrammar_backend import validate_constraint
 
