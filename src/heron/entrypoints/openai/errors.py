@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 
 class APIError(Exception):
@@ -36,6 +38,52 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def invalid_body(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """A body that fails its request model, as a 400 whose ``param`` is the
+    top-level field and whose message gives the path within it. Of several
+    errors (pydantic reports one per member of a union, as ``prompt``'s or
+    /tokenize's), a broken constraint (too long, out of range, not one of the
+    allowed values) comes before a wrong type or a missing field: it is found in
+    the member the client meant, and is the one to fix."""
+    if not errors:
+        return bad_request("invalid request body")
+    first = min(errors, key=_is_shape_error)
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
+    path = [str(part) for part in first.get("loc", ())[1:] if not _is_union_member(part)]
+    message = str(first.get("msg", "invalid value"))
+    if not path:
+        return bad_request(message)
+    return bad_request(f"{'.'.join(path)}: {message}", path[0])
+
+
+def _is_shape_error(error: Mapping[str, Any]) -> bool:
+    kind = str(error.get("type", ""))
+    return kind == "missing" or kind.endswith(("_type", "_parsing"))
+
+
+def _is_union_member(part: Any) -> bool:
+    """Whether a part of a pydantic error location names the member of a union
+    that was tried (``str``, ``list[str]``, ``constrained-int``, a model's class
+    name) rather than a field or an index."""
+    return isinstance(part, str) and (
+        "[" in part or "-" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()
+    )
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object, as every error response carries it (the OpenAPI schema's)."""
+
+    error: ErrorBody
 
 
 def model_not_found(name: str) -> APIError:

@@ -1,13 +1,33 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields), as
-pydantic models. Types are checked here; value ranges are checked by
-``SamplingParams`` so there is one source of truth for them. Unknown fields are
-accepted and reported by ``unknown_fields`` so the server can log them."""
+pydantic models. Types, ranges, enums and the request limits of ``limits.py``
+are field constraints here, so the OpenAPI schema the server publishes states
+what it enforces; a value outside them is a 400 naming the field
+(``routes.py``). ``SamplingParams`` checks the same ranges again for the
+offline API. Checks that need the model or the prompt (the vocabulary, the
+context length) are the handlers'. Unknown fields are accepted and reported by
+``unknown_fields`` so the server can log them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from heron.entrypoints.openai.limits import (
+    MAX_N,
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+)
+
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class OpenAIModel(BaseModel):
@@ -26,28 +46,29 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # keys: token ids as strings (checked against the vocabulary by the handler)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     seed: int | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: TopLogprobs | None = None
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     priority: int = 0
@@ -60,27 +81,33 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    # one prompt (text or token ids) or a list of them
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+    )
+    max_tokens: MaxTokens | None = 16
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
 
 
 class ChatMessage(OpenAIModel):
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM extensions
@@ -107,5 +134,5 @@ class TokenizeChatRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 

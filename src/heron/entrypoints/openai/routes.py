@@ -1,6 +1,6 @@
 """The HTTP routes of ``heron serve`` and the handlers that give every error
-OpenAI's shape. Each route finds the server's ``ServingContext`` on the app
-(``app.state.serving``, set by ``server.build_app``)."""
+OpenAI's shape (the OpenAPI schema says so too). Each route finds the server's
+``ServingContext`` on the app (``app.state.serving``, set by ``server.build_app``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -16,7 +17,7 @@ from heron import __version__
 from heron.core.hashing import BLOCK_HASH_SCHEME
 from heron.engine.input_processor import InvalidRequestError
 from heron.engine.kv_events_publisher import connectable
-from heron.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body, model_not_found
 from heron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +39,10 @@ def serving_context(request: Request) -> ServingContext:
 
 
 Serving = Annotated[ServingContext, Depends(serving_context)]
+# what a body outside its request model gets (``install_error_handlers``), as the schema states it
+INVALID_BODY: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "A field missing, of the wrong type or outside its limits"}
+}
 
 
 @router.get("/health")
@@ -70,17 +75,17 @@ async def models(ctx: Serving, raw_request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=INVALID_BODY)
 async def completions(request: CompletionRequest, raw_request: Request, ctx: Serving) -> Any:
     return await create_completion(ctx, request, raw_request)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=INVALID_BODY)
 async def chat_completions(request: ChatCompletionRequest, raw_request: Request, ctx: Serving) -> Any:
     return await create_chat_completion(ctx, request, raw_request)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=INVALID_BODY)
 async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, ctx: Serving) -> dict[str, Any]:
     """A prompt (``{"prompt": ...}``) or a conversation (``{"messages": [...]}``)."""
     _check_model(ctx, body.model)
@@ -91,7 +96,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, ctx: S
     return {"tokens": token_ids, "count": len(token_ids), "max_model_len": ctx.max_model_len}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=INVALID_BODY)
 async def detokenize(request: DetokenizeRequest, ctx: Serving) -> dict[str, Any]:
     _check_model(ctx, request.model)
     vocab_size = ctx.engine.config.model.vocab_size
@@ -129,6 +134,24 @@ def _check_model(ctx: ServingContext, name: str | None) -> None:
         raise model_not_found(name)
 
 
+def install_openapi(app: FastAPI) -> None:
+    """``/openapi.json`` without the 422 FastAPI documents for a body that fails
+    validation: heron answers those with a 400 in OpenAI's shape (``INVALID_BODY``)."""
+
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in document.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                document.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error a route raises, and every unexpected one, as OpenAI's error object."""
 
@@ -142,13 +165,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        message = (
-            f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request body"))
-        )
-        return bad_request(message, param).response()
+        return invalid_body(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -31,7 +31,7 @@ from heron.entrypoints.openai.gateway import (
     TokenBucketLimiter,
     collect_api_keys,
 )
-from heron.entrypoints.openai.routes import install_error_handlers, router
+from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
 from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 from heron.gc_freeze import freeze_startup_objects
@@ -98,6 +98,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine))
     install_error_handlers(app)
     app.include_router(router)
+    install_openapi(app)
     return app
 
 

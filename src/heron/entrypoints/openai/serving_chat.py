@@ -29,20 +29,12 @@ from heron.entrypoints.openai.serving_common import (
     usage,
 )
 from heron.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from heron.sampling_params import MAX_LOGPROBS
-
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def chat_prompt(ctx: ServingContext, request: Any) -> ProcessedPrompt:
-    """Apply the chat template to ``request.messages`` (chat and /tokenize)."""
-    messages = []
-    for index, message in enumerate(request.messages):
-        if message.role not in CHAT_ROLES:
-            raise bad_request(
-                f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}", "messages"
-            )
-        messages.append(message.model_dump(exclude_none=True))
+    """Apply the chat template to ``request.messages`` (chat and /tokenize; the
+    request model has checked the roles)."""
+    messages = [message.model_dump(exclude_none=True) for message in request.messages]
     try:
         return ctx.engine.input_processor.process_chat(
             messages,
@@ -62,8 +54,6 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     top_logprobs = request.top_logprobs or 0
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if not 0 <= top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", "top_logprobs")
     prompt = chat_prompt(ctx, request)
     check_kv_transfer_params(ctx, request)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

@@ -32,11 +32,10 @@ from heron.outputs import CompletionOutput, PromptLogprobs, RequestOutput, Sampl
 
 
 def _prompts(request: CompletionRequest) -> list[Any]:
+    """One prompt or several (the request model has bounded the list: ``limits.py``)."""
     prompt = request.prompt
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [prompt]
     return list(prompt)

@@ -1,0 +1,30 @@
+"""The limits a request to ``heron serve`` must keep within (README: "Request
+limits"). Past one, the request gets a 400 in OpenAI's error shape naming the
+parameter (413 for the body, 431 for the headers).
+
+Limits that are part of the API's contract are constants here: the request
+models in ``protocol.py`` carry them as field constraints, so the OpenAPI
+schema the server publishes (``/openapi.json``) states exactly what it
+enforces. Limits that depend on the deployment are flags: the body and header
+sizes (``cli_args.py``) and the context length (``max_tokens``, checked
+against the prompt by the handlers)."""
+
+from __future__ import annotations
+
+from heron.sampling_params import MAX_LOGPROBS
+
+# choices per prompt (OpenAI's own bound)
+MAX_N = 128
+# prompts in one /v1/completions request (a list of strings or of token-id lists)
+MAX_PROMPTS_PER_REQUEST = 256
+# stop strings per request, and characters per stop string: each is matched
+# against the text after every token, and the text that could begin one is
+# held back from a stream
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# logprobs (completions), top_logprobs (chat) and prompt_logprobs: the engine's bound
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 10 << 20
+# the sum of the header names' and values' lengths (Node's and h11's default head size)
+DEFAULT_MAX_HEADER_BYTES = 16 << 10
