@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from heron.engine.args import parse_size
+from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +31,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--max-waiting-requests", type=int, default=None,
                          help="requests without a first token beyond which new ones get 429")
     gateway.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
-    gateway.add_argument(
-        "--max-request-body-bytes", type=parse_size, default=10 << 20, help="largest accepted request body"
-    )
+    gateway.add_argument("--max-request-body-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                         help="largest accepted request body (413 past it)")
+    gateway.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,
+                         help="most bytes of request header names and values (431 past it)")
 
 
 def _positive_int(text: str) -> int:

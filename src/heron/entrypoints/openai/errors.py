@@ -97,6 +97,16 @@ def unauthorized() -> APIError:
     )
 
 
+def body_too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"Request body larger than {max_bytes} bytes.", "invalid_request_error", None,
+                    "body_too_large")
+
+
+def headers_too_large(max_bytes: int) -> APIError:
+    return APIError(431, f"Request headers larger than {max_bytes} bytes (names and values).",
+                    "invalid_request_error", None, "headers_too_large")
+
+
 def too_many_requests(message: str, retry_after_s: float, code: str) -> APIError:
     retry = max(1, int(retry_after_s + 0.999))
     return APIError(429, message, "rate_limit_error", None, code, headers={"Retry-After": str(retry)})

@@ -1,18 +1,17 @@
-"""Gateway duties in front of the engine: API keys, per-key token-bucket rate
-limits (shared by every API-server process: ``shared_gateway.py``), and a
-request-body size limit. Admission against the engine's queue
-(``--max-waiting-requests``) is checked by the handlers, which know the engine."""
+"""Gateway duties in front of the engine: API keys and per-key token-bucket rate
+limits (shared by every API-server process: ``shared_gateway.py``). Body and
+header sizes are limited by ``http_limits.py``; admission against the engine's
+queue (``--max-waiting-requests``) is checked by the handlers, which know the engine."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from heron import envs
 from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
@@ -151,49 +150,3 @@ class GatewayMiddleware:
                 await exc.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-class BodySizeLimitMiddleware:
-    """Reject request bodies over ``max_bytes`` with 413, by Content-Length or by
-    counting a chunked body as it streams in."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send)
-                return
-        received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send: Send) -> None:
-        error = APIError(
-            413, f"Request body larger than {self.max_bytes} bytes.", "invalid_request_error", None, "body_too_large"
-        )
-        body = json.dumps(error.body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class _BodyTooLarge(Exception):
-    pass

@@ -26,11 +26,12 @@ from heron.engine.core_client import OwnedEngineCore
 from heron.engine.dp_client import start_engine_cores
 from heron.entrypoints.openai.gateway import (
     APIKeyChecker,
-    BodySizeLimitMiddleware,
     GatewayMiddleware,
     TokenBucketLimiter,
     collect_api_keys,
 )
+from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware, bounded_http_protocol, head_limit
+from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
 from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
@@ -46,7 +47,8 @@ class GatewaySettings:
     rate_limit_burst: float | None = None
     max_waiting_requests: int | None = None
     request_timeout_s: float | None = None
-    max_request_body_bytes: int = 10 << 20
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class APIServerRole:
 
 
 def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole | None = None) -> FastAPI:
-    """The app: gateway middleware (keys, rate limit, readiness, body size),
+    """The app: gateway middleware (keys, rate limit, readiness, body and header sizes),
     OpenAI-shaped errors, and the routes of ``routes.py``. ``role``: which of
     several API-server processes this is (they share the limits' state)."""
     shared = role.shared if role else None
@@ -93,7 +95,8 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
         health_extra={"api_server": role.index, "api_server_count": role.count} if role else {},
     )
     app.state.created = int(time.time())
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(RequestSizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes,
+                       max_header_bytes=settings.max_header_bytes)
     # outermost: keys, rate limit and readiness before the body is read
     app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine))
     install_error_handlers(app)
@@ -110,6 +113,7 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes,
     )
 
 
@@ -166,6 +170,9 @@ async def serve_api(
             host=args.host,
             port=args.port,
             log_level="warning",
+            # the request head a connection buffers is bounded (http_limits.py)
+            http=bounded_http_protocol(settings.max_header_bytes) or "auto",
+            h11_max_incomplete_event_size=head_limit(settings.max_header_bytes),
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
             timeout_graceful_shutdown=5,

@@ -1,0 +1,138 @@
+"""Limits on the size of what a client sends, before any handler reads it: the
+body (``--max-request-body-bytes``, 413) and the headers (``--max-header-bytes``,
+431), answered in OpenAI's error shape.
+
+The header limit holds at two places:
+
+* exactly, on the headers the app receives (the sum of the names' and values'
+  lengths), by ``RequestSizeLimitMiddleware``; the connection stays usable;
+* at the connection, so that no head is buffered without bound first:
+  httptools (uvicorn's parser when it is installed) keeps reading a request
+  head of any size, so ``bounded_http_protocol`` answers 431 and closes the
+  connection once an unfinished head (request line and headers) passes
+  ``head_limit`` bytes; without httptools, uvicorn's h11 parser stops at the
+  same bound by itself (``h11_max_incomplete_event_size``, a plain 400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from heron.entrypoints.openai.errors import APIError, body_too_large, headers_too_large
+
+
+def head_limit(max_header_bytes: int) -> int:
+    """The most bytes of an unfinished request head a connection buffers: room
+    for headers at the limit plus a request line and the separators."""
+    return 2 * max_header_bytes
+
+
+class RequestSizeLimitMiddleware:
+    """431 for headers over ``max_header_bytes``; 413 for a body over
+    ``max_body_bytes``, by Content-Length or by counting a chunked body as it
+    streams in."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header_bytes = 0
+        declared = 0
+        for name, value in scope.get("headers", ()):
+            header_bytes += len(name) + len(value)
+            if name == b"content-length" and value.isdigit():
+                declared = int(value)
+        if header_bytes > self.max_header_bytes:
+            await headers_too_large(self.max_header_bytes).response()(scope, receive, send)
+            return
+        if declared > self.max_body_bytes:
+            await body_too_large(self.max_body_bytes).response()(scope, receive, send)
+            return
+        await self._counting_body(scope, receive, send)
+
+    async def _counting_body(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app on a body without Content-Length (chunked), stopping it
+        with a 413 once the body passes the limit. The app may turn the error
+        raised from ``receive`` into an answer of its own (FastAPI makes any
+        failure to read the body a 400): that answer is replaced."""
+        received = 0
+        overflowed = started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, overflowed
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    overflowed = True
+                    raise _BodyTooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if overflowed and not started:
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if overflowed and not started:
+            await body_too_large(self.max_body_bytes).response()(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def raw_response(error: APIError, reason: bytes) -> bytes:
+    """``error`` as a whole HTTP/1.1 response that closes the connection."""
+    body = json.dumps(error.body()).encode()
+    head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (error.status_code, reason, len(body)))
+    return head + body
+
+
+def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | None:
+    """uvicorn's httptools protocol with a bound on the request head it buffers
+    (``head_limit``), or None without httptools (then h11 bounds it)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+    limit = head_limit(max_header_bytes)
+    rejection = raw_response(headers_too_large(max_header_bytes), b"Request Header Fields Too Large")
+
+    class BoundedHeadProtocol(HttpToolsProtocol):
+        # bytes received of the request head being parsed; -1 between a complete
+        # head and the next request's first byte
+        _head_bytes = 0
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = 0
+
+        def on_headers_complete(self) -> None:
+            self._head_bytes = -1
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._head_bytes < 0 or self.transport.is_closing():
+                return
+            self._head_bytes += len(data)
+            if self._head_bytes > limit:
+                self.transport.write(rejection)
+                self.transport.close()
+
+    return BoundedHeadProtocol
