@@ -22,18 +22,23 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0, tls_cert: str | None = None,
-        wait_ready: bool = True, port: int | None = None,
+        self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
+        tls_cert: str | None = None, wait_ready: bool = True, port: int | None = None, log_level: str | None = None,
+        api_key: str | None = None,
     ) -> None:
-        """``tls_cert``: the server's certificate, when it serves HTTPS; ``wait_ready``
-        False returns at once (then ``wait_ready()`` waits); ``port``: a given one
-        (a replica restarted where a router expects it)."""
+        """``tls_cert``: the server's certificate (or the CA that signed it), when
+        it serves HTTPS; ``wait_ready`` False returns at once (then
+        ``wait_ready()`` waits); ``port``: a given one (a replica restarted where
+        a router expects it); ``log_level``: heron's ``--log-level``;
+        ``api_key``: sent with the probes of /health and /metrics (``--protect-metrics``)."""
         self.port = port or free_port()
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls_cert) if tls_cert else True
         self.base_url = f"{'https' if tls_cert else 'http'}://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="heron-serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", str(self.port),
-                   "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "1024", *args]
+        command = [sys.executable, "-m", "heron.entrypoints.cli", *(["--log-level", log_level] if log_level else []),
+                   "serve", "--port", str(self.port), "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "1024",
+                   *args]
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
@@ -46,7 +51,8 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"heron serve exited early:\n{self.read_log()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0, verify=self.verify).status_code == 200:
+                health = httpx.get(f"{self.base_url}/health", timeout=1.0, verify=self.verify, headers=self.headers)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -84,7 +90,7 @@ class ServerProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples from /metrics, over label sets that include ``labels``."""
-        response = httpx.get(f"{self.base_url}/metrics", timeout=5)
+        response = httpx.get(f"{self.base_url}/metrics", timeout=5, headers=self.headers)
         response.raise_for_status()
         wanted = [f'{key}="{value}"' for key, value in labels.items()]
         total = 0.0

@@ -15,6 +15,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats log lines")
+    group.add_argument("--log-requests", action="store_true",
+                       help="log each request's prompt and sampling parameters, and its output text when it finishes "
+                            "(INFO); without it no prompt or output is logged")
     group.add_argument("--api-server-count", type=_positive_int, default=1,
                        help="API-server processes sharing the port (SO_REUSEPORT), each talking to every engine core")
     group.add_argument("--dead-engine-grace", type=_non_negative_float, default=5.0, metavar="SECONDS",

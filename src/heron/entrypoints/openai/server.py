@@ -49,6 +49,7 @@ class GatewaySettings:
     request_timeout_s: float | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    log_requests: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
         max_model_len=model.max_model_len,
         max_waiting_requests=settings.max_waiting_requests,
         request_timeout_s=settings.request_timeout_s,
+        log_requests=settings.log_requests,
         shared=shared,
         health_extra={"api_server": role.index, "api_server_count": role.count} if role else {},
     )
@@ -114,6 +116,7 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         request_timeout_s=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes,
+        log_requests=args.log_requests,
     )
 
 
@@ -169,7 +172,8 @@ async def serve_api(
             build_app(engine, settings, role),
             host=args.host,
             port=args.port,
-            log_level="warning",
+            # uvicorn's own lines, its access log among them, with --log-level DEBUG
+            log_level="debug" if args.log_level == "DEBUG" else "warning",
             # the request head a connection buffers is bounded (http_limits.py)
             http=bounded_http_protocol(settings.max_header_bytes) or "auto",
             h11_max_incomplete_event_size=head_limit(settings.max_header_bytes),

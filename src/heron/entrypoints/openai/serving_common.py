@@ -26,6 +26,7 @@ from heron.entrypoints.openai.errors import (
     unavailable,
 )
 from heron.entrypoints.openai.protocol import OpenAIModel, SamplingFields
+from heron.entrypoints.openai.request_log import log_prompt, logging_outputs
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams, StructuredOutputsParams
@@ -41,6 +42,8 @@ class ServingContext:
     max_model_len: int
     max_waiting_requests: int | None = None
     request_timeout_s: float | None = None
+    # --log-requests: prompts, sampling parameters and outputs at INFO (request_log.py)
+    log_requests: bool = False
     # the state every API-server process of this server shares (--api-server-count)
     shared: SharedGatewayState | None = None
     # more of /health's answer when ready (which of several API servers answered)
@@ -245,10 +248,14 @@ def start_generation(
     streams: list[AsyncIterator[RequestOutput]] = []
     try:
         for index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
-            streams.append(ctx.engine.generate(
-                prompt, prompt_params, f"{request_id}-{index}", priority=priority, cache_salt=cache_salt,
-                arrival_time=arrival,
-            ))
+            prompt_id = f"{request_id}-{index}"
+            stream = ctx.engine.generate(
+                prompt, prompt_params, prompt_id, priority=priority, cache_salt=cache_salt, arrival_time=arrival,
+            )
+            if ctx.log_requests:
+                log_prompt(prompt_id, prompt, prompt_params)
+                stream = logging_outputs(prompt_id, stream, prompt_params.output_kind)
+            streams.append(stream)
     except (RuntimeError, ValueError) as exc:  # nothing streamed yet: a plain error response
         for index in range(len(streams)):  # forget the prompts already accepted
             ctx.engine.discard(f"{request_id}-{index}")
