@@ -92,7 +92,8 @@ def test_invalid_bodies_are_documented_as_400_in_openai_shape(app, schemas):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         responses = paths[path]["post"]["responses"]
         assert "422" not in responses
-        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        schema = responses["400"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
     assert set(schemas["ErrorBody"]["properties"]) == {"message", "type", "param", "code"}
     assert "HTTPValidationError" not in schemas
 
