@@ -50,9 +50,46 @@ def test_api_keys_from_flag_env_and_file(guarded):
     client = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
-    # health and metrics stay open for probes and scrapers
-    assert httpx.get(f"{guarded.base_url}/health").status_code == 200
-    assert httpx.get(f"{guarded.base_url}/metrics").status_code == 200
+    # health, metrics and version stay open for probes and scrapers (without --protect-metrics)
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(f"{guarded.base_url}{path}").status_code == 200, path
+    # /tokenize and /detokenize serve the API: they want the key like /v1
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert post(guarded, None, body, path).status_code == 401, path
+        assert post(guarded, "key-from-env-b", body, path).status_code == 200, path
+
+
+PROTECTED_KEY = "key-for-everything"
+
+
+@pytest.fixture(scope="module")
+def protected():
+    process = ServerProcess("--api-key", PROTECTED_KEY, "--protect-metrics", api_key=PROTECTED_KEY)
+    yield process
+    process.stop()
+
+
+def test_protect_metrics_puts_every_route_behind_the_key(protected):
+    for path in ("/health", "/metrics", "/version", "/openapi.json", "/v1/models"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.get(f"{protected.base_url}{path}", headers=headers)
+            assert response.status_code == 401, (path, response.text)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        response = httpx.get(f"{protected.base_url}{path}", headers={"Authorization": f"Bearer {PROTECTED_KEY}"})
+        assert response.status_code == 200, (path, response.text)
+    assert protected.metric("heron:num_requests_running") == 0  # a scraper with the key reads the metrics
+    assert post(protected, PROTECTED_KEY, {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_protect_metrics_without_a_key_is_refused_at_start_up():
+    process = ServerProcess("--protect-metrics", env={"HERON_API_KEY": ""}, wait_ready=False)
+    try:
+        assert process.process.wait(60) == 2
+        log = process.read_log()
+        assert "--protect-metrics needs an API key" in log, log
+        assert "engine core" not in log  # refused before anything started
+    finally:
+        process.stop()
 
 
 def test_rate_limit_is_per_key_with_retry_after(guarded):

@@ -4,8 +4,9 @@ import hmac
 import pytest
 
 from heron.engine.async_llm import RequestOutputCollector
+from heron.entrypoints.openai.cli_args import collect_api_keys
 from heron.entrypoints.openai.errors import APIError
-from heron.entrypoints.openai.gateway import APIKeyChecker, TokenBucketLimiter, collect_api_keys
+from heron.entrypoints.openai.gateway import APIKeyChecker, TokenBucketLimiter
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import RequestOutputKind
 

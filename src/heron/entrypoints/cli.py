@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args) if args.command == "generate" else run_chat(args)
         if args.command == "serve":
             from heron.engine.dp_client import start_engine_cores
+            from heron.entrypoints.openai.cli_args import check_serve_args
 
+            check_serve_args(args)
             # first: the engine cores load the model while this process starts the server
             started = start_engine_cores(EngineArgs.from_cli_args(args, usage="serve"), args.log_level,
                                          num_clients=args.api_server_count)

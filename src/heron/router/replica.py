@@ -127,7 +127,8 @@ class ReplicaSet:
         if replica.breaker.state is BreakerState.OPEN and not replica.breaker.usable:
             return  # let it rest until it may be tried
         try:
-            async with session.get(f"{replica.url}/health", timeout=self.timeout) as response:
+            # with the key: a replica started with --protect-metrics wants it on /health too
+            async with session.get(f"{replica.url}/health", headers=self.headers, timeout=self.timeout) as response:
                 status = response.status
             if status == 200:
                 await self._read_metrics(session, replica)

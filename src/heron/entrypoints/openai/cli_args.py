@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from heron import envs
 from heron.engine.args import parse_size
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -27,6 +28,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--api-key", action="append", default=None,
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")
     gateway.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
+    gateway.add_argument("--protect-metrics", action="store_true",
+                         help="require the API key on every route: /metrics, /health and /version too "
+                              "(needs an API key)")
     gateway.add_argument("--rate-limit", type=float, default=None, help="requests per second allowed per API key")
     gateway.add_argument(
         "--rate-limit-burst", type=float, default=None, help="burst size (default: 2x the rate, at least 1)"
@@ -38,6 +42,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="largest accepted request body (413 past it)")
     gateway.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,
                          help="most bytes of request header names and values (431 past it)")
+
+
+def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[str]:
+    """Keys from --api-key (repeatable), the HERON_API_KEY variable (comma
+    separated) and --api-key-file (one per line, # comments)."""
+    keys = list(cli_keys or [])
+    keys += envs.api_keys()
+    if key_file:
+        with open(key_file, encoding="utf-8") as handle:
+            keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+    return list(dict.fromkeys(keys))
+
+
+def check_gateway(api_keys: list[str], protect_metrics: bool) -> None:
+    """Refuse a gateway that would protect nothing it was asked to."""
+    if protect_metrics and not api_keys:
+        raise ValueError("--protect-metrics needs an API key: give --api-key, HERON_API_KEY or --api-key-file")
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The gateway flags' checks, before ``heron serve`` starts anything (the
+    engine cores start before the server reads its flags)."""
+    check_gateway(collect_api_keys(args.api_key, args.api_key_file), args.protect_metrics)
 
 
 def _positive_int(text: str) -> int:

@@ -13,22 +13,8 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from heron import envs
 from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
-
-API_KEY_ENV = envs.HERON_API_KEY
-
-
-def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[str]:
-    """Keys from --api-key (repeatable), the HERON_API_KEY variable (comma
-    separated) and --api-key-file (one per line, # comments)."""
-    keys = list(cli_keys or [])
-    keys += envs.api_keys()
-    if key_file:
-        with open(key_file, encoding="utf-8") as handle:
-            keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
-    return list(dict.fromkeys(keys))
 
 
 class APIKeyChecker:
@@ -111,10 +97,19 @@ class TokenBucketLimiter:
         return 0.0
 
 
+# routes outside /v1 that serve the API (they read client text and cost CPU):
+# behind the key whenever keys are set, like /v1
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class GatewayMiddleware:
-    """API keys, the rate limit and readiness for ``/v1`` routes, as a plain ASGI
-    middleware: Starlette's ``@app.middleware("http")`` would pass every streamed
-    chunk through an extra task and memory stream, which costs CPU per token.
+    """API keys, the rate limit and readiness, as a plain ASGI middleware:
+    Starlette's ``@app.middleware("http")`` would pass every streamed chunk
+    through an extra task and memory stream, which costs CPU per token.
+
+    ``/v1`` routes and ``KEYED_PATHS`` need the key and count against the rate
+    limit; with ``protect_all`` (``--protect-metrics``) every other route
+    (/metrics, /health, /version, the OpenAPI schema) needs the key too.
 
     ``unavailable`` gives the 503 to answer while the engine cannot serve
     (loading or dead), so every /v1 route, /v1/models included, says so: a
@@ -127,26 +122,37 @@ class GatewayMiddleware:
         keys: APIKeyChecker,
         limiter: TokenBucketLimiter | None,
         unavailable: Callable[[], APIError | None] = lambda: None,
+        protect_all: bool = False,
     ) -> None:
         self.app = app
         self.keys = keys
         self.limiter = limiter
         self.unavailable = unavailable
+        self.protect_all = protect_all
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            authorization = next(
-                (value.decode("latin-1") for name, value in scope.get("headers", ()) if name == b"authorization"), None
-            )
-            try:
-                key = self.keys.check(authorization)
-                if self.limiter is not None:
-                    client = scope.get("client")
-                    self.limiter.acquire(key or (client[0] if client else "anonymous"))
-                error = self.unavailable()
-                if error is not None:
-                    raise error
-            except APIError as exc:
-                await exc.response()(scope, receive, send)
+        if scope["type"] == "http":
+            error = self._refusal(scope)
+            if error is not None:
+                await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        """The error to answer instead of serving the request, if any."""
+        path = scope["path"]
+        versioned = path.startswith("/v1")
+        api = versioned or path in KEYED_PATHS
+        if not api and not self.protect_all:
+            return None
+        authorization = next(
+            (value.decode("latin-1") for name, value in scope.get("headers", ()) if name == b"authorization"), None
+        )
+        try:
+            key = self.keys.check(authorization)
+            if api and self.limiter is not None:
+                client = scope.get("client")
+                self.limiter.acquire(key or (client[0] if client else "anonymous"))
+        except APIError as exc:
+            return exc
+        return self.unavailable() if versioned else None

@@ -24,12 +24,8 @@ from heron.engine.args import EngineArgs
 from heron.engine.async_llm import AsyncLLM, StartedEngineCore
 from heron.engine.core_client import OwnedEngineCore
 from heron.engine.dp_client import start_engine_cores
-from heron.entrypoints.openai.gateway import (
-    APIKeyChecker,
-    GatewayMiddleware,
-    TokenBucketLimiter,
-    collect_api_keys,
-)
+from heron.entrypoints.openai.cli_args import check_gateway, collect_api_keys
+from heron.entrypoints.openai.gateway import APIKeyChecker, GatewayMiddleware, TokenBucketLimiter
 from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware, bounded_http_protocol, head_limit
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
@@ -50,6 +46,10 @@ class GatewaySettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     log_requests: bool = False
+    protect_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        check_gateway(self.api_keys, self.protect_metrics)
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     app.add_middleware(RequestSizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes,
                        max_header_bytes=settings.max_header_bytes)
     # outermost: keys, rate limit and readiness before the body is read
-    app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine))
+    app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine),
+                       protect_all=settings.protect_metrics)
     install_error_handlers(app)
     app.include_router(router)
     install_openapi(app)
@@ -117,6 +118,7 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_request_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes,
         log_requests=args.log_requests,
+        protect_metrics=args.protect_metrics,
     )
 
 
