@@ -57,8 +57,9 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        log = self.read_log()  # before stop() deletes it
         self.stop()
-        raise RuntimeError(f"heron serve did not become ready:\n{self.read_log()}")
+        raise RuntimeError(f"heron serve did not become ready:\n{log}")
 
     def read_log(self) -> str:
         with open(self.log.name, encoding="utf-8", errors="replace") as handle:
