@@ -7,7 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
-import subprocess
+import ssl
 import time
 
 import httpx
@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.e2e.server_process import ServerProcess
+from tests.e2e.tls_chain import make_certificate_chain, verifies
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -163,18 +164,32 @@ def test_dead_engine_gives_503_and_health_says_so(bounded):
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-def test_tls(tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    process = ServerProcess("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), tls_cert=str(cert))
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+def test_tls_with_a_certificate_chain(tmp_path):
+    """The server presents its certificate and the intermediate CA's; a client
+    trusting only the root CA verifies it (by address and by name), a client
+    that does not trust that root refuses it, and plain HTTP is not served."""
+    chain = make_certificate_chain(tmp_path)
+    assert verifies(chain, with_intermediate=True) and not verifies(chain, with_intermediate=False)
+    process = ServerProcess("--ssl-keyfile", chain.server_key, "--ssl-certfile", chain.server_chain,
+                            tls_cert=chain.root_ca)
     try:
         assert process.base_url.startswith("https://")
+        trusting = ssl.create_default_context(cafile=chain.root_ca)
         client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused", max_retries=0,
-                               http_client=httpx.Client(verify=process.verify))
+                               http_client=httpx.Client(verify=trusting))
         assert client.models.list().data[0].id == MODEL
+        completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert completion.usage.completion_tokens == 2
+        assert httpx.get(f"https://localhost:{process.port}/health", verify=trusting).status_code == 200
+        (tmp_path / "other").mkdir()
+        stranger = make_certificate_chain(tmp_path / "other")  # another root, as an impostor's
+        for verify in (ssl.create_default_context(), ssl.create_default_context(cafile=stranger.root_ca)):
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                httpx.get(f"{process.base_url}/health", verify=verify, timeout=5)
+        untrusting = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            untrusting.models.list()
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
             httpx.get(f"http://127.0.0.1:{process.port}/health", timeout=5)
     finally:
