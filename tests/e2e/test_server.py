@@ -201,6 +201,10 @@ def test_non_streaming_client_disconnect_frees_blocks(server):
         ({"prompt": [10**7]}, "prompt", "vocabulary"),
         ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias"),
         ({"stop_token_ids": [10**7]}, "stop_token_ids", "vocabulary"),
+        # integers past 64 bits: a top_k of 2**63 stopped the engine core, the others were 500s
+        ({"top_k": 2**63}, "top_k", "top_k"),
+        ({"seed": 2**64}, "seed", "seed"),
+        ({"priority": 2**64}, "priority", "priority"),
         ({"max_tokens": 400, "prompt": "word " * 300}, "max_tokens", "512"),
     ],
 )

@@ -9,11 +9,13 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from heron.entrypoints.openai.limits import (
+    MAX_INT,
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    MIN_INT,
 )
 from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
 
@@ -48,7 +50,12 @@ def test_sampling_fields_state_their_ranges(schemas):
         assert member(props["temperature"], "number")["minimum"] == 0
         top_p = member(props["top_p"], "number")
         assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
-        assert member(props["top_k"], "integer")["minimum"] == -1
+        top_k = member(props["top_k"], "integer")
+        assert (top_k["minimum"], top_k["maximum"]) == (-1, MAX_INT)
+        for field in ("seed", "priority"):
+            integer = member(props[field], "integer")
+            assert (integer["minimum"], integer["maximum"]) == (MIN_INT, MAX_INT), field
+            assert int(integer["maximum"]) == MAX_INT  # exact, though FastAPI writes it as a float
         assert (member(props["min_p"], "number")["minimum"], member(props["min_p"], "number")["maximum"]) == (0, 1)
         for penalty in ("presence_penalty", "frequency_penalty"):
             assert (props[penalty]["minimum"], props[penalty]["maximum"]) == (-2, 2)
@@ -132,6 +139,19 @@ def test_a_chat_past_a_limit_is_a_400_naming_the_field(app, body, param, fragmen
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+@pytest.mark.parametrize("field, value", [("temperature", "NaN"), ("temperature", "Infinity"),
+                                          ("repetition_penalty", "Infinity"), ("top_k", str(2**63)),
+                                          ("seed", str(2**64)), ("priority", str(-(2**63) - 1)),
+                                          ("seed", str(MAX_INT + 1))])
+def test_numbers_the_engine_cannot_carry_are_400s(app, field, value):
+    """Python's JSON parser reads NaN, Infinity and integers of any size; the
+    engine would get them (a top_k of 2**63 stopped the engine core)."""
+    body = f'{{"prompt": "hi", "{field}": {value}}}'.encode()
+    response = TestClient(app).post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
 
 
 def test_malformed_json_and_a_missing_body_are_400s(app):

@@ -11,7 +11,7 @@ against the prompt by the handlers)."""
 
 from __future__ import annotations
 
-from heron.sampling_params import MAX_LOGPROBS
+from heron.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 # choices per prompt (OpenAI's own bound)
 MAX_N = 128
@@ -24,6 +24,13 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 # logprobs (completions), top_logprobs (chat) and prompt_logprobs: the engine's bound
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
+
+# top_k, seed and priority: integers every JSON implementation reads exactly
+# (I-JSON, RFC 7493), so the schema's bounds are exact too (FastAPI writes them as
+# floats), and well inside the 64 bits the engine carries (INT64_MIN..INT64_MAX)
+MAX_INT = (1 << 53) - 1
+MIN_INT = -MAX_INT
+assert INT64_MIN < MIN_INT and MAX_INT < INT64_MAX
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 << 20
 # the sum of the header names' and values' lengths (Node's and h11's default head size)

@@ -14,13 +14,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from heron.entrypoints.openai.limits import (
+    MAX_INT,
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    MIN_INT,
 )
 
+Int64 = Annotated[int, Field(ge=MIN_INT, le=MAX_INT)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -31,7 +34,8 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # JSON has no NaN or Infinity; Python's parser accepts them, the models do not
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -56,10 +60,10 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: Penalty = 0.0
     # keys: token ids as strings (checked against the vocabulary by the handler)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     stop_token_ids: list[TokenId] | None = None
@@ -71,7 +75,7 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: TopLogprobs | None = None
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
     request_id: str | None = None
     # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} asks a
