@@ -40,8 +40,10 @@ EXPORTED_METRICS = (
     "heron:spec_decode_num_accepted_tokens_total", "heron:compute_path_info",
     "heron:kv_offload_stored_blocks_total", "heron:kv_offload_loaded_blocks_total",
     "heron:kv_offload_evicted_blocks_total", "heron:kv_offload_hit_tokens_total", "heron:kv_offload_blocks",
-    "heron:kv_offload_bytes", "heron:kv_offload_load_failures_total",
+    "heron:kv_offload_bytes", "heron:kv_offload_load_failures_total", "heron:request_aborts_total",
 )
+# why the API server ended a request early (heron:request_aborts_total's label)
+REQUEST_ABORT_REASONS = ("client_disconnected", "request_timeout", "stream_stalled")
 _OFFLOAD_TIERS = ("host", "disk")
 
 
@@ -77,6 +79,7 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.request_success = counter("request_success", "Finished requests", ["finished_reason"])
+        self.request_aborts = counter("request_aborts", "HTTP requests the server ended early, by reason", ["reason"])
         self.preemptions = counter("num_preemptions", "Preemptions")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
@@ -124,6 +127,12 @@ class PrometheusStatLogger:
         self._last_cumulative = SchedulerStats()
         for metric in (self.running, self.waiting, self.kv_usage):
             metric.labels(model_name).set(0)
+        for reason in REQUEST_ABORT_REASONS:  # every series shows, at 0, from the start
+            self.request_aborts.labels(model_name, reason)
+
+    def count_request_abort(self, reason: str) -> None:
+        """One HTTP request the server ended early (``REQUEST_ABORT_REASONS``)."""
+        self.request_aborts.labels(self.model_name, reason).inc()
 
     def _record_offload(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         for tier in _OFFLOAD_TIERS:

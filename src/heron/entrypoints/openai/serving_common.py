@@ -53,6 +53,10 @@ class ServingContext:
         """Requests without a first token yet, in the whole server."""
         return self.shared.total_waiting() if self.shared else self.engine.num_waiting_requests
 
+    def count_abort(self, reason: str) -> None:
+        """An HTTP request this server ended early (``heron:request_aborts_total``)."""
+        self.engine.metrics.count_request_abort(reason)
+
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -234,6 +238,7 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
 
 
 def start_generation(
@@ -330,7 +335,12 @@ async def final_outputs(
     try:
         return await until_disconnected(raw_request, lambda: collect_final(ctx, streams))
     except TimeoutError as exc:
+        ctx.count_abort("request_timeout")
         raise timed_out(ctx.request_timeout_s or 0) from exc
+    except APIError as exc:
+        if exc.status_code == CLIENT_CLOSED_REQUEST:
+            ctx.count_abort("client_disconnected")
+        raise
     except (RuntimeError, ValueError) as exc:
         error = engine_error(exc)
         if error is None:
@@ -348,6 +358,7 @@ async def sse_stream(
             async for chunk in chunks:
                 yield chunk
     except TimeoutError:
+        ctx.count_abort("request_timeout")
         yield sse(timed_out(ctx.request_timeout_s or 0).body())
     except (RuntimeError, ValueError) as exc:
         error = engine_error(exc)
@@ -381,6 +392,6 @@ async def until_disconnected(raw_request: Request, work: Callable[[], Coroutine[
             await task
         except (asyncio.CancelledError, Exception):
             pass
-        raise APIError(499, "Client disconnected.", "client_closed_request")
+        raise APIError(CLIENT_CLOSED_REQUEST, "Client disconnected.", "client_closed_request")
     finally:
         watcher.cancel()
