@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -144,34 +145,35 @@ class _ChatBuilder:
             "choices": choices,
         }
 
-    def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[str, None]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
         prompt_tokens = len(self.prompt.token_ids)
         counts = {"completion": 0, "cached": 0}
 
-        async def chunks() -> AsyncIterator[str]:
+        async def chunks() -> AsyncGenerator[str, None]:
             # the first chunk of every choice announces the role (and any echoed text)
             for index in range(self.request.n):
                 yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": self.echo_text},
                                         "logprobs": None, "finish_reason": None}]))
-            async for _, output in merge_streams(streams):
-                counts["cached"] = output.num_cached_tokens
-                for completion in output.outputs:
-                    if not completion.text and not completion.token_ids and completion.finish_reason is None:
-                        continue
-                    counts["completion"] += len(completion.token_ids)
-                    chunk = self._chunk([{
-                        "index": completion.index,
-                        "delta": {"content": completion.text} if completion.text else {},
-                        "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
-                        "finish_reason": completion.finish_reason,
-                        "stop_reason": completion.stop_reason,
-                    }])
-                    if continuous:
-                        chunk["usage"] = usage(prompt_tokens, counts["completion"], counts["cached"])
-                    yield sse(chunk)
+            async with aclosing(merge_streams(streams)) as merged:
+                async for _, output in merged:
+                    counts["cached"] = output.num_cached_tokens
+                    for completion in output.outputs:
+                        if not completion.text and not completion.token_ids and completion.finish_reason is None:
+                            continue
+                        counts["completion"] += len(completion.token_ids)
+                        chunk = self._chunk([{
+                            "index": completion.index,
+                            "delta": {"content": completion.text} if completion.text else {},
+                            "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
+                            "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason,
+                        }])
+                        if continuous:
+                            chunk["usage"] = usage(prompt_tokens, counts["completion"], counts["cached"])
+                        yield sse(chunk)
 
         def closing() -> str | None:
             if not include_usage:

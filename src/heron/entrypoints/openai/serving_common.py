@@ -9,7 +9,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -271,11 +272,17 @@ def start_generation(
     return streams
 
 
-async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several prompts' output streams as (prompt index, output)."""
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleave several prompts' output streams as (prompt index, output).
+    Closing this generator closes every stream (aborting the unfinished ones)."""
     if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
         return
     queue: asyncio.Queue[tuple[int, RequestOutput] | tuple[int, BaseException] | None] = asyncio.Queue()
 
@@ -303,6 +310,8 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
     finally:
         for task in tasks:
             task.cancel()
+        # a stream cannot be closed while its pump is inside it
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]
 
@@ -320,8 +329,8 @@ def engine_error(exc: BaseException) -> APIError | None:
 async def collect_final(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Run non-streaming requests to the end (within the request timeout)."""
     finals: dict[int, RequestOutput] = {}
-    async with asyncio.timeout(ctx.request_timeout_s):
-        async for index, output in merge_streams(streams):
+    async with asyncio.timeout(ctx.request_timeout_s), aclosing(merge_streams(streams)) as merged:
+        async for index, output in merged:
             if output.finished:
                 finals[index] = output
     return [finals[i] for i in range(len(streams))]
@@ -349,27 +358,46 @@ async def final_outputs(
 
 
 async def sse_stream(
-    ctx: ServingContext, chunks: AsyncIterator[str], closing: Callable[[], str | None]
-) -> AsyncIterator[str]:
+    ctx: ServingContext, chunks: AsyncGenerator[str, None], closing: Callable[[], str | None]
+) -> AsyncGenerator[str, None]:
     """Wrap a response's SSE chunks: the request timeout, errors as a final error
-    event, ``closing()`` (e.g. the usage chunk) after a clean end, then [DONE]."""
-    try:
-        async with asyncio.timeout(ctx.request_timeout_s):
-            async for chunk in chunks:
-                yield chunk
-    except TimeoutError:
-        ctx.count_abort("request_timeout")
-        yield sse(timed_out(ctx.request_timeout_s or 0).body())
-    except (RuntimeError, ValueError) as exc:
-        error = engine_error(exc)
-        if error is None:
-            raise
-        yield sse(error.body())
-    else:
-        tail = closing()
-        if tail:
-            yield tail
-    yield SSE_DONE
+    event, ``closing()`` (e.g. the usage chunk) after a clean end, then [DONE].
+
+    Invariants: the request timeout bounds the waits for the next chunk (the
+    engine's share), never a ``yield``, so it never cancels the consumer in the
+    middle of a send (a send that stays pending is the stall guard's to end);
+    once it expires one chunk is left to send (the last event and [DONE] go
+    together). Closing this generator closes ``chunks`` before ``aclose()``
+    returns, so the engine requests are aborted at once."""
+    timeout = ctx.request_timeout_s
+    async with aclosing(chunks):
+        try:
+            if timeout is None:
+                async for chunk in chunks:
+                    yield chunk
+            else:
+                deadline = asyncio.get_running_loop().time() + timeout
+                while (chunk_or_end := await _next_chunk(chunks, deadline)) is not None:
+                    yield chunk_or_end
+        except TimeoutError:
+            ctx.count_abort("request_timeout")
+            yield sse(timed_out(timeout or 0).body()) + SSE_DONE
+            return
+        except (RuntimeError, ValueError) as exc:
+            error = engine_error(exc)
+            if error is None:
+                raise
+            yield sse(error.body()) + SSE_DONE
+            return
+        yield (closing() or "") + SSE_DONE
+
+
+async def _next_chunk(chunks: AsyncIterator[str], deadline: float) -> str | None:
+    """The next chunk (None at the end), or TimeoutError once ``deadline`` (loop time) has passed."""
+    if asyncio.get_running_loop().time() >= deadline:  # a chunk ready at once would never time out
+        raise TimeoutError
+    async with asyncio.timeout_at(deadline):
+        return await anext(chunks, None)
 
 
 async def until_disconnected(raw_request: Request, work: Callable[[], Coroutine[Any, Any, T]]) -> T:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -180,7 +181,7 @@ class _CompletionBuilder:
             **kv_transfer_field(finals[0]),
         }
 
-    def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[str, None]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
@@ -191,27 +192,29 @@ class _CompletionBuilder:
         cached = [0] * len(self.prompts)
         prompt_total = sum(len(p.token_ids) for p in self.prompts)
 
-        async def chunks() -> AsyncIterator[str]:
-            async for prompt_index, output in merge_streams(streams):
-                cached[prompt_index] = output.num_cached_tokens
-                for completion in output.outputs:
-                    index = prompt_index * n + completion.index
-                    echo = self.request.echo and index not in echoed
-                    echoed.add(index)
-                    if (
-                        not completion.text
-                        and not completion.token_ids
-                        and completion.finish_reason is None
-                        and not echo
-                    ):
-                        continue
-                    completion_tokens[index] += len(completion.token_ids)
-                    choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo, text_offsets[index])
-                    text_offsets[index] += len(choice["text"])
-                    chunk = self._chunk([choice])
-                    if continuous:
-                        chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
-                    yield sse(chunk)
+        async def chunks() -> AsyncGenerator[str, None]:
+            async with aclosing(merge_streams(streams)) as merged:
+                async for prompt_index, output in merged:
+                    cached[prompt_index] = output.num_cached_tokens
+                    for completion in output.outputs:
+                        index = prompt_index * n + completion.index
+                        echo = self.request.echo and index not in echoed
+                        echoed.add(index)
+                        if (
+                            not completion.text
+                            and not completion.token_ids
+                            and completion.finish_reason is None
+                            and not echo
+                        ):
+                            continue
+                        completion_tokens[index] += len(completion.token_ids)
+                        choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo,
+                                              text_offsets[index])
+                        text_offsets[index] += len(choice["text"])
+                        chunk = self._chunk([choice])
+                        if continuous:
+                            chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
+                        yield sse(chunk)
 
         def closing() -> str | None:
             if not include_usage:
