@@ -38,6 +38,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--max-waiting-requests", type=int, default=None,
                          help="requests without a first token beyond which new ones get 429")
     gateway.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    gateway.add_argument("--stream-stall-timeout", type=_non_negative_float, default=60.0, metavar="SECONDS",
+                         help="end a stream (abort its request, close the connection) whose client has taken no "
+                              "bytes for this long while the server had some to send; 0 disables")
     gateway.add_argument("--max-request-body-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                          help="largest accepted request body (413 past it)")
     gateway.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,

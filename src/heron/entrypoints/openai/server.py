@@ -31,6 +31,7 @@ from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MA
 from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
 from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
+from heron.entrypoints.openai.streaming import ConnectionAbortMiddleware
 from heron.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class GatewaySettings:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     log_requests: bool = False
     protect_metrics: bool = False
+    stream_stall_timeout_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         check_gateway(self.api_keys, self.protect_metrics)
@@ -93,6 +95,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
         max_waiting_requests=settings.max_waiting_requests,
         request_timeout_s=settings.request_timeout_s,
         log_requests=settings.log_requests,
+        stream_stall_timeout_s=settings.stream_stall_timeout_s,
         shared=shared,
         health_extra={"api_server": role.index, "api_server_count": role.count} if role else {},
     )
@@ -102,6 +105,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     # outermost: keys, rate limit and readiness before the body is read
     app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine),
                        protect_all=settings.protect_metrics)
+    app.add_middleware(ConnectionAbortMiddleware)  # around them all: it finds the connection (streaming.py)
     install_error_handlers(app)
     app.include_router(router)
     install_openapi(app)
@@ -119,6 +123,7 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_header_bytes=args.max_header_bytes,
         log_requests=args.log_requests,
         protect_metrics=args.protect_metrics,
+        stream_stall_timeout_s=args.stream_stall_timeout or None,
     )
 
 

@@ -8,7 +8,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import bad_request
@@ -27,6 +27,7 @@ from heron.entrypoints.openai.serving_common import (
     sse,
     sse_stream,
     start_generation,
+    streaming_response,
     usage,
 )
 from heron.outputs import CompletionOutput, RequestOutput, SampleLogprobs
@@ -70,7 +71,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         raise invalid_input(exc) from exc
     builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs)
     if request.stream:
-        return StreamingResponse(builder.stream(streams), media_type="text/event-stream")
+        return streaming_response(ctx, builder.stream(streams), request_id, 1)
     [final] = await final_outputs(ctx, raw_request, streams)
     return JSONResponse(builder.response(final))
 

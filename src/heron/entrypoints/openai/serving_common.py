@@ -1,6 +1,7 @@
 """What the completion and chat handlers share: admission, turning request
 fields into ``SamplingParams``, context-length checks, streaming plumbing
-(SSE, merging several prompts' streams, timeouts, client disconnects)."""
+(SSE, merging several prompts' streams, timeouts, client disconnects; the
+stall guard of streamed responses is ``streaming.py``)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from heron.entrypoints.openai.errors import (
 from heron.entrypoints.openai.protocol import OpenAIModel, SamplingFields
 from heron.entrypoints.openai.request_log import log_prompt, logging_outputs
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
+from heron.entrypoints.openai.streaming import GuardedStreamingResponse
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams, StructuredOutputsParams
 
@@ -45,6 +47,8 @@ class ServingContext:
     request_timeout_s: float | None = None
     # --log-requests: prompts, sampling parameters and outputs at INFO (request_log.py)
     log_requests: bool = False
+    # seconds a streamed response's send may stay pending before the stream is ended (None: no limit)
+    stream_stall_timeout_s: float | None = None
     # the state every API-server process of this server shares (--api-server-count)
     shared: SharedGatewayState | None = None
     # more of /health's answer when ready (which of several API servers answered)
@@ -263,13 +267,19 @@ def start_generation(
                 stream = logging_outputs(prompt_id, stream, prompt_params.output_kind)
             streams.append(stream)
     except (RuntimeError, ValueError) as exc:  # nothing streamed yet: a plain error response
-        for index in range(len(streams)):  # forget the prompts already accepted
-            ctx.engine.discard(f"{request_id}-{index}")
+        discard_requests(ctx, request_id, len(streams))  # forget the prompts already accepted
         error = engine_error(exc)
         if error is None:
             raise
         raise error from exc
     return streams
+
+
+def discard_requests(ctx: ServingContext, request_id: str, num_prompts: int) -> None:
+    """Forget the engine requests of ``start_generation`` whose streams never
+    started (nothing was sent to the engine core for them)."""
+    for index in range(num_prompts):
+        ctx.engine.discard(f"{request_id}-{index}")
 
 
 async def merge_streams(
@@ -355,6 +365,17 @@ async def final_outputs(
         if error is None:
             raise
         raise error from exc
+
+
+def streaming_response(
+    ctx: ServingContext, body: AsyncGenerator[str, None], request_id: str, num_prompts: int
+) -> GuardedStreamingResponse:
+    """The SSE response of a streamed request (of ``num_prompts`` prompts, as
+    ``start_generation`` named them), under the stall guard."""
+    return GuardedStreamingResponse(
+        body, stall_timeout_s=ctx.stream_stall_timeout_s, on_end=ctx.count_abort,
+        on_unstarted=lambda: discard_requests(ctx, request_id, num_prompts), request_id=request_id,
+    )
 
 
 async def sse_stream(

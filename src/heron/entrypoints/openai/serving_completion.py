@@ -8,7 +8,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import bad_request
@@ -27,6 +27,7 @@ from heron.entrypoints.openai.serving_common import (
     sse,
     sse_stream,
     start_generation,
+    streaming_response,
     usage,
 )
 from heron.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
@@ -84,7 +85,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         raise invalid_input(exc) from exc
     builder = _CompletionBuilder(ctx, request, prompts, request_id, created)
     if request.stream:
-        return StreamingResponse(builder.stream(streams), media_type="text/event-stream")
+        return streaming_response(ctx, builder.stream(streams), request_id, len(prompts))
     return JSONResponse(builder.response(await final_outputs(ctx, raw_request, streams)))
 
 
