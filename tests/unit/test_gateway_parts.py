@@ -97,3 +97,26 @@ def test_collector_merges_deltas_for_a_slow_reader():
             await collector.get()
 
     asyncio.run(run())
+
+
+def test_a_reader_that_lags_holds_one_merged_output_not_one_per_delta():
+    """A stream whose client stopped reading holds its unread tokens once (text
+    and ids, bounded by max_tokens), not an object per engine step."""
+    import tracemalloc
+
+    async def run() -> tuple[int, RequestOutput]:
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for step in range(20_000):
+            completion = CompletionOutput(0, " w", [1000 + step % 500])
+            collector.put(RequestOutput("r", None, [1], [completion], False))
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        return held, await collector.get()
+
+    held, merged = asyncio.run(run())
+    assert len(merged.outputs) == 1 and len(merged.outputs[0].token_ids) == 20_000
+    assert merged.outputs[0].text == " w" * 20_000
+    # ~43 bytes a token (an int object, its list slot, 2 characters); a queued RequestOutput per step: several hundred
+    assert held < 20_000 * 64, held
