@@ -105,6 +105,18 @@ class ServerProcess:
             raise AssertionError(f"{name} is not in /metrics:\n{response.text[:2000]}")
         return total
 
+    def connections(self) -> list[int]:
+        """The send-queue length (bytes not yet taken by the client) of each
+        established TCP connection this server holds on its port."""
+        queues = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as handle:
+                for line in handle.readlines()[1:]:
+                    fields = line.split()  # sl, local address:port, remote, state, tx_queue:rx_queue, ...
+                    if int(fields[1].rsplit(":", 1)[1], 16) == self.port and fields[3] == "01":
+                        queues.append(int(fields[4].split(":")[0], 16))
+        return queues
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
