@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -185,6 +186,60 @@ def test_non_streaming_client_disconnect_frees_blocks(server):
         httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=1.0)
     wait_idle(server, timeout=5.0)
     assert aborted_count(server) == aborted_before + 1
+
+
+def raw_request(server: ServerProcess, body: bytes, length: int | None = None) -> socket.socket:
+    """A POST to /v1/completions on a plain socket, its Content-Length ``length``
+    (default: the body's), left open for the caller."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body) if length is None else length, body))
+    return sock
+
+
+def test_a_client_gone_before_its_first_token_frees_everything_within_a_step(server):
+    """A streamed request with a long prompt whose client closes the socket as
+    soon as the response's headers arrive, while the prompt is prefilled: it
+    generates at most the one token of the step under way, and nothing runs or
+    holds a KV block afterwards. (A client that closes before the server has
+    read its body never gets a request started: uvicorn reports the
+    disconnect instead of the body, as in the mid-body case below.)"""
+    body = {"model": MODEL, "prompt": "the " * 440, "max_tokens": 40, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    aborted_before, generated_before = aborted_count(server), server.metric("heron:generation_tokens_total")
+    disconnected_before = server.metric("heron:request_aborts_total", reason="client_disconnected")
+    sock = raw_request(server, json.dumps(body).encode())
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(4096)
+    sock.close()
+    closed = time.monotonic()
+    assert received.startswith(b"HTTP/1.1 200") and b"data:" not in received, received  # no token yet
+    wait_for(lambda: aborted_count(server) == aborted_before + 1, timeout=10, what="the request to be aborted")
+    wait_idle(server, timeout=5.0)
+    print(f"aborted and idle {time.monotonic() - closed:.2f} s after the client closed")
+    assert server.metric("heron:generation_tokens_total") - generated_before <= 1
+    assert server.metric("heron:request_aborts_total", reason="client_disconnected") == disconnected_before + 1
+
+
+def test_a_client_gone_mid_body_leaves_nothing_behind(server):
+    """Headers announcing a body, half of it, then a close: nothing reaches the
+    engine, the server drops the connection, logs no error, and serves on."""
+    body = json.dumps({"model": MODEL, "prompt": "the " * 400, "max_tokens": 8}).encode()
+    prompt_tokens_before = server.metric("heron:prompt_tokens_total")
+    aborted_before = aborted_count(server)
+    log_before = len(server.read_log())
+    raw_request(server, body[: len(body) // 2], length=len(body)).close()
+    wait_for(lambda: server.connections() == [], timeout=5, what="the server to drop the connection")
+    time.sleep(0.5)  # anything the server would do about it, done
+    assert server.metric("heron:prompt_tokens_total") == prompt_tokens_before
+    assert aborted_count(server) == aborted_before
+    wait_idle(server, timeout=5.0)
+    new_log = server.read_log()[log_before:]
+    assert "Traceback" not in new_log and "ERROR" not in new_log, new_log
+    response = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                          timeout=30)
+    assert response.status_code == 200
 
 
 @pytest.mark.parametrize(
