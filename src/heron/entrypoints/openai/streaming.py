@@ -15,7 +15,9 @@ invariants:
 * only a pending send counts: the time the body takes to produce its next
   chunk (the engine's share, which ``--request-timeout`` bounds) never does, and
   a client that drains the buffer within the timeout, however slowly it reads
-  between, is not stalled;
+  between, is not stalled. With a request timeout R (``sse_stream``: it
+  bounds the waits for the next chunk, then leaves one chunk to send) and a
+  stall timeout S, a stream ends by R + 2S at worst;
 * a client that disconnects ends the stream the same way, reported as
   ``client_disconnected``;
 * the body is closed on every path, so the cleanup of the request the handler
