@@ -17,7 +17,8 @@ invariants:
   a client that drains the buffer within the timeout, however slowly it reads
   between, is not stalled. With a request timeout R (``sse_stream``: it
   bounds the waits for the next chunk, then leaves one chunk to send) and a
-  stall timeout S, a stream ends by R + 2S at worst;
+  stall timeout S, a stream ends by R + 3S at worst: the send under way at
+  the deadline, the last chunk, the end of the chunked body;
 * a client that disconnects ends the stream the same way, reported as
   ``client_disconnected``;
 * the body is closed on every path, so the cleanup of the request the handler
