@@ -142,7 +142,7 @@ def test_priority_is_accepted_per_prompt(llm):
         ("", SamplingParams(), InvalidRequestError, "prompt"),
         ("hi " * 600, SamplingParams(), InvalidRequestError, "prompt"),
         ([999999], SamplingParams(), InvalidRequestError, "prompt"),
-        ("hi", SamplingParams(logit_bias={10**6: 1.0}), SamplingParamError, "logit_bias"),
+        ("hi", SamplingParams(logit_bias={10**6: 1.0}), InvalidRequestError, "logit_bias"),
     ],
 )
 def test_bad_input_fails_before_any_work(llm, prompt, params, error, param):
