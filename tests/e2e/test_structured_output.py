@@ -146,6 +146,8 @@ def test_streamed_json_object_and_completions_structured_outputs(client):
         ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ("completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs", "colour"),
         ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+        ("chat/completions", {"response_format": {"schema": {}}}, "response_format", "type"),
+        ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
         ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          "response_format", "schema"),
         ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {

@@ -46,6 +46,20 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """``response_format.json_schema``: the schema the output must match."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
@@ -74,7 +88,7 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: TopLogprobs | None = None
     structured_outputs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     priority: Int64 = 0
     cache_salt: str | None = None
     request_id: str | None = None

@@ -158,18 +158,13 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
         raise bad_request(f"structured_outputs: {exc}", "structured_outputs") from exc
     except SamplingParamError as exc:
         raise bad_request(str(exc), exc.param) from exc
-    if fmt is None or fmt.get("type") in (None, "text"):
+    if fmt is None or fmt.type == "text":
         return None
-    if fmt.get("type") == "json_object":
+    if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
-    if fmt.get("type") == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
-        return StructuredOutputsParams(json=schema)
-    raise bad_request(
-        f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}", "response_format"
-    )
+    if fmt.json_schema is None:
+        raise bad_request("response_format.json_schema is required when type is json_schema", "response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
 def sampling_params(
