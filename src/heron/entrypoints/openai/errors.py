@@ -53,10 +53,19 @@ def invalid_body(errors: Sequence[Mapping[str, Any]]) -> APIError:
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
     path = [str(part) for part in first.get("loc", ())[1:] if not _is_union_member(part)]
-    message = str(first.get("msg", "invalid value"))
+    message = str(first.get("msg", "invalid value")) + _given(first)
     if not path:
         return bad_request(message)
     return bad_request(f"{'.'.join(path)}: {message}", path[0])
+
+
+def _given(error: Mapping[str, Any]) -> str:
+    """`` (got 'yaml')`` for a value outside an enum, so the client sees which
+    of its values was refused; nothing for long values or other errors."""
+    if error.get("type") not in ("literal_error", "enum"):
+        return ""
+    shown = repr(error.get("input"))
+    return f" (got {shown})" if len(shown) <= 60 else ""
 
 
 def _is_shape_error(error: Mapping[str, Any]) -> bool:

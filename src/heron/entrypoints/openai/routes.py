@@ -170,7 +170,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), error_type).response()
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's body parser ran out of stack
+            message = "the body is nested too deeply to parse"
+        return APIError(exc.status_code, message, error_type).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
