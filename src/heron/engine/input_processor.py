@@ -58,6 +58,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
+            _check_text(prompt, "prompt")
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return self._token_prompt(prompt, None)
@@ -127,6 +128,7 @@ class InputProcessor:
             )
         except Exception as exc:  # jinja errors raised by the template itself
             raise InvalidRequestError(f"the chat template failed: {exc}", "messages") from exc
+        _check_text(str(text), "messages")
         return str(text)
 
     # ---- requests ----------------------------------------------------------------
@@ -185,6 +187,18 @@ class InputProcessor:
                 )
             )
         return requests
+
+
+def _check_text(text: str, param: str) -> None:
+    """A Python string that is not Unicode text (a lone surrogate, which JSON's
+    ``\\ud800`` escapes and Python's strings allow) has no UTF-8 form for the
+    tokenizer: the client's error, named, rather than the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"the {param} is not valid Unicode text: a lone surrogate at position {exc.start}", param
+        ) from exc
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
