@@ -161,3 +161,23 @@ def test_a_head_that_never_ends_is_cut_off(server):
     if status == 431:
         assert json.loads(body)["error"]["code"] == "headers_too_large"
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+def test_a_request_chat_template_needs_the_trust_flag(server):
+    """A request's chat_template is Jinja the server would run: refused unless
+    the server was started with --trust-request-chat-template (vLLM's flag)."""
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = assert_rejected(complete(server, path, chat_template=PLAIN_TEMPLATE), "chat_template")
+        assert "--trust-request-chat-template" in error["message"]
+    trusting = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--trust-request-chat-template")
+    try:
+        response = complete(trusting, "/tokenize", chat_template=PLAIN_TEMPLATE)
+        assert response.status_code == 200, response.text
+        tokens = response.json()["tokens"]
+        assert httpx.post(f"{trusting.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"] == "<user>hi"
+        assert complete(trusting, "/v1/chat/completions", chat_template=PLAIN_TEMPLATE).status_code == 200
+    finally:
+        trusting.stop()

@@ -135,3 +135,14 @@ def test_a_routed_prompt_is_expected_where_it_went_and_its_prefill_counts_as_loa
     assert router.choose([a, b], PROMPT).replica is not replica
     clock.now = 31.0  # never confirmed by an event: the expectation lapses
     assert replica.index.matched_blocks(PROMPT) == 0
+
+
+def test_the_router_hashes_chat_prompts_but_never_runs_a_clients_template():
+    from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
+
+    hasher = PromptHasher(None)
+    body = {"messages": [{"role": "user", "content": "tell me a long story about herons " * 8}]}
+    assert len(hasher.block_hashes(CHAT_PATH, body, block_size=16)) >= 4
+    # a template that would loop for ever is not rendered: the request is placed by load alone
+    spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    assert hasher.block_hashes(CHAT_PATH, {**body, "chat_template": spin}, block_size=16) == []

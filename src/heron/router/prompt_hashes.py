@@ -42,9 +42,12 @@ class PromptHasher:
 
     def _token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
         if path == CHAT_PATH:
+            if body.get("chat_template") is not None:
+                # a client's template is code: the router never runs it (the replica
+                # decides whether it trusts it); such a request is placed by load alone
+                return []
             text = self.processor.render_chat(
                 body["messages"],
-                chat_template=body.get("chat_template"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
                 chat_template_kwargs=body.get("chat_template_kwargs"),

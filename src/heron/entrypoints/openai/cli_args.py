@@ -19,6 +19,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's prompt and sampling parameters, and its output text when it finishes "
                             "(INFO); without it no prompt or output is logged")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in chat requests (a Jinja template the server renders: sandboxed, "
+                            "but its loops run on the server's CPU); without it such requests get 400")
     group.add_argument("--api-server-count", type=_positive_int, default=1,
                        help="API-server processes sharing the port (SO_REUSEPORT), each talking to every engine core")
     group.add_argument("--dead-engine-grace", type=_non_negative_float, default=5.0, metavar="SECONDS",

@@ -49,6 +49,7 @@ class GatewaySettings:
     log_requests: bool = False
     protect_metrics: bool = False
     stream_stall_timeout_s: float | None = 60.0
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         check_gateway(self.api_keys, self.protect_metrics)
@@ -96,6 +97,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
         request_timeout_s=settings.request_timeout_s,
         log_requests=settings.log_requests,
         stream_stall_timeout_s=settings.stream_stall_timeout_s,
+        trust_request_chat_template=settings.trust_request_chat_template,
         shared=shared,
         health_extra={"api_server": role.index, "api_server_count": role.count} if role else {},
     )
@@ -124,6 +126,7 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         log_requests=args.log_requests,
         protect_metrics=args.protect_metrics,
         stream_stall_timeout_s=args.stream_stall_timeout or None,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -37,6 +37,12 @@ def chat_prompt(ctx: ServingContext, request: Any) -> ProcessedPrompt:
     """Apply the chat template to ``request.messages`` (chat and /tokenize; the
     request model has checked the roles)."""
     messages = [message.model_dump(exclude_none=True) for message in request.messages]
+    if request.chat_template is not None and not ctx.trust_request_chat_template:
+        raise bad_request(
+            "this server does not render chat templates sent in requests (a template is code the server runs); "
+            "start it with --trust-request-chat-template to allow them",
+            "chat_template",
+        )
     try:
         return ctx.engine.input_processor.process_chat(
             messages,

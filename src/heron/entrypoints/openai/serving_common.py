@@ -49,6 +49,8 @@ class ServingContext:
     log_requests: bool = False
     # seconds a streamed response's send may stay pending before the stream is ended (None: no limit)
     stream_stall_timeout_s: float | None = None
+    # --trust-request-chat-template: render a request's own chat_template (else a 400)
+    trust_request_chat_template: bool = False
     # the state every API-server process of this server shares (--api-server-count)
     shared: SharedGatewayState | None = None
     # more of /health's answer when ready (which of several API servers answered)
