@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from heron import envs
 from heron.engine.args import parse_size
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
+from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +21,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's prompt and sampling parameters, and its output text when it finishes "
                             "(INFO); without it no prompt or output is logged")
+    group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="the Jinja chat template for chat requests (a file, or the template itself), instead of "
+                            "the model's; one that takes `tools` renders tool definitions and calls itself")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the format the model writes tool calls in (default: the chat template's, hermes for a "
+                            "template without tools, which heron teaches the model through the system message)")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template in chat requests (a Jinja template the server renders: sandboxed, "
                             "but its loops run on the server's CPU); without it such requests get 400")
@@ -71,6 +79,19 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """The gateway flags' checks, before ``heron serve`` starts anything (the
     engine cores start before the server reads its flags)."""
     check_gateway(collect_api_keys(args.api_key, args.api_key_file), args.protect_metrics)
+    read_chat_template(args.chat_template)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template given inline."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            return handle.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def _positive_int(text: str) -> int:

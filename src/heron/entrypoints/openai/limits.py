@@ -22,6 +22,8 @@ MAX_PROMPTS_PER_REQUEST = 256
 # held back from a stream
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# tools per chat request (OpenAI's limit)
+MAX_TOOLS = 128
 # logprobs (completions), top_logprobs (chat) and prompt_logprobs: the engine's bound
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 

@@ -19,6 +19,7 @@ from heron.entrypoints.openai.limits import (
     MAX_PROMPTS_PER_REQUEST,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     MIN_INT,
 )
@@ -114,10 +115,48 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+# OpenAI's rule for function names (they also go into grammars and prompts)
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(OpenAIModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(OpenAIModel):
+    name: FunctionName
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class CalledFunction(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(OpenAIModel):
     role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -126,8 +165,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM extensions
     echo: bool = False
     add_generation_prompt: bool = True

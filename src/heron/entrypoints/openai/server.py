@@ -24,7 +24,7 @@ from heron.engine.args import EngineArgs
 from heron.engine.async_llm import AsyncLLM, StartedEngineCore
 from heron.engine.core_client import OwnedEngineCore
 from heron.engine.dp_client import start_engine_cores
-from heron.entrypoints.openai.cli_args import check_gateway, collect_api_keys
+from heron.entrypoints.openai.cli_args import check_gateway, collect_api_keys, read_chat_template
 from heron.entrypoints.openai.gateway import APIKeyChecker, GatewayMiddleware, TokenBucketLimiter
 from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware, bounded_http_protocol, head_limit
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -50,6 +50,8 @@ class GatewaySettings:
     protect_metrics: bool = False
     stream_stall_timeout_s: float | None = 60.0
     trust_request_chat_template: bool = False
+    chat_template: str | None = None  # --chat-template, read
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         check_gateway(self.api_keys, self.protect_metrics)
@@ -98,6 +100,8 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
         log_requests=settings.log_requests,
         stream_stall_timeout_s=settings.stream_stall_timeout_s,
         trust_request_chat_template=settings.trust_request_chat_template,
+        chat_template=settings.chat_template,
+        tool_call_parser=settings.tool_call_parser,
         shared=shared,
         health_extra={"api_server": role.index, "api_server_count": role.count} if role else {},
     )
@@ -127,6 +131,8 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         protect_metrics=args.protect_metrics,
         stream_stall_timeout_s=args.stream_stall_timeout or None,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template=read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -30,35 +30,54 @@ from heron.entrypoints.openai.serving_common import (
     streaming_response,
     usage,
 )
+from heron.entrypoints.openai.tools.chat import ChatTools, finish_reason, template_messages
+from heron.entrypoints.openai.tools.streaming import ToolCallStream
 from heron.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
 
-def chat_prompt(ctx: ServingContext, request: Any) -> ProcessedPrompt:
-    """Apply the chat template to ``request.messages`` (chat and /tokenize; the
-    request model has checked the roles)."""
-    messages = [message.model_dump(exclude_none=True) for message in request.messages]
+def chat_template_of(ctx: ServingContext, request: Any) -> str | None:
+    """The template a request is rendered with: its own (if the server trusts
+    requests' templates), else --chat-template, else the model's."""
     if request.chat_template is not None and not ctx.trust_request_chat_template:
         raise bad_request(
             "this server does not render chat templates sent in requests (a template is code the server runs); "
             "start it with --trust-request-chat-template to allow them",
             "chat_template",
         )
+    return request.chat_template or ctx.chat_template
+
+
+def chat_prompt(ctx: ServingContext, request: Any) -> ProcessedPrompt:
+    """Apply the chat template to ``request.messages`` and its tools (chat and
+    /tokenize; the request model has checked the roles)."""
+    template = chat_template_of(ctx, request)
+    messages = [message.model_dump(exclude_none=True) for message in request.messages]
+    tools = [tool.model_dump(exclude_none=True) for tool in getattr(request, "tools", None) or []]
+    model_template = template or getattr(ctx.engine.tokenizer, "chat_template", None)
+    messages, template_kwargs = template_messages(messages, tools or None, model_template)
     try:
         return ctx.engine.input_processor.process_chat(
             messages,
-            chat_template=request.chat_template,
+            chat_template=template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=getattr(request, "chat_template_kwargs", None),
+            chat_template_kwargs={**(getattr(request, "chat_template_kwargs", None) or {}), **template_kwargs},
         )
+    except InvalidRequestError as exc:
+        raise invalid_input(exc) from exc
+
+
+def request_tools(ctx: ServingContext, request: ChatCompletionRequest) -> ChatTools | None:
+    template = chat_template_of(ctx, request) or getattr(ctx.engine.tokenizer, "chat_template", None)
+    try:
+        return ChatTools.of(request, template, ctx.tool_call_parser)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest, raw_request: Request) -> Any:
     check_request(ctx, request, request.model)
-    if request.tools:
-        raise bad_request("tool calling is not supported by this server", "tools")
+    tools = request_tools(ctx, request)
     top_logprobs = request.top_logprobs or 0
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -70,12 +89,17 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     params = sampling_params(
         request, max_tokens, top_logprobs if request.logprobs else None, request.prompt_logprobs, request.stream
     )
+    if tools is not None:
+        try:
+            params = tools.constrain(params)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tool_choice") from exc
     request_id = request.request_id or new_request_id("chatcmpl")
     try:
         streams = start_generation(ctx, [prompt], [params], request_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
-    builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs)
+    builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs, tools)
     if request.stream:
         return streaming_response(ctx, builder.stream(streams), request_id, 1)
     [final] = await final_outputs(ctx, raw_request, streams)
@@ -84,8 +108,9 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
 
 class _ChatBuilder:
     def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, prompt: ProcessedPrompt,
-                 request_id: str, created: int, top_logprobs: int) -> None:
+                 request_id: str, created: int, top_logprobs: int, tools: ChatTools | None = None) -> None:
         self.ctx = ctx
+        self.tools = tools
         self.request = request
         self.prompt = prompt
         self.request_id = request_id
@@ -123,11 +148,16 @@ class _ChatBuilder:
         return {"content": content}
 
     def _message_choice(self, completion: CompletionOutput) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.echo_text + completion.text}
+        content, calls = self.tools.calls(completion.text) if self.tools else ("", [])
+        if calls:
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": [call.to_openai() for call in calls]}
         return {
             "index": completion.index,
-            "message": {"role": "assistant", "content": self.echo_text + completion.text},
+            "message": message,
             "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
-            "finish_reason": completion.finish_reason,
+            "finish_reason": finish_reason(completion.finish_reason, bool(calls)),
             "stop_reason": completion.stop_reason,
         }
 
@@ -158,6 +188,7 @@ class _ChatBuilder:
         continuous = bool(options and options.continuous_usage_stats)
         prompt_tokens = len(self.prompt.token_ids)
         counts = {"completion": 0, "cached": 0}
+        tool_streams = {index: self.tools.stream() for index in range(self.request.n)} if self.tools else {}
 
         async def chunks() -> AsyncGenerator[str, None]:
             # the first chunk of every choice announces the role (and any echoed text)
@@ -171,11 +202,18 @@ class _ChatBuilder:
                         if not completion.text and not completion.token_ids and completion.finish_reason is None:
                             continue
                         counts["completion"] += len(completion.token_ids)
+                        delta: dict[str, Any] = {"content": completion.text} if completion.text else {}
+                        reason = completion.finish_reason
+                        tool_stream = tool_streams.get(completion.index)
+                        if tool_stream is not None:
+                            delta, reason = tool_delta(tool_stream, completion.text, reason)
+                            if not delta and reason is None and not self.request.logprobs:
+                                continue  # text held back: a call may be starting
                         chunk = self._chunk([{
                             "index": completion.index,
-                            "delta": {"content": completion.text} if completion.text else {},
+                            "delta": delta,
                             "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
-                            "finish_reason": completion.finish_reason,
+                            "finish_reason": reason,
                             "stop_reason": completion.stop_reason,
                         }])
                         if continuous:
@@ -190,3 +228,14 @@ class _ChatBuilder:
             return sse(chunk)
 
         return sse_stream(self.ctx, chunks(), closing)
+
+
+def tool_delta(stream: ToolCallStream, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """One streamed step's delta with tools: content and whole calls, and at the
+    end what was held back; ``tool_calls`` as the reason if the choice called."""
+    out = stream.feed(text)
+    if reason is not None:
+        rest = stream.finish()
+        out.content += rest.content
+        out.calls += rest.calls
+    return out.delta(), finish_reason(reason, stream.called)

@@ -51,6 +51,10 @@ class ServingContext:
     stream_stall_timeout_s: float | None = None
     # --trust-request-chat-template: render a request's own chat_template (else a 400)
     trust_request_chat_template: bool = False
+    # --chat-template: the template chat requests are rendered with (None: the model's)
+    chat_template: str | None = None
+    # --tool-call-parser: the format tool calls are read in (None: the template's, else hermes)
+    tool_call_parser: str | None = None
     # the state every API-server process of this server shares (--api-server-count)
     shared: SharedGatewayState | None = None
     # more of /health's answer when ready (which of several API servers answered)

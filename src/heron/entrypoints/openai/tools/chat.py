@@ -1,0 +1,69 @@
+"""A chat request's tools, from its prompt to its answer: which format the
+model writes calls in, how the tools reach the template, what generation is
+constrained to, and the calls read back from the output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from heron.entrypoints.openai.tools.choice import ToolChoice, tool_choice_of
+from heron.entrypoints.openai.tools.parsers import PARSERS, ToolCall, ToolParser, parser_for_template
+from heron.entrypoints.openai.tools.prompting import template_takes_tools, write_tools_in
+from heron.entrypoints.openai.tools.streaming import ToolCallStream
+from heron.sampling_params import SamplingParams
+
+
+def template_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template arguments for ``template``: the tools as its
+    ``tools`` variable if it takes them, else written into the messages."""
+    if template_takes_tools(template):
+        return messages, ({"tools": tools} if tools else {})
+    return write_tools_in(messages, tools), {}
+
+
+@dataclass
+class ChatTools:
+    choice: ToolChoice
+    parser: ToolParser
+
+    @classmethod
+    def of(cls, request: Any, template: str | None, parser_name: str | None) -> ChatTools | None:
+        choice = tool_choice_of(request.tools, request.tool_choice, request.parallel_tool_calls)
+        if choice is None:
+            return None
+        name = parser_name or parser_for_template(template if template_takes_tools(template) else None)
+        return cls(choice, PARSERS[name]())
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """Generation as the tool choice needs it (a ``ValueError`` if the
+        request constrains its output otherwise too)."""
+        constraint = self.choice.constraint()
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format")
+            return params.clone(structured_outputs=constraint)
+        if self.choice.mode == "auto" and not self.parser.skip_special_tokens:
+            return params.clone(skip_special_tokens=False)  # the parser's markers are special tokens
+        return params
+
+    def calls(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a finished output."""
+        if self.choice.mode == "none":
+            return text, []
+        if self.choice.mode in ("named", "required"):
+            calls = self.choice.calls_from_constrained(text)
+            return ("", calls) if calls else (text, [])
+        parsed = self.parser.parse(text, final=True)
+        calls = parsed.calls if self.choice.parallel else parsed.calls[:1]
+        return (parsed.content.strip(), calls) if calls else (text, [])
+
+    def stream(self) -> ToolCallStream | None:
+        return None if self.choice.mode == "none" else ToolCallStream(self.choice, self.parser)
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` for an answer that ended on its calls."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -1,0 +1,90 @@
+"""``tool_choice`` as a constraint on generation. "required" and a named
+function are guaranteed, as vLLM does it: the output is constrained (xgrammar)
+to JSON a call is read from, so even a small model answers with calls that
+parse and whose arguments match the function's schema:
+
+- a named function: the output is its arguments, a JSON object of the
+  function's ``parameters`` schema;
+- "required": a JSON list of one or more (one, without
+  ``parallel_tool_calls``) ``{"name": <a tool's name>, "parameters": {...}}``,
+  each object's parameters matching its function's schema.
+
+"auto" leaves generation free and parses what the model writes (``parsers``);
+"none" ignores the tools in the answer (the prompt still shows them, as
+OpenAI's does)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from heron.engine.input_processor import InvalidRequestError
+from heron.entrypoints.openai.tools.parsers import ToolCall, call_from_json, json_values
+from heron.sampling_params import StructuredOutputsParams
+
+Mode = Literal["none", "auto", "required", "named"]
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass
+class ToolChoice:
+    mode: Mode
+    functions: dict[str, dict[str, Any]]  # name -> the parameters' JSON schema
+    named: str | None = None
+    parallel: bool = True
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.mode == "named":
+            assert self.named is not None
+            return StructuredOutputsParams(json=self.functions[self.named])
+        if self.mode == "required":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, schema in self.functions.items()
+            ]
+            array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+            if not self.parallel:
+                array["maxItems"] = 1
+            return StructuredOutputsParams(json=array)
+        return None
+
+    def calls_from_constrained(self, text: str) -> list[ToolCall] | None:
+        """The calls in a constrained output. One cut short (by ``max_tokens``
+        or a stop string) keeps the calls it closed: a list's leading calls,
+        none of a named function's unfinished arguments (then None)."""
+        if self.mode == "named":
+            assert self.named is not None
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return None
+            return [ToolCall(self.named, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
+        start = text.find("[")
+        found = json_values(text[start + 1:], ",") if start >= 0 else None
+        calls = [call_from_json(item) for item in found[0]] if found else []
+        return [call for call in calls if call is not None] or None
+
+
+def tool_choice_of(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolChoice | None:
+    """The request's tools and tool_choice, checked (the request model has
+    checked their shapes). None when the request has no tools."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+        return None
+    functions = {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in tools}
+    if len(functions) != len(tools):
+        raise InvalidRequestError("tools: function names must be unique", "tools")
+    if choice is None or isinstance(choice, str):
+        mode = cast(Mode, choice or "auto")  # the request model allows none, auto, required
+        return ToolChoice(mode, functions, None, parallel is not False)
+    name = choice.function.name
+    if name not in functions:
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+    return ToolChoice("named", functions, name, parallel is not False)

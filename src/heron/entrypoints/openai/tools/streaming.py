@@ -1,0 +1,102 @@
+"""Tool calls of one streamed choice as OpenAI's chunk deltas. Content flows
+as it comes until a call may be starting (a marker, or the start of one, at
+the end of the text so far); from there the text is held, and each call is
+sent whole (name and arguments in one delta) once its closing is generated.
+A named function's arguments stream token by token, as OpenAI's do. What
+turns out not to be a call is sent as content when the choice ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from heron.entrypoints.openai.tools.choice import ToolChoice
+from heron.entrypoints.openai.tools.parsers import ToolCall, ToolParser, new_call_id
+
+
+@dataclass
+class ToolDeltas:
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def delta(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.content:
+            out["content"] = self.content
+        if self.calls:
+            out["tool_calls"] = self.calls
+        return out
+
+
+def call_delta(index: int, call: ToolCall) -> dict[str, Any]:
+    return {"index": index, **call.to_openai()}
+
+
+def held_tail(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could begin a marker."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if marker.startswith(text[-size:]):
+                longest = size
+                break
+    return longest
+
+
+class ToolCallStream:
+    def __init__(self, choice: ToolChoice, parser: ToolParser) -> None:
+        self.choice = choice
+        self.parser = parser
+        self.text = ""
+        self.content_sent = 0
+        self.calls_sent = 0
+        self.named_id = new_call_id()
+
+    @property
+    def called(self) -> bool:
+        return self.calls_sent > 0
+
+    def feed(self, delta: str) -> ToolDeltas:
+        self.text += delta
+        if self.choice.mode == "named":
+            return self._named(delta)
+        if self.choice.mode == "required":
+            return self._calls_out(self.choice.calls_from_constrained(self.text) or [])
+        parsed = self.parser.parse(self.text, final=False)
+        if not parsed.started:
+            visible = len(self.text) - held_tail(self.text, self.parser.markers)
+            return self._content_to(self.text[:visible], [])
+        return self._content_to(parsed.content, self._limit(parsed.calls))
+
+    def finish(self) -> ToolDeltas:
+        """What is left to send once the choice has ended."""
+        if self.choice.mode in ("named", "required"):
+            return ToolDeltas()
+        parsed = self.parser.parse(self.text, final=True)
+        calls = self._limit(parsed.calls)
+        return self._content_to(parsed.content if calls or self.called else self.text, calls)
+
+    def _limit(self, calls: list[ToolCall]) -> list[ToolCall]:
+        return calls if self.choice.parallel else calls[:1]
+
+    def _named(self, delta: str) -> ToolDeltas:
+        if self.calls_sent == 0:
+            self.calls_sent = 1
+            name = self.choice.named
+            return ToolDeltas(calls=[{"index": 0, "id": self.named_id, "type": "function",
+                                      "function": {"name": name, "arguments": delta}}])
+        return ToolDeltas(calls=[{"index": 0, "function": {"arguments": delta}}] if delta else [])
+
+    def _content_to(self, content: str, calls: list[ToolCall]) -> ToolDeltas:
+        out = ToolDeltas()
+        if len(content) > self.content_sent:
+            out.content = content[self.content_sent:]
+            self.content_sent = len(content)
+        return self._calls_out(calls, out)
+
+    def _calls_out(self, calls: list[ToolCall], out: ToolDeltas | None = None) -> ToolDeltas:
+        out = out or ToolDeltas()
+        for index in range(self.calls_sent, len(calls)):
+            out.calls.append(call_delta(index, calls[index]))
+        self.calls_sent = max(self.calls_sent, len(calls))
+        return out

@@ -1,0 +1,140 @@
+"""The tool-call formats: each parser reads what its models write, leaves
+what is not a call as content, and the streamed deltas add up to the same
+calls as the whole text, however the text is cut into tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from heron.entrypoints.openai.tools.choice import ToolChoice
+from heron.entrypoints.openai.tools.parsers import PARSERS, parser_for_template
+from heron.entrypoints.openai.tools.prompting import write_tools_in
+from heron.entrypoints.openai.tools.streaming import ToolCallStream, held_tail
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+FUNCTIONS = {"get_weather": WEATHER, "get_time": {"type": "object"}}
+
+CASES = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     "Let me check.\n", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}',  # unclosed at EOS
+     "", [("get_weather", {"city": "Oslo"})]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+                    '{"name": "get_time", "parameters": {}}',
+     "", [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Lima"}}', "", [("get_weather", {"city": "Lima"})]),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Kyiv"}}]',
+     "Sure.", [("get_weather", {"city": "Kyiv"})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Bern"}[TOOL_CALLS]get_time[ARGS]{}',
+     "", [("get_weather", {"city": "Bern"}), ("get_time", {})]),
+]
+
+NOT_CALLS = [
+    ("hermes", "The weather in Paris is mild."),
+    ("hermes", "<tool_call>\nnot json at all\n</tool_call>"),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("llama3_json", "Paris is the capital; {not json}"),
+    ("llama3_json", '{"city": "Paris"}'),  # JSON, but not a call
+    ("mistral", "[TOOL_CALLS] nothing callable here"),
+]
+
+
+def calls_of(calls):
+    return [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_each_format_is_read(name, text, content, calls):
+    parsed = PARSERS[name]().parse(text)
+    assert parsed.content == content and calls_of(parsed.calls) == calls
+
+
+@pytest.mark.parametrize("name, text", NOT_CALLS)
+def test_what_is_not_a_call_stays_content(name, text):
+    parsed = PARSERS[name]().parse(text)
+    assert parsed.calls == [] and parsed.content == text
+
+
+def stream_all(choice: ToolChoice, parser_name: str, text: str, step: int):
+    """The deltas of ``text`` fed ``step`` characters at a time, merged as a client does."""
+    stream = ToolCallStream(choice, PARSERS[parser_name]())
+    content, calls = "", {}
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
+    deltas = [stream.feed(piece) for piece in pieces] + [stream.finish()]
+    for delta in deltas:
+        content += delta.content
+        for call in delta.calls:
+            entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] += call.get("function", {}).get("name") or ""
+            entry["arguments"] += call.get("function", {}).get("arguments") or ""
+            assert ("id" in call) == (entry["name"] == call["function"].get("name") and "name" in call["function"])
+    return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], stream.called
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_streamed_deltas_add_up_to_the_same_calls(name, text, content, calls, step):
+    assert stream_all(ToolChoice("auto", FUNCTIONS), name, text, step) == (content, calls, True)
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+@pytest.mark.parametrize("name, text", NOT_CALLS)
+def test_streamed_text_that_is_not_a_call_comes_out_whole(name, text, step):
+    assert stream_all(ToolChoice("auto", FUNCTIONS), name, text, step) == (text, [], False)
+
+
+def test_content_flows_until_a_marker_may_be_starting():
+    stream = ToolCallStream(ToolChoice("auto", FUNCTIONS), PARSERS["hermes"]())
+    assert stream.feed("Hello <tool").content == "Hello "  # "<tool" may open a call: held
+    assert stream.feed("s are fun").content == "<tools are fun"
+    assert held_tail("abc<tool_c", ("<tool_call>",)) == 7 and held_tail("abc", ("<tool_call>",)) == 0
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_constrained_outputs_stream_as_calls(step):
+    named = ToolChoice("named", FUNCTIONS, "get_weather")
+    assert stream_all(named, "hermes", '{"city": "Paris"}', step) == ("", [("get_weather", {"city": "Paris"})], True)
+    required = ToolChoice("required", FUNCTIONS)
+    text = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert stream_all(required, "hermes", text, step) == ("", [("get_time", {}), ("get_weather", {"city": "Oslo"})],
+                                                          True)
+    assert calls_of(required.calls_from_constrained(text)) == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    # cut by max_tokens: the calls it closed
+    assert calls_of(required.calls_from_constrained(text[:-5])) == [("get_time", {})]
+    assert required.calls_from_constrained(text[:20]) is None and named.calls_from_constrained('{"ci') is None
+
+
+def test_the_required_grammar_is_one_call_per_listed_function():
+    schema = ToolChoice("required", FUNCTIONS, parallel=False).constraint().json
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [item["properties"]["name"]["const"] for item in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
+    assert ToolChoice("named", FUNCTIONS, "get_weather").constraint().json == WEATHER
+    assert ToolChoice("auto", FUNCTIONS).constraint() is None
+
+
+def test_templates_name_their_format():
+    assert parser_for_template("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert parser_for_template("{{ '<|python_tag|>' }} ipython") == "llama3_json"
+    assert parser_for_template("[TOOL_CALLS]") == "mistral"
+    assert parser_for_template(None) == "hermes"
+
+
+def test_a_template_without_tools_gets_them_written_into_the_conversation():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    written = write_tools_in(messages, tools)
+    assert [m["role"] for m in written] == ["system", "user", "assistant", "user"]
+    assert written[0]["content"].startswith("Be brief.\n\n") and '"get_weather"' in written[0]["content"]
+    assert written[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert written[3]["content"] == "<tool_response>\n18 C, sunny\n</tool_response>"
+    assert write_tools_in(messages[1:2], tools)[0]["role"] == "system"  # none given: one is added
+    assert write_tools_in(messages[1:2], None) == messages[1:2]
