@@ -149,3 +149,26 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, fields, param):
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4,
                                        **{k: v for k, v in body.items() if v is not None})
     assert info.value.body["param"] == param, info.value.body
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_chat_template_that_takes_tools_renders_them_itself(tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    server = ServerProcess("--max-model-len", "2048", "--chat-template", str(template), "--tool-call-parser", "hermes")
+    try:
+        tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": QUESTION, "tools": TOOLS}).json()["tokens"]
+        prompt = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+        assert prompt.startswith("<|im_start|>system\nTOOLS: get_weather get_time<|im_end|>") and "<tools>" not in prompt
+        answer = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused").chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=80, temperature=0)
+        check_calls(answer.choices[0].message.tool_calls)
+    finally:
+        server.stop()

@@ -138,3 +138,15 @@ def test_a_template_without_tools_gets_them_written_into_the_conversation():
     assert written[3]["content"] == "<tool_response>\n18 C, sunny\n</tool_response>"
     assert write_tools_in(messages[1:2], tools)[0]["role"] == "system"  # none given: one is added
     assert write_tools_in(messages[1:2], None) == messages[1:2]
+
+
+def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
+    from heron.entrypoints.openai.cli_args import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert read_chat_template(str(path)) == "{{ messages }}"
+    assert read_chat_template("{% for m in messages %}{% endfor %}").startswith("{%")
+    assert read_chat_template(None) is None
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

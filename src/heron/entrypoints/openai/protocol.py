@@ -185,6 +185,7 @@ class TokenizeCompletionRequest(OpenAIModel):
 class TokenizeChatRequest(OpenAIModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
