@@ -25,9 +25,11 @@ from heron.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from heron.entrypoints.openai.protocol_responses import ResponsesRequest
 from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
 from heron.entrypoints.openai.serving_common import ServingContext, invalid_input
 from heron.entrypoints.openai.serving_completion import create_completion
+from heron.entrypoints.openai.serving_responses import create_response
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,31 @@ async def completions(request: CompletionRequest, raw_request: Request, ctx: Ser
 @router.post("/v1/chat/completions", responses=INVALID_BODY)
 async def chat_completions(request: ChatCompletionRequest, raw_request: Request, ctx: Serving) -> Any:
     return await create_chat_completion(ctx, request, raw_request)
+
+
+@router.post("/v1/responses", responses=INVALID_BODY)
+async def responses(request: ResponsesRequest, raw_request: Request, ctx: Serving) -> Any:
+    return await create_response(ctx, request, raw_request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, ctx: Serving) -> Any:
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise response_not_found(response_id)
+    return stored.response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, ctx: Serving) -> dict[str, Any]:
+    if not ctx.responses.delete(response_id):
+        raise response_not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def response_not_found(response_id: str) -> APIError:
+    return APIError(404, f"No response with id {response_id!r} (not stored, or no longer)", "invalid_request_error",
+                    "response_id", "response_not_found")
 
 
 @router.post("/tokenize", responses=INVALID_BODY)

@@ -29,6 +29,7 @@ from heron.entrypoints.openai.errors import (
 )
 from heron.entrypoints.openai.protocol import OpenAIModel, SamplingFields
 from heron.entrypoints.openai.request_log import log_prompt, logging_outputs
+from heron.entrypoints.openai.responses_store import ResponseStore
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 from heron.entrypoints.openai.streaming import GuardedStreamingResponse
 from heron.outputs import RequestOutput
@@ -55,6 +56,8 @@ class ServingContext:
     chat_template: str | None = None
     # --tool-call-parser: the format tool calls are read in (None: the template's, else hermes)
     tool_call_parser: str | None = None
+    # the Responses API's stored responses (previous_response_id, GET /v1/responses/{id})
+    responses: ResponseStore = field(default_factory=ResponseStore)
     # the state every API-server process of this server shares (--api-server-count)
     shared: SharedGatewayState | None = None
     # more of /health's answer when ready (which of several API servers answered)
@@ -129,13 +132,14 @@ def check_kv_transfer_params(ctx: ServingContext, request: SamplingFields, num_p
 def resolve_max_tokens(
     ctx: ServingContext, num_prompt_tokens: int, requested: int | None, param: str, where: str
 ) -> int:
-    """The completion budget; 400 naming both numbers when it does not fit."""
+    """The completion budget; 400 naming both numbers when it does not fit
+    (``where``: the field holding the prompt, ``param``: the budget's field)."""
     limit = ctx.max_model_len
     if num_prompt_tokens >= limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, your {where} has "
             f"{num_prompt_tokens} tokens, leaving no room for the completion. Please shorten it.",
-            "messages" if where == "messages" else "prompt",
+            where,
             "context_length_exceeded",
         )
     if requested is None:

@@ -1,0 +1,307 @@
+"""POST /v1/responses: OpenAI's Responses API, on the chat machinery. The
+input items (and, with ``previous_response_id``, the stored conversation
+before them) become chat messages, ``instructions`` a system message, function
+tools and ``text.format`` the chat request's tools and response format; the
+answer's text and calls become output items. Streamed, it sends the Responses
+event types (``response.created``, ``response.output_text.delta``,
+``response.function_call_arguments.delta``, ``response.completed``...), each
+with its ``sequence_number``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from heron.engine.input_processor import InvalidRequestError
+from heron.entrypoints.openai.errors import bad_request
+from heron.entrypoints.openai.protocol import ChatCompletionRequest
+from heron.entrypoints.openai.protocol_responses import FunctionCallItem, MessageItem, ResponsesRequest
+from heron.entrypoints.openai.responses_store import StoredResponse
+from heron.entrypoints.openai.serving_chat import chat_prompt, request_tools
+from heron.entrypoints.openai.serving_common import (
+    ServingContext,
+    check_request,
+    final_outputs,
+    invalid_input,
+    merge_streams,
+    resolve_max_tokens,
+    sampling_params,
+    sse_stream,
+    start_generation,
+    streaming_response,
+)
+from heron.entrypoints.openai.tools.chat import ChatTools
+from heron.entrypoints.openai.tools.parsers import ToolCall
+from heron.entrypoints.openai.tools.streaming import ToolDeltas
+from heron.outputs import RequestOutput
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as chat messages (a function call joins the
+    assistant turn before it, as parallel calls do)."""
+    if isinstance(request.input, str):
+        return [{"role": "user", "content": request.input}]
+    messages: list[dict[str, Any]] = []
+    for item in request.input:
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return messages
+
+
+def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request a Responses request amounts to."""
+    fmt = request.text.format if request.text else None
+    response_format: dict[str, Any] | None = None
+    if fmt is not None and fmt.type == "json_object":
+        response_format = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise bad_request("text.format.schema is required when type is json_schema", "text")
+        response_format = {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_}}
+    choice = request.tool_choice
+    tools = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+             for tool in request.tools or []]
+    return ChatCompletionRequest.model_validate({
+        "model": request.model,
+        "messages": messages,
+        "max_completion_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "tools": tools or None,
+        "tool_choice": choice if choice is None or isinstance(choice, str)
+        else {"type": "function", "function": {"name": choice.name}},
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "response_format": response_format,
+        "user": request.user,
+    })
+
+
+async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_request: Request) -> Any:
+    check_request(ctx, request, request.model)
+    history: list[dict[str, Any]] = []
+    if request.previous_response_id is not None:
+        previous = ctx.responses.get(request.previous_response_id)
+        if previous is None:
+            raise bad_request(f"Previous response with id {request.previous_response_id!r} not found.",
+                              "previous_response_id", "previous_response_not_found")
+        history = previous.conversation
+    conversation = history + input_messages(request)
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    chat = chat_request(request, system + conversation)
+    tools = request_tools(ctx, chat)
+    prompt = chat_prompt(ctx, chat)
+    max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), request.max_output_tokens, "max_output_tokens", "input")
+    params = sampling_params(chat, max_tokens, None, None, request.stream)
+    if tools is not None:
+        try:
+            params = tools.constrain(params)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tool_choice") from exc
+    response_id = f"resp_{uuid.uuid4().hex}"
+    try:
+        streams = start_generation(ctx, [prompt], [params], response_id, 0, None)
+    except InvalidRequestError as exc:
+        raise invalid_input(exc) from exc
+    builder = ResponseBuilder(ctx, request, response_id, tools, conversation)
+    if request.stream:
+        return streaming_response(ctx, sse_stream(ctx, builder.events(streams), lambda: None), response_id, 1)
+    [final] = await final_outputs(ctx, raw_request, streams)
+    completion = final.outputs[0]
+    content, calls = tools.calls(completion.text) if tools else (completion.text, [])
+    output = [*([message_item(item_id("msg"), content)] if content or not calls else []),
+              *(call_item(item_id("fc"), call) for call in calls)]
+    return JSONResponse(builder.finish(output, final, completion.finish_reason, len(completion.token_ids)))
+
+
+def message_item(identifier: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": identifier, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def call_item(identifier: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": identifier, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+def output_as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the assistant turn a follow-up continues."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                      "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+
+
+class ResponseBuilder:
+    def __init__(self, ctx: ServingContext, request: ResponsesRequest, response_id: str, tools: ChatTools | None,
+                 conversation: list[dict[str, Any]]) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.response_id = response_id
+        self.tools = tools
+        self.conversation = conversation
+        self.created = int(time.time())
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+                 incomplete: str | None = None) -> dict[str, Any]:
+        request = self.request
+        choice = request.tool_choice
+        named = choice is not None and not isinstance(choice, str)
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "model": self.ctx.served_model_name,
+            "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": request.previous_response_id,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "tool_choice": choice.model_dump() if named else choice or "auto",  # type: ignore[union-attr]
+            "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+            "text": request.text.model_dump(by_alias=True, exclude_none=True) if request.text
+            else {"format": {"type": "text"}},
+            "store": request.store,
+            "metadata": request.metadata or {},
+            "user": request.user,
+            "usage": usage,
+        }
+
+    def finish(self, output: list[dict[str, Any]], final: RequestOutput, reason: str | None,
+               output_tokens: int) -> dict[str, Any]:
+        """The finished response (kept in the store unless ``store`` is false)."""
+        input_tokens = len(final.prompt_token_ids)
+        usage = {
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens,
+        }
+        incomplete = "max_output_tokens" if reason == "length" else None
+        response = self.response("incomplete" if incomplete else "completed", output, usage, incomplete)
+        if self.request.store:
+            self.ctx.responses.put(self.response_id,
+                                   StoredResponse(response, self.conversation + output_as_messages(output)))
+        return response
+
+    async def events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[str, None]:
+        sequence = itertools.count()
+
+        def event(kind: str, **fields: Any) -> str:
+            payload = {"type": kind, "sequence_number": next(sequence), **fields}
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        yield event("response.created", response=self.response("in_progress", [], None))
+        yield event("response.in_progress", response=self.response("in_progress", [], None))
+        tool_stream = self.tools.stream() if self.tools else None
+        items = StreamedItems(event)
+        final: RequestOutput | None = None
+        output_tokens = 0
+        async with aclosing(merge_streams(streams)) as merged:
+            async for _, output in merged:
+                final = output
+                completion = output.outputs[0]
+                output_tokens += len(completion.token_ids)
+                deltas = ToolDeltas(content=completion.text)
+                if tool_stream is not None:
+                    deltas = tool_stream.feed(completion.text)
+                    if completion.finish_reason is not None:
+                        rest = tool_stream.finish()
+                        deltas.content += rest.content
+                        deltas.calls += rest.calls
+                for chunk in items.add(deltas):
+                    yield chunk
+        assert final is not None
+        for chunk in items.close():
+            yield chunk
+        response = self.finish(items.output, final, final.outputs[0].finish_reason, output_tokens)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield event(kind, response=response)
+
+
+class StreamedItems:
+    """The output items of a streamed response as they grow: the message's
+    text, and each call's arguments, with the events that announce them."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.output: list[dict[str, Any]] = []
+        self.message: dict[str, Any] | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # the call's index -> its item
+
+    def add(self, deltas: ToolDeltas) -> list[str]:
+        events = []
+        if deltas.content:
+            if self.message is None:
+                self.message = message_item(item_id("msg"), "", "in_progress")
+                events += self._added(self.message)
+                events.append(self.event("response.content_part.added", item_id=self.message["id"],
+                                         output_index=self._index(self.message), content_index=0,
+                                         part={"type": "output_text", "text": "", "annotations": []}))
+                self.message["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+            self.message["content"][0]["text"] += deltas.content
+            events.append(self.event("response.output_text.delta", item_id=self.message["id"],
+                                     output_index=self._index(self.message), content_index=0, delta=deltas.content))
+        for call in deltas.calls:
+            function = call.get("function", {})
+            if "id" in call:
+                item = call_item(item_id("fc"), ToolCall(function["name"], "", call["id"]), "in_progress")
+                self.calls[call["index"]] = item
+                events += self._added(item)
+            item = self.calls[call["index"]]
+            if function.get("arguments"):
+                item["arguments"] += function["arguments"]
+                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                         output_index=self._index(item), delta=function["arguments"]))
+        return events
+
+    def close(self) -> list[str]:
+        events = []
+        for item in self.output:
+            index = self._index(item)
+            item["status"] = "completed"
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                         content_index=0, text=part["text"]))
+                events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                         content_index=0, part=part))
+            else:
+                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                         output_index=index, arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _added(self, item: dict[str, Any]) -> list[str]:
+        self.output.append(item)
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))]
+
+    def _index(self, item: dict[str, Any]) -> int:
+        return next(i for i, candidate in enumerate(self.output) if candidate is item)
