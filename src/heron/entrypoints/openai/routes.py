@@ -5,12 +5,13 @@ OpenAI's shape (the OpenAPI schema says so too). Each route finds the server's
 from __future__ import annotations
 
 import logging
+from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from heron import __version__
@@ -34,6 +35,7 @@ from heron.entrypoints.openai.serving_responses import create_response
 logger = logging.getLogger(__name__)
 
 router = APIRouter()
+CHAT_PAGE = (resources.files("heron.entrypoints.openai") / "static" / "chat.html").read_text(encoding="utf-8")
 
 
 def serving_context(request: Request) -> ServingContext:
@@ -45,6 +47,12 @@ Serving = Annotated[ServingContext, Depends(serving_context)]
 INVALID_BODY: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "A field missing, of the wrong type or outside its limits"}
 }
+
+
+@router.get("/", include_in_schema=False)
+async def chat_page() -> HTMLResponse:
+    """The chat page (static/chat.html): one file, no build step, nothing from elsewhere."""
+    return HTMLResponse(CHAT_PAGE)
 
 
 @router.get("/health")
