@@ -115,6 +115,22 @@ def test_the_openai_client_streams_through_the_router(fleet):
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
 
 
+def test_stored_responses_are_followed_to_the_replica_that_holds_them(fleet):
+    """Each replica keeps its own responses: a follow-up, a GET and a DELETE
+    reach the one that answered (the router learns the id from the answer)."""
+    router, _ = fleet
+    client = OpenAI(base_url=f"{router.base_url}/v1", api_key="unused")
+    answer = client.responses.create(model="SmolLM2-135M-Instruct", input="Name a heron.", max_output_tokens=4)
+    for turn in range(6):  # spread by load, half of these would miss without affinity
+        stream = client.responses.create(model="SmolLM2-135M-Instruct", input=f"And another ({turn})?",
+                                         previous_response_id=answer.id, max_output_tokens=4, stream=turn % 2 == 1)
+        answer = list(stream)[-1].response if turn % 2 == 1 else stream
+        assert answer.status in ("completed", "incomplete")
+    assert client.responses.retrieve(answer.id).id == answer.id
+    client.responses.delete(answer.id)
+    assert httpx.get(f"{router.base_url}/v1/responses/{answer.id}", timeout=10).status_code == 404
+
+
 def test_client_errors_pass_through_and_never_open_a_breaker(fleet):
     router, _ = fleet
     for _ in range(8):

@@ -146,3 +146,19 @@ def test_the_router_hashes_chat_prompts_but_never_runs_a_clients_template():
     # a template that would loop for ever is not rendered: the request is placed by load alone
     spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     assert hasher.block_hashes(CHAT_PATH, {**body, "chat_template": spin}, block_size=16) == []
+
+
+def test_the_response_id_is_found_however_the_answer_is_cut():
+    from heron.router.response_affinity import ResponseAffinity, ResponseIdScanner
+
+    body = b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_0a1b2c","object"'
+    for cut in range(1, len(body)):
+        scanner = ResponseIdScanner()
+        scanner.feed(body[:cut])
+        scanner.feed(body[cut:])
+        assert scanner.found == "resp_0a1b2c"
+    affinity = ResponseAffinity(max_entries=2)
+    for name in ("resp_a", "resp_b", "resp_c"):
+        affinity.remember(name, "http://replica-" + name)
+    assert affinity.replica_of("resp_a") is None and affinity.replica_of("resp_c") == "http://replica-resp_c"
+    assert affinity.replica_of(None) is None

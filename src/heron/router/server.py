@@ -24,11 +24,12 @@ from heron.gc_freeze import freeze_startup_objects
 from heron.router.disaggregation import PrefillStage
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
+from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/completions", CHAT_PATH)
+GENERATION_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
 FORWARDED_PATHS = ("/v1/models", "/tokenize", "/detokenize", "/version")
 # request headers passed to the replica (the client's key reaches the replica's gateway)
 _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
@@ -71,6 +72,7 @@ class RouterServer:
         self.max_attempts = max_attempts
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=2.0)
         self.metrics = RouterMetrics()
+        self.responses = ResponseAffinity()
         self.session: aiohttp.ClientSession | None = None
         self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry, request_timeout)
                         if prefill_replicas is not None else None)
@@ -81,6 +83,7 @@ class RouterServer:
             app.router.add_post(path, self.generate)
         for path in FORWARDED_PATHS:
             app.router.add_route("*", path, self.forward)
+        app.router.add_route("*", RESPONSES_PATH + "/{response_id}", self.forward_response)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/router/replicas", self.describe)
@@ -117,10 +120,17 @@ class RouterServer:
             kv_transfer_params = await self.prefill.run(self.session, request.path, body, headers, hashes)
             if kv_transfer_params is not None:
                 raw = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
-        return await self._proxy(request, raw, hashes, session if isinstance(session, str) else None)
+        previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
+        pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
+        return await self._proxy(request, raw, hashes, session if isinstance(session, str) else None, pinned)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, await request.read(), [], None)
+
+    async def forward_response(self, request: web.Request) -> web.StreamResponse:
+        """GET or DELETE of a stored response: to the replica that holds it."""
+        pinned = self.responses.replica_of(request.match_info["response_id"])
+        return await self._proxy(request, await request.read(), [], None, pinned)
 
     async def health(self, _: web.Request) -> web.Response:
         usable = self.replicas.usable()
@@ -148,13 +158,16 @@ class RouterServer:
     # ---- proxying ----------------------------------------------------------------
 
     async def _proxy(self, request: web.Request, raw: bytes, hashes: list[bytes],
-                     session: str | None) -> web.StreamResponse:
+                     session: str | None, pinned: str | None = None) -> web.StreamResponse:
+        """``pinned``: the replica holding the stored response the request names
+        (tried first while usable; elsewhere it answers that it has no such response)."""
         tried: list[Replica] = []
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
         for attempt in range(self.max_attempts):
             candidates = self.replicas.usable(exclude=tried)
             if not candidates:
                 break
+            candidates = [r for r in candidates if r.url == pinned] or candidates
             decision = self.router.choose(candidates, hashes, session)
             replica = decision.replica
             assert isinstance(replica, Replica)
@@ -205,8 +218,13 @@ class RouterServer:
                 response.headers[key] = value
         await response.prepare(request)
         event_stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and upstream.status == 200 else None
         try:
             async for chunk in upstream.content.iter_any():
+                if scanner is not None and scanner.found is None:
+                    scanner.feed(chunk)
+                    if scanner.found is not None:
+                        self.responses.remember(scanner.found, replica.url)
                 await response.write(chunk)
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             logger.warning("replica %s cut a response: %s", replica.url, exc)
