@@ -46,3 +46,19 @@ def server():
     process = ServerProcess("--max-model-len", "512", "--quantization", "none", "--dtype", "float32")
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    """A live `heron serve` as a user starts it (the default int4 fast path),
+    with room for long conversations (tools, the Responses API, the chat page)."""
+    process = ServerProcess("--max-model-len", "2048")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def default_client(default_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused")

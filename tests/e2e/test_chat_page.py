@@ -30,13 +30,6 @@ def browser():
         browser.close()
 
 
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess("--max-model-len", "2048")
-    yield process
-    process.stop()
-
-
 def chat_requests(page) -> list[dict]:
     """The bodies of the chat requests the page sends, as it sends them."""
     sent: list[dict] = []
@@ -54,10 +47,10 @@ def last_answer(page) -> str:
     return page.locator(".message.assistant").last.inner_text()
 
 
-def test_a_question_streams_its_answer_and_the_conversation_carries_on(browser, server):
+def test_a_question_streams_its_answer_and_the_conversation_carries_on(browser, default_server):
     page = browser.new_page()
     sent = chat_requests(page)
-    page.goto(server.base_url + "/")
+    page.goto(default_server.base_url + "/")
     page.wait_for_function("document.getElementById('model').textContent === 'SmolLM2-135M-Instruct'")
     page.fill("#system", "You are a geography teacher.")
     page.fill("#temperature", "0")
@@ -80,9 +73,9 @@ def test_a_question_streams_its_answer_and_the_conversation_carries_on(browser, 
     page.close()
 
 
-def test_stop_ends_the_stream_and_the_server_aborts_it(browser, server):
+def test_stop_ends_the_stream_and_the_server_aborts_it(browser, default_server):
     page = browser.new_page()
-    page.goto(server.base_url + "/")
+    page.goto(default_server.base_url + "/")
     page.wait_for_function("document.getElementById('model').textContent.startsWith('SmolLM2')")
     page.fill("#max-tokens", "1500")
     ask(page, "Write a very long story about a heron.")
@@ -95,7 +88,7 @@ def test_stop_ends_the_stream_and_the_server_aborts_it(browser, server):
     time.sleep(1.0)
     assert last_answer(page) == text  # nothing more arrives
     deadline = time.monotonic() + 10
-    while server.metric("heron:num_requests_running") != 0:
+    while default_server.metric("heron:num_requests_running") != 0:
         assert time.monotonic() < deadline, "the stopped request is still running"
         time.sleep(0.2)
     page.close()

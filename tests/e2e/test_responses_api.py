@@ -12,78 +12,65 @@ import json
 import httpx
 import jsonschema
 import pytest
-from openai import BadRequestError, NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError
 
 from heron.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from tests.e2e.server_process import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess("--max-model-len", "2048")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
-
-
-def test_a_text_answer_is_stored_continued_and_deleted(client):
-    first = client.responses.create(model=MODEL, input="What is the capital of France?",
+def test_a_text_answer_is_stored_continued_and_deleted(default_client):
+    first = default_client.responses.create(model=MODEL, input="What is the capital of France?",
                                     instructions="Answer in one sentence.", max_output_tokens=40, temperature=0)
     assert first.status == "completed" and first.id.startswith("resp_") and "Paris" in first.output_text
     assert first.usage.input_tokens > 0 and first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens
     [item] = first.output
     assert item.type == "message" and item.role == "assistant" and item.status == "completed"
     # the follow-up sees the first turn: "And of Germany?" only makes sense after it
-    second = client.responses.create(model=MODEL, input="And of Germany?", previous_response_id=first.id,
+    second = default_client.responses.create(model=MODEL, input="And of Germany?", previous_response_id=first.id,
                                      max_output_tokens=40, temperature=0)
     assert "Berlin" in second.output_text and second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    assert client.responses.retrieve(first.id).output_text == first.output_text
-    client.responses.delete(first.id)
+    assert default_client.responses.retrieve(first.id).output_text == first.output_text
+    default_client.responses.delete(first.id)
     with pytest.raises(NotFoundError):
-        client.responses.retrieve(first.id)
+        default_client.responses.retrieve(first.id)
     with pytest.raises(BadRequestError) as info:
-        client.responses.create(model=MODEL, input="And Italy?", previous_response_id=first.id, max_output_tokens=4)
+        default_client.responses.create(model=MODEL, input="And Italy?", previous_response_id=first.id, max_output_tokens=4)
     assert info.value.body["param"] == "previous_response_id"
 
 
-def test_store_false_keeps_nothing(client):
-    answer = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
+def test_store_false_keeps_nothing(default_client):
+    answer = default_client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
     with pytest.raises(NotFoundError):
-        client.responses.retrieve(answer.id)
+        default_client.responses.retrieve(answer.id)
 
 
-def test_json_schema_output(client):
+def test_json_schema_output(default_client):
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
               "required": ["name", "age"], "additionalProperties": False}
-    answer = client.responses.create(model=MODEL, input="Describe a person as JSON.", max_output_tokens=80,
+    answer = default_client.responses.create(model=MODEL, input="Describe a person as JSON.", max_output_tokens=80,
                                      temperature=0,
                                      text={"format": {"type": "json_schema", "name": "person", "schema": person}})
     jsonschema.validate(json.loads(answer.output_text), person)
 
 
-def test_a_function_call_and_its_output_round_trip(client):
-    answer = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=TOOLS,
+def test_a_function_call_and_its_output_round_trip(default_client):
+    answer = default_client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=TOOLS,
                                      tool_choice="required", parallel_tool_calls=False, max_output_tokens=60,
                                      temperature=0)
     [call] = answer.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER)
-    follow_up = client.responses.create(
+    follow_up = default_client.responses.create(
         model=MODEL, previous_response_id=answer.id, tools=TOOLS, max_output_tokens=30, temperature=0,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}])
     assert follow_up.status in ("completed", "incomplete") and follow_up.output
     # the same conversation given whole, without the store
-    whole = client.responses.create(
+    whole = default_client.responses.create(
         model=MODEL, tools=TOOLS, max_output_tokens=30, temperature=0, store=False,
         input=[{"role": "user", "content": "What is the weather in Paris?"},
                {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
@@ -91,8 +78,8 @@ def test_a_function_call_and_its_output_round_trip(client):
     assert whole.output_text == follow_up.output_text
 
 
-def test_streamed_events_come_in_order_and_add_up(client):
-    events = list(client.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=200,
+def test_streamed_events_come_in_order_and_add_up(default_client):
+    events = list(default_client.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=200,
                                           temperature=0, stream=True))
     kinds = [event.type for event in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -106,8 +93,8 @@ def test_streamed_events_come_in_order_and_add_up(client):
     assert final.status == "completed" and final.usage.output_tokens > 0
 
 
-def test_the_sdk_stream_helper_builds_the_final_response(client):
-    with client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=TOOLS,
+def test_the_sdk_stream_helper_builds_the_final_response(default_client):
+    with default_client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=TOOLS,
                                  tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
                                  temperature=0) as stream:
         kinds = [event.type for event in stream]
@@ -118,8 +105,8 @@ def test_the_sdk_stream_helper_builds_the_final_response(client):
     jsonschema.validate(json.loads(call.arguments), WEATHER)
 
 
-def test_a_cut_answer_is_incomplete(client):
-    answer = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3)
+def test_a_cut_answer_is_incomplete(default_client):
+    answer = default_client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3)
     assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
     assert answer.usage.output_tokens == 3
 
@@ -134,8 +121,8 @@ def test_a_cut_answer_is_incomplete(client):
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": "hi", "temperature": 3}, "temperature"),
 ])
-def test_bad_requests_are_400s_naming_the_field(server, body, param):
-    response = httpx.post(f"{server.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+def test_bad_requests_are_400s_naming_the_field(default_server, body, param):
+    response = httpx.post(f"{default_server.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
 

@@ -32,18 +32,6 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris, and what time is it there?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess("--max-model-len", "2048")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
-
-
 def check_calls(calls, names=None):
     assert calls, "no tool calls"
     for call in calls:
@@ -68,8 +56,8 @@ def merge_streamed(chunks):
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-def test_required_gives_valid_calls(client, parallel):
-    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
+def test_required_gives_valid_calls(default_client, parallel):
+    answer = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
                                             parallel_tool_calls=parallel, max_tokens=120, temperature=0)
     choice = answer.choices[0]
     assert choice.message.content is None
@@ -81,10 +69,10 @@ def test_required_gives_valid_calls(client, parallel):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_named_function_is_called_with_valid_arguments(client, seed):
+def test_a_named_function_is_called_with_valid_arguments(default_client, seed):
     """Sampled, not greedy: the grammar holds every token to the schema (the
     string's length bound included)."""
-    answer = client.chat.completions.create(
+    answer = default_client.chat.completions.create(
         model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=80, temperature=1.0, seed=seed,
         tool_choice={"type": "function", "function": {"name": "get_time"}})
     [call] = answer.choices[0].message.tool_calls
@@ -92,8 +80,8 @@ def test_a_named_function_is_called_with_valid_arguments(client, seed):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_calls_arrive_as_openai_deltas(client, tool_choice):
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+def test_streamed_calls_arrive_as_openai_deltas(default_client, tool_choice):
+    stream = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
                                             max_tokens=120, temperature=0, stream=True)
     calls, content, reasons = merge_streamed(stream)
     assert content == "" and reasons in (["tool_calls"], ["length"]) and calls
@@ -104,9 +92,9 @@ def test_streamed_calls_arrive_as_openai_deltas(client, tool_choice):
         assert [entry["name"] for entry in calls.values()] == ["get_weather"]
 
 
-def test_none_and_auto_answer_in_text_when_the_model_writes_no_call(client):
+def test_none_and_auto_answer_in_text_when_the_model_writes_no_call(default_client):
     for tool_choice in ("none", "auto"):
-        answer = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+        answer = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
                                                 max_tokens=24, temperature=0)
         message = answer.choices[0].message
         if message.tool_calls:  # auto: the model may call, and then validly
@@ -114,22 +102,22 @@ def test_none_and_auto_answer_in_text_when_the_model_writes_no_call(client):
             check_calls(message.tool_calls)
         else:
             assert message.content and answer.choices[0].finish_reason in ("stop", "length")
-    streamed = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none",
+    streamed = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none",
                                               max_tokens=24, temperature=0, stream=True)
     calls, content, _ = merge_streamed(streamed)
     assert not calls and content == message.content or tool_choice == "auto"
 
 
-def test_a_conversation_with_a_call_and_its_result_round_trips(server, client):
+def test_a_conversation_with_a_call_and_its_result_round_trips(default_server, default_client):
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
-    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=24, temperature=0)
+    answer = default_client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=24, temperature=0)
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
     # the model saw the tools, its call and the result
-    tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
-    prompt = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    tokens = httpx.post(f"{default_server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
+    prompt = httpx.post(f"{default_server.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in prompt
     assert "<tool_response>\n18 degrees and sunny\n</tool_response>" in prompt
 
@@ -143,10 +131,10 @@ def test_a_conversation_with_a_call_and_its_result_round_trips(server, client):
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
-def test_bad_tool_requests_are_400s_naming_the_field(client, fields, param):
+def test_bad_tool_requests_are_400s_naming_the_field(default_client, fields, param):
     body = {"tools": TOOLS, **fields}
     with pytest.raises(BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4,
+        default_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4,
                                        **{k: v for k, v in body.items() if v is not None})
     assert info.value.body["param"] == param, info.value.body
 
