@@ -3,13 +3,14 @@ processes on one port, each talking to both engine cores. Connections reach
 both; answers are right; /metrics from either counts every request once; the
 rate limit holds for the server, not per process; a dying API server takes the
 whole server down cleanly, and so does SIGINT (two API servers over one
-engine core there)."""
+engine core there); the waiting-request bound holds for the server too."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
@@ -138,3 +139,32 @@ def test_a_dead_api_server_stops_the_whole_server_and_sigint_stops_it_cleanly():
         raise
     assert gone(family)
     server.stop()
+
+
+def test_the_waiting_bound_holds_for_the_server_not_per_process():
+    """One engine slot (--max-num-seqs 1) and room for 2 waiting requests: of 10
+    long requests sent a moment apart on fresh connections (spread over both
+    API servers), the running one and 2 waiting are admitted, the other 7 get
+    429 at once, wherever they land. A bound per process would admit up to 5."""
+    server = ServerProcess("--api-server-count", "2", "--max-num-seqs", "1", "--max-waiting-requests", "2")
+    try:
+        body = {"model": MODEL, "prompt": "Tell me about herons.", "max_tokens": 250, "ignore_eos": True}
+        statuses: list[int] = []
+        servers_seen: set[int] = set()
+
+        def send() -> None:
+            with httpx.Client() as fresh:  # a new connection: SO_REUSEPORT picks the process, kept for both calls
+                servers_seen.add(fresh.get(f"{server.base_url}/health", timeout=5).json()["api_server"])
+                statuses.append(fresh.post(f"{server.base_url}/v1/completions", json=body, timeout=120).status_code)
+
+        threads = []
+        for _ in range(10):
+            threads.append(threading.Thread(target=send))
+            threads[-1].start()
+            time.sleep(0.25)  # each arrives after the ones before were admitted or refused
+        for thread in threads:
+            thread.join(120)
+        assert sorted(statuses) == [200] * 3 + [429] * 7, statuses
+        assert servers_seen == {0, 1}
+    finally:
+        server.stop()
