@@ -126,6 +126,34 @@ def test_any_json_value_in_any_field(fuzzed, field, value):
         assert response.status_code == 400, value
 
 
+RESPONSES_FIELDS = ["input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+                    "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "metadata", "stream"]
+response_items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
+                           "content": st.text(max_size=20) | json_values}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "message", "reasoning"])},
+                          optional={"call_id": st.text(max_size=8), "name": st.text(max_size=8),
+                                    "arguments": st.text(max_size=20), "output": json_values}),
+), max_size=4)
+
+
+@FUZZ
+@given(field=st.sampled_from([*RESPONSES_FIELDS, "tool_choice", "parallel_tool_calls"]),
+       value=json_values | response_items, items=response_items)
+def test_any_json_in_the_responses_api_and_tool_fields(fuzzed, field, value, items):
+    """The Responses API's fields and input items, and chat's tool fields, given
+    anything: a 200 or a 400 naming the field (or ``input`` for the items)."""
+    body = {"model": MODEL, "max_output_tokens": 2, "input": items or "hi", field: value}
+    if field in RESPONSES_FIELDS:
+        response = post(fuzzed, "/v1/responses", body, "responses")
+        assert_ok_or_names(response, {field, "input", "tool_choice", "tools"})
+    fields: dict[str, Any] = {"tools": [{"type": "function", "function": {"name": "f"}}]}
+    if field in ("tool_choice", "parallel_tool_calls", "tools"):
+        fields[field] = value
+    response = post(fuzzed, "/v1/chat/completions", chat([{"role": "user", "content": "hi"}], **fields), "chat tools")
+    assert_ok_or_names(response, {field, "tools", "tool_choice"})
+
+
 @FUZZ
 @given(depth=st.integers(3, 200_000), kind=st.sampled_from(["[", "{\"a\":"]),
        field=st.sampled_from(["prompt", "logit_bias", "response_format", "stop", "structured_outputs"]))
