@@ -186,10 +186,13 @@ def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tok
     was asked."""
     from transformers import AutoModelForCausalLM
 
+    from heron.engine import resolve
     from heron.engine.args import EngineArgs
     from heron.kernels.cpu import isa
 
-    monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar", "avx2"])  # the same choice on any CPU
+    # the same choice on any CPU: AVX2 kernels, no native bf16 (with it, an unquantized "auto" is bf16: below)
+    monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar", "avx2"])
+    monkeypatch.setattr(resolve, "cpu_has_native_bf16", lambda: False)
     directory = str(tmp_path / "src")
     build_tiny_model(directory, dict(model_type="llama", intermediate_size=128, hidden_size=128,
                                      num_attention_heads=4, num_key_value_heads=2), embedded_tokenizer)
@@ -202,9 +205,14 @@ def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tok
     assert EngineArgs(model=path, device="cpu", dtype="bfloat16", max_model_len=64).create_engine_config().model.quantization == "none"
     assert EngineArgs(model=path, device="cpu", quantization="none", max_model_len=64).create_engine_config().model.quantization == "none"
     assert EngineArgs(model=directory, device="cpu", max_model_len=64).create_engine_config().model.quantization == "none"  # not a GGUF
+    monkeypatch.setattr(resolve, "cpu_has_native_bf16", lambda: True)
+    native_bf16 = EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config().model
+    assert native_bf16.quantization == expected  # a low-bit file stays low-bit, on float32
+    assert native_bf16.dtype == (torch.bfloat16 if expected == "none" else torch.float32)
+    monkeypatch.setattr(resolve, "cpu_has_native_bf16", lambda: False)
     if expected == "int4":  # Q4_0 and Q4_1 blocks alike are held exactly (attn_q is Q4_0, attn_k Q4_1)
         llm = LLM(path, max_model_len=64, num_kv_blocks=16)
-        reference = LLM(path, quantization="none", max_model_len=64, num_kv_blocks=16)
+        reference = LLM(path, quantization="none", dtype="float32", max_model_len=64, num_kv_blocks=16)
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             held = llm.engine.engine_core.model_runner.model.layers[0].get_submodule(name).dequantized
             exact = reference.engine.engine_core.model_runner.model.layers[0].get_submodule(name).weight
