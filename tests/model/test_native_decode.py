@@ -1,6 +1,6 @@
-"""The native decode path of low-bit models (int4, int8: one C call per decode step) computes
-what the torch path computes, in every batching situation (decodes beside
-prefill chunks fall back to torch, preemption, prefix hits, sliding windows).
+"""The native forward pass of low-bit models (int4, int8: one C call per step, decodes and
+prefill chunks alike) computes what the torch path computes, in every batching
+situation (prefill chunks beside decodes, preemption, prefix hits, sliding windows).
 
 Both paths round each linear layer's input to int8 (blocks of 16), so they are
 not bit-identical: float32 rounding differences in the norms or attention move
@@ -30,7 +30,7 @@ LOGPROB_TOLERANCE = 0.02  # seen: at most 0.008; a planted RoPE bug (keys not ro
 def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int], list[dict]]]:
     model = llm.engine.engine_core.model_runner.model
     decoder = model.native_decoder
-    calls = {"native": 0, "rows": 0}
+    calls = {"native": 0, "rows": 0, "decode_rows": 0, "prefill_steps": 0}
     if native:
         original = decoder.__call__
 
@@ -38,10 +38,14 @@ def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int
             def covers(self, *args):
                 return decoder.covers(*args)
 
-            def __call__(self, hidden, *args):
+            def __call__(self, hidden, rope, metadata):
                 calls["native"] += 1
                 calls["rows"] = max(calls["rows"], hidden.shape[0])
-                return original(hidden, *args)
+                if metadata.all_decode:
+                    calls["decode_rows"] = max(calls["decode_rows"], hidden.shape[0])
+                else:
+                    calls["prefill_steps"] += 1
+                return original(hidden, rope, metadata)
 
         model.native_decoder = Counting()
     else:
@@ -53,6 +57,8 @@ def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int
     if native:
         assert calls["native"] > 0
         run.largest_native_batch = calls["rows"]
+        run.largest_native_decode = calls["decode_rows"]
+        run.native_prefill_steps = calls["prefill_steps"]
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
@@ -81,17 +87,18 @@ def test_native_decode_matches_the_torch_path(tiny_model_dir, family, quantizati
         assert compared >= 0.8 * len(prompts) * PARAMS.max_tokens, situation
 
 
-def test_decode_only_steps_of_any_size_run_natively(tiny_model_dir):
+def test_steps_of_any_size_and_kind_run_natively(tiny_model_dir):
     """A batch of 20 decodes (more than the 4-row tiles and the 16 rows the native
-    path once stopped at) runs natively and matches the torch path; a step with a
-    prefill chunk does not run natively."""
+    path once stopped at) and the steps holding the prompts run natively and
+    match the torch path."""
     llm = LLM(tiny_model_dir("llama"), quantization="int4", max_model_len=128, num_kv_blocks=256)
     decoder = llm.engine.engine_core.model_runner.model.native_decoder
     assert decoder is not None
     prompts = random_prompts([7 + 3 * i for i in range(20)], seed=5)
     torch_path = run(llm, prompts, native=False)
     native = run(llm, prompts, native=True)
-    assert run.largest_native_batch == 20
+    assert run.largest_native_decode == 20
+    assert run.native_prefill_steps > 0 and run.largest_native_batch > 20
     compared = 0
     for (tokens, logprobs), (native_tokens, native_logprobs) in zip(torch_path, native):
         for token, native_token, position, native_position in zip(tokens, native_tokens, logprobs, native_logprobs):
@@ -100,8 +107,6 @@ def test_decode_only_steps_of_any_size_run_natively(tiny_model_dir):
             if token != native_token:
                 break
     assert compared >= 0.8 * len(prompts) * PARAMS.max_tokens
-    metadata = type("Metadata", (), {"all_decode": False, "decode_block_table": object()})()
-    assert not decoder.covers(metadata)
 
 
 def test_low_bit_modes_pick_float32_and_refuse_other_dtypes(tiny_model_dir):
@@ -151,3 +156,39 @@ def test_every_kernel_build_the_cpu_runs_gives_the_scalar_builds_tokens(tiny_mod
             assert got.token_ids == expected.token_ids, build
             for step, expected_step, token in zip(got.logprobs, expected.logprobs, expected.token_ids):
                 assert abs(step[token].logprob - expected_step[token].logprob) < 1e-3, build
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-sliding-window"])
+def test_a_tokens_result_does_not_depend_on_its_batch(tiny_model_dir, family):
+    """The native forward pass computes each token's row alike whatever the step
+    holds (the linears are row-wise bit-identical, and attention treats every token
+    as one query row over its request's cache): greedy tokens and their logprobs
+    are *equal*, not close, whether a request runs alone, beside others, in
+    prefill chunks of 7 tokens, through preemption in a tight pool, from a
+    prefix-cache hit, or with n-gram drafts verified several at a time."""
+    directory = tiny_model_dir(family)
+    shared = random_prompts([40], seed=21)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 19, 30], seed=22)] + random_prompts([9, 33], seed=23)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+
+    def outputs(batched: bool, **engine: object) -> list[tuple[list[int], list[dict[int, float]]]]:
+        llm = LLM(directory, quantization="int4", **{"max_model_len": 128, "num_kv_blocks": 64, **engine})
+        assert llm.engine.engine_core.model_runner.model.native_decoder is not None
+        if batched:
+            results = llm.generate(prompts, params, use_tqdm=False)
+        else:  # each request alone (the first one also warms the prefix cache for the others)
+            results = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
+        return [(r.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in r.outputs[0].logprobs])
+                for r in results]
+
+    reference = outputs(False, enable_prefix_caching=False)
+    situations = {
+        "batched": dict(batched=True),
+        "prefix cache hits": dict(batched=False),
+        "chunked prefill": dict(batched=True, max_num_batched_tokens=7),
+        "preemption": dict(batched=True, num_kv_blocks=20, block_size=8),
+        "n-gram drafts": dict(batched=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    }
+    for name, situation in situations.items():
+        batched = bool(situation.pop("batched"))
+        assert outputs(batched, **situation) == reference, name

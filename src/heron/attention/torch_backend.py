@@ -42,8 +42,35 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes]
     all_decode: bool = False  # every token is a decode: no gather/scatter of rows needed
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # the step's layout on the host, for token_rows()
+    host_layout: BatchLayout | None = None
     # (kind, index, sliding window) -> boolean mask, built on first use
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
+    _token_rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Every token of the step as a query row of paged attention (the native
+        forward pass attends all of them alike): the requests' block table
+        ``[num_reqs, max_blocks]``, each token's row in it (None: token i is
+        request i's only one) and each token's context length (position + 1),
+        int64 CPU tensors."""
+        if self._token_rows is None:
+            if self.all_decode:
+                assert self.decode_block_table is not None and self.decode_seq_lens is not None
+                self._token_rows = (self.decode_block_table, None, self.decode_seq_lens)
+            else:
+                layout = self.host_layout
+                assert layout is not None
+                query_lens = layout.query_lens
+                rows = np.repeat(np.arange(layout.num_reqs, dtype=np.int64), query_lens)
+                first_position = layout.seq_lens - query_lens  # of each request's tokens in this step
+                context_lens = (np.arange(layout.num_tokens, dtype=np.int64) - layout.query_start_loc[rows]
+                                + first_position[rows] + 1)
+                max_blocks = int(cdiv(int(layout.seq_lens.max()), layout.block_size))
+                block_table = np.ascontiguousarray(layout.block_table[:, :max_blocks], dtype=np.int64)
+                self._token_rows = (torch.from_numpy(block_table), torch.from_numpy(rows),
+                                    torch.from_numpy(context_lens))
+        return self._token_rows
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         key = ("decode", 0, sliding_window)
@@ -89,6 +116,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
             slot_mapping=layout.slot_mapping,
             num_tokens=layout.num_tokens,
             block_size=layout.block_size,
+            host_layout=layout,
         )
         decode_rows = np.flatnonzero(query_lens == 1)
         if decode_rows.size:

@@ -1,14 +1,15 @@
-"""The native decode path of a low-bit Llama on the CPU: one C call runs every
-layer of a decode step (``kernels/cpu/csrc/llama_decode.c``).
+"""The native forward pass of a low-bit Llama on the CPU: one C call runs every
+layer of a step (``kernels/cpu/csrc/llama_forward.c``), whatever it holds:
+decodes, prefill chunks (with or without a cached prefix), draft tokens.
 
-It serves steps where every request decodes one token (any number of them);
-steps with a prefill chunk take the torch path. Both paths use the same low-bit
-matrix and attention kernels and compute the same function; they differ by
-float32 rounding, which the int8 rounding of layer inputs now and then turns
+Both this and the torch path use the same low-bit matrix kernels and compute
+the same function; they differ by float32 rounding (attention sums in another
+order than torch's), which the int8 rounding of layer inputs now and then turns
 into a rounding step (logprobs within about 0.01). It is enabled for
 ``--quantization int4`` and ``int8`` models whose layers it covers (4-bit or
 int8 linears without biases, no Q/K norms, SiLU, float32 KV cache);
-``HERON_DISABLE_NATIVE_DECODE=1`` turns it off.
+``HERON_DISABLE_NATIVE_DECODE=1`` turns it off (the name is from when it ran
+decode steps only).
 """
 
 from __future__ import annotations
@@ -67,16 +68,16 @@ def _lowbit(linear: Int4WeightOnlyLinear | Int8WeightInt8InputLinear) -> _LowBit
 
 class NativeLowBitDecoder:
     """Holds the C view of a low-bit LlamaForCausalLM (weight pointers; the tensors
-    stay owned by the model) and runs its decode steps."""
+    stay owned by the model) and runs its steps."""
 
     def __init__(self, model: Any, library: ctypes.CDLL) -> None:
         self.model = model
-        self.function = library.heron_llama_decode_lowbit
+        self.function = library.heron_llama_forward_lowbit
         self.function.restype = ctypes.c_int
         self.function.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_DecoderLayer), ctypes.c_int64, ctypes.c_void_p,
             _LlamaShape, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
         ]
         first = model.layers[0]
         attention = first.self_attn
@@ -112,7 +113,7 @@ class NativeLowBitDecoder:
 
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
-        """Why the native path cannot run ``model``'s decode steps, or None when it can."""
+        """Why the native path cannot run ``model``'s steps, or None when it can."""
         if envs.is_set(envs.HERON_DISABLE_NATIVE_DECODE):
             return "HERON_DISABLE_NATIVE_DECODE is set"
         if native_library() is None:
@@ -144,12 +145,9 @@ class NativeLowBitDecoder:
         return None
 
     def covers(self, metadata: AttentionMetadata) -> TypeGuard[TorchAttentionMetadata]:
-        """Whether this step can run natively: a decode-only CPU step."""
-        return (
-            isinstance(metadata, TorchAttentionMetadata)
-            and metadata.all_decode
-            and metadata.decode_block_table is not None
-        )
+        """Whether this step can run natively: any step of the CPU's attention
+        backend (the model's layers were checked when the decoder was built)."""
+        return isinstance(metadata, TorchAttentionMetadata) and metadata.num_tokens > 0
 
     def _bind_caches(self) -> None:
         caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
@@ -170,16 +168,15 @@ class NativeLowBitDecoder:
         self._bind_caches()
         hidden = hidden.contiguous()
         cos, signed_sin = (table.reshape(hidden.shape[0], -1).contiguous() for table in rope)
-        assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None  # covers() held
+        block_table, table_rows, context_lens = metadata.token_rows()
         slots = metadata.slot_mapping.contiguous()
-        block_table = metadata.decode_block_table.contiguous()
-        seq_lens = metadata.decode_seq_lens.contiguous()
         kv_cache = self.model.layers[0].self_attn.attn.kv_cache
         status = self.function(
             hidden.data_ptr(), hidden.shape[0], self.layers, len(self.layers), self.model.norm.weight.data_ptr(),
             self.shape, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), block_table.data_ptr(),
-            block_table.shape[1], seq_lens.data_ptr(), kv_cache.shape[2], kv_cache.shape[1],
+            block_table.shape[1], None if table_rows is None else table_rows.data_ptr(), context_lens.data_ptr(),
+            kv_cache.shape[2], kv_cache.shape[1],
         )
         if status != 0:
-            raise RuntimeError(f"native decode step failed (status {status})")
+            raise RuntimeError(f"native forward pass failed (status {status})")
         return hidden

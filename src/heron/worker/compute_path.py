@@ -41,9 +41,12 @@ def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool) 
     return f"torch ({NativeLowBitDecoder.unsupported_reason(model)})"
 
 
-def _attention_path(backend_name: str, device: torch.device, dtype: torch.dtype, num_heads: int) -> str:
+def _attention_path(model: nn.Module, backend_name: str, device: torch.device, dtype: torch.dtype,
+                    num_heads: int) -> str:
     if device.type != "cpu" or backend_name != "torch":
         return backend_name
+    if getattr(model, "native_decoder", None) is not None:
+        return "heron C paged (every step)"
     from heron.kernels.cpu.ops import supports_paged_decode
 
     return "torch prefill, heron C paged decode" if supports_paged_decode(dtype, num_heads) else "torch"
@@ -69,7 +72,7 @@ def describe_compute_path(
         path["cpu"] = cpu_summary()
     path["linear"] = _linear_path(model, config.model.quantization)
     num_heads = model.attention_layers()[0].spec.num_heads
-    path["attention"] = _attention_path(backend_name, device, config.model.dtype, num_heads)
+    path["attention"] = _attention_path(model, backend_name, device, config.model.dtype, num_heads)
     path["decode"] = _decode_path(model, device, use_cuda_graphs)
     return {key: path[key] for key in COMPUTE_PATH_KEYS}
 

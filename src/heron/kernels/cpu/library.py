@@ -26,8 +26,8 @@ from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_i
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_decode.c", "quantize_weights.c")
-HEADERS = ("lowbit_input.h", "simd.h")
+SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_forward.c", "quantize_weights.c")
+HEADERS = ("lowbit_input.h", "simd.h", "vector_exp.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DISABLE_ENV = envs.HERON_DISABLE_NATIVE
 
@@ -72,9 +72,9 @@ def _build(compiler: str, flags: list[str]) -> str:
 
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """Give the library's entry points their ctypes signatures."""
-    attention = library.heron_paged_decode_attention_f32
+    attention = library.heron_paged_attention_f32
     attention.restype = ctypes.c_int
-    attention.argtypes = [*[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int64]
+    attention.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int64]
     q4 = library.heron_q4_linear_f32
     q4.restype = ctypes.c_int
     q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64]

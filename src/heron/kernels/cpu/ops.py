@@ -40,21 +40,26 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
     library: ctypes.CDLL | None = None,
+    table_rows: torch.Tensor | None = None,  # [B] int64: each query row's block-table row (None: row i)
 ) -> torch.Tensor:
+    """Each query row over its request's cached K/V, up to ``seq_lens`` (its own
+    position + 1): a decode, or one token of a prefill chunk whose K/V is cached."""
     library = library or native_library()
     assert library is not None
     query = query.contiguous()
     block_table = block_table.contiguous()
+    table_rows = None if table_rows is None else table_rows.contiguous()  # held until the call returns
     output = torch.empty_like(query)
     num_seqs, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    status = library.heron_paged_decode_attention_f32(
-        output.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
+    status = library.heron_paged_attention_f32(
+        output.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(),
+        None if table_rows is None else table_rows.data_ptr(), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1],
         scale, sliding_window or 0,
     )
     if status != 0:
-        raise MemoryError("paged decode attention could not allocate its score buffer")
+        raise MemoryError("paged attention could not allocate its score buffer")
     return output
 
 

@@ -1,21 +1,32 @@
 /*
- * Paged attention for decode steps on the CPU (float32).
- *
- * One query token per sequence attends over that sequence's K/V, read in place
- * from the paged cache through its block table: no gather into a padded tensor.
+ * Paged attention on the CPU (float32), for any query rows: each row (a decode
+ * token, or one token of a prefill chunk) attends over its request's K/V up to
+ * and including its own position, read in place from the paged cache through
+ * the request's block table: no gather into a padded tensor. This step's K/V
+ * must be in the cache already, which makes attention causal within a chunk.
  * Work is split over OpenMP threads by sequence (by sequence and KV head when
  * there are few sequences); a task computes the scores of its query heads against
  * every key, then a softmax (exp vectorized), then the weighted sum of values,
  * all in float32. With a task per sequence each cached slot (every KV head) is
  * read as one contiguous run, which the hardware prefetcher follows: reading a
- * third of each slot per task ran at about 7 GB/s. Loops over the head
- * dimension are written so the compiler vectorizes them (-O3 -march=native).
+ * third of each slot per task ran at about 7 GB/s.
+ *
+ * The vector builds (AVX2, AVX-512) take head sizes of 1 to 16 vectors on a
+ * path of their own: scores for a vector's width of positions at once (each
+ * position's dot product left as a vector of partial sums, then all of them
+ * summed across lanes in one shuffle tree: no horizontal sum per dot product),
+ * and the values' weighted sums for several query heads held in registers over
+ * every position (the output is not loaded and stored once per position).
+ * Measured on an AVX-512 EPYC, 30 layers at batch 32 and context 330: 39 ms
+ * before, see BENCHMARKS.md. The portable loops below are the reference and
+ * serve any other head size.
  *
  * Layouts (contiguous):
- *   q, out      [num_seqs, num_heads, head_dim]
+ *   q, out      [num_seqs, num_heads, head_dim]  (a "sequence" is a query row)
  *   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]  (K then V)
- *   block_table [num_seqs, max_blocks_per_seq]  int64
- *   seq_lens    [num_seqs]  int64 (context length including the new token)
+ *   block_table [table rows, max_blocks_per_seq]  int64
+ *   table_rows  [num_seqs]  int64: the block-table row of each query row (NULL: row i uses row i)
+ *   seq_lens    [num_seqs]  int64 (context length including the query's own token)
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,30 +49,7 @@ static inline void axpy(float *restrict y, float alpha, const float *restrict x,
     for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
-#if defined(HERON_AVX2)
-/* e^x for x <= 0 (scores minus their maximum), 8 lanes: x = n ln2 + r with
- * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under
- * 2e-7, about libm's), times 2^n built in the exponent bits; below -87 it
- * returns 0 (e^-87 is under float's normal range). */
-static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 lowest = _mm256_set1_ps(-87.0f);
-    const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lowest);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: exact n * hi */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
-}
-#endif
+#include "vector_exp.h"
 
 /* row[i] = e^(row[i] - maximum); returns their sum */
 static float exp_and_sum(float *row, int64_t count, float maximum) {
@@ -86,8 +74,219 @@ static float exp_and_sum(float *row, int64_t count, float maximum) {
     return total;
 }
 
-int heron_paged_decode_attention_f32(
-    float *out, const float *q, const float *kv_cache, const int64_t *block_table, const int64_t *seq_lens,
+#if defined(HERON_AVX2)
+/* ---- the vector path: VEC_LANES floats a vector ---- */
+#if defined(HERON_AVX512)
+#define VEC_LANES 16
+#define MAX_ACCUMULATORS 24 /* of 32 zmm registers: the rest hold values and scores */
+typedef __m512 vec;
+#define vec_load _mm512_loadu_ps
+#define vec_store _mm512_storeu_ps
+#define vec_zero _mm512_setzero_ps
+#define vec_set1 _mm512_set1_ps
+#define vec_add _mm512_add_ps
+#define vec_mul _mm512_mul_ps
+#define vec_fma _mm512_fmadd_ps
+#define vec_max _mm512_max_ps
+
+/* lane i = the sum of v[i]'s lanes (a shuffle tree: 45 operations for 16 sums) */
+static inline __attribute__((always_inline)) vec sum_each(const vec v[16]) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i]'s and v[2i+1]'s halves summed, interleaved */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sum of v[4i .. 4i+3], in order */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* across the four 128-bit lanes: quads[i]'s lanes summed become lane group i */
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline float vec_max_of(vec v) { return _mm512_reduce_max_ps(v); }
+#else
+#define VEC_LANES 8
+#define MAX_ACCUMULATORS 12 /* of 16 ymm registers */
+typedef __m256 vec;
+#define vec_load _mm256_loadu_ps
+#define vec_store _mm256_storeu_ps
+#define vec_zero _mm256_setzero_ps
+#define vec_set1 _mm256_set1_ps
+#define vec_add _mm256_add_ps
+#define vec_mul _mm256_mul_ps
+#define vec_fma _mm256_fmadd_ps
+#define vec_max _mm256_max_ps
+
+/* lane i = the sum of v[i]'s lanes */
+static inline __attribute__((always_inline)) vec sum_each(const vec v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* a = (sums of the low halves of v0..v3, of their high halves), b the same for v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static inline float vec_max_of(vec v) {
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+    return best;
+}
+#endif
+
+/* scores[i] = scale * q . k_i for `count` (<= VEC_LANES) keys k_i = keys + i * stride, nv vectors each */
+static inline __attribute__((always_inline)) void score_keys(int nv, const float *q, const float *keys, int64_t stride,
+                                                             int count, float scale, float *scores) {
+    vec query[16], partial[VEC_LANES];
+    for (int j = 0; j < nv; j++) query[j] = vec_load(q + j * VEC_LANES);
+    for (int i = 0; i < VEC_LANES; i++) {
+        if (i < count) {
+            const float *key = keys + i * stride;
+            vec sum = vec_mul(query[0], vec_load(key));
+            for (int j = 1; j < nv; j++) sum = vec_fma(query[j], vec_load(key + j * VEC_LANES), sum);
+            partial[i] = sum;
+        } else {
+            partial[i] = vec_zero();
+        }
+    }
+    const vec sums = vec_mul(sum_each(partial), vec_set1(scale));
+    if (count == VEC_LANES) {
+        vec_store(scores, sums);
+    } else {
+        float lanes[VEC_LANES];
+        vec_store(lanes, sums);
+        memcpy(scores, lanes, sizeof(float) * (size_t)count);
+    }
+}
+
+/* out[r] += sum over i < run of weights[r * count + i] * v_i, for `rows` (<= 6, and rows * nv <= 24) query heads
+ * of one KV head; v_i = values + i * stride (nv vectors) */
+static inline __attribute__((always_inline)) void weigh_values(int nv, int rows, const float *weights, int64_t count,
+                                                               const float *values, int64_t stride, int64_t run,
+                                                               float *out, int64_t out_stride) {
+    vec acc[24];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nv; j++) acc[r * nv + j] = vec_load(out + r * out_stride + j * VEC_LANES);
+    for (int64_t i = 0; i < run; i++, values += stride) {
+        vec value[16];
+        for (int j = 0; j < nv; j++) value[j] = vec_load(values + j * VEC_LANES);
+        for (int r = 0; r < rows; r++) {
+            const vec weight = vec_set1(weights[r * count + i]);
+            for (int j = 0; j < nv; j++) acc[r * nv + j] = vec_fma(weight, value[j], acc[r * nv + j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nv; j++) vec_store(out + r * out_stride + j * VEC_LANES, acc[r * nv + j]);
+}
+
+/* ask for the cache lines of `bytes` from `start` (the next block, while this one is worked on: blocks lie
+ * anywhere in the pool, so the hardware prefetcher cannot guess them) */
+static inline void prefetch_bytes(const float *start, int64_t bytes) {
+    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)start + offset, _MM_HINT_T0);
+}
+
+/* the positions [pos, pos + run) that lie in one block and at most `limit` of them; their first slot */
+static inline int64_t block_run(int64_t pos, int64_t length, int64_t limit, int64_t block_size) {
+    int64_t run = block_size - pos % block_size;
+    if (run > length - pos) run = length - pos;
+    return run < limit ? run : limit;
+}
+
+/* one (sequence, KV heads) task on the vector path: nv = head_dim / VEC_LANES (a constant after inlining) */
+static inline __attribute__((always_inline)) void attend_task(
+    int nv, float *outputs, const float *queries, const float *k_cache, const float *v_cache, const int64_t *blocks,
+    int64_t start, int64_t length, int64_t heads, int64_t group, int64_t head_dim, int64_t block_size,
+    int64_t block_stride, int64_t slot_stride, int64_t first_head, float scale, float *scores) {
+    const int64_t count = length - start, rows = heads * group;
+    const int64_t block_bytes = block_stride * (int64_t)sizeof(float);
+    /* scores: a vector's width of positions at a time (never across a block), every query head */
+    for (int64_t pos = start; pos < length;) {
+        const int64_t chunk = block_run(pos, length, VEC_LANES, block_size);
+        if (pos % block_size + chunk == block_size && pos + chunk < length)
+            prefetch_bytes(k_cache + blocks[pos / block_size + 1] * block_stride, block_bytes);
+        const float *slots = k_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride +
+                             first_head * head_dim;
+        for (int64_t row = 0; row < rows; row++)
+            score_keys(nv, queries + row * head_dim, slots + (row / group) * head_dim, slot_stride, (int)chunk, scale,
+                       scores + row * count + (pos - start));
+        pos += chunk;
+    }
+    /* softmax weights per query head */
+    float sums[MAX_TASK_ROWS];
+    for (int64_t row = 0; row < rows; row++) {
+        const float *s = scores + row * count;
+        vec best = vec_set1(-INFINITY);
+        int64_t i = 0;
+        for (; i + VEC_LANES <= count; i += VEC_LANES) best = vec_max(best, vec_load(s + i));
+        float maximum = vec_max_of(best);
+        for (; i < count; i++) maximum = s[i] > maximum ? s[i] : maximum;
+        sums[row] = exp_and_sum(scores + row * count, count, maximum);
+    }
+    /* weighted values, a block at a time (read whole, as written); per KV head, as many of its query heads at
+     * once as registers hold */
+    memset(outputs, 0, sizeof(float) * (size_t)(rows * head_dim));
+    const int max_rows = nv >= MAX_ACCUMULATORS ? 1 : (MAX_ACCUMULATORS / nv > 6 ? 6 : MAX_ACCUMULATORS / nv);
+    for (int64_t pos = start; pos < length;) {
+        const int64_t run = block_run(pos, length, block_size, block_size);
+        if (pos + run < length) prefetch_bytes(v_cache + blocks[pos / block_size + 1] * block_stride, block_bytes);
+        const float *slots = v_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t g = 0; g < group; g += max_rows) {
+                const int64_t row = h * group + g;
+                const int rows_now = (int)(group - g < max_rows ? group - g : max_rows);
+                const float *weights = scores + row * count + (pos - start);
+                const float *values = slots + (first_head + h) * head_dim;
+                float *out = outputs + row * head_dim;
+#define WEIGH(R) weigh_values(nv, R, weights, count, values, slot_stride, run, out, head_dim)
+                switch (rows_now) {
+                    case 1: WEIGH(1); break;
+                    case 2: WEIGH(2); break;
+                    case 3: WEIGH(3); break;
+                    case 4: WEIGH(4); break;
+                    case 5: WEIGH(5); break;
+                    case 6: WEIGH(6); break;
+                    default: break; /* unreachable: rows_now <= max_rows <= 6 */
+                }
+#undef WEIGH
+            }
+        }
+        pos += run;
+    }
+    for (int64_t row = 0; row < rows; row++) {
+        const vec inverse = vec_set1(1.0f / sums[row]);
+        for (int j = 0; j < nv; j++)
+            vec_store(outputs + row * head_dim + j * VEC_LANES, vec_mul(vec_load(outputs + row * head_dim + j * VEC_LANES), inverse));
+    }
+}
+
+/* the vector path for this head size: 1 if it ran the task, 0 if the head size is not one it takes */
+static int attend_task_vectors(float *outputs, const float *queries, const float *k_cache, const float *v_cache,
+                               const int64_t *blocks, int64_t start, int64_t length, int64_t heads, int64_t group,
+                               int64_t head_dim, int64_t block_size, int64_t block_stride, int64_t slot_stride,
+                               int64_t first_head, float scale, float *scores) {
+#define ATTEND(NV) attend_task(NV, outputs, queries, k_cache, v_cache, blocks, start, length, heads, group, head_dim, \
+                               block_size, block_stride, slot_stride, first_head, scale, scores)
+    if (head_dim % VEC_LANES != 0) return 0;
+    switch (head_dim / VEC_LANES) {
+        case 1: ATTEND(1); return 1;
+        case 2: ATTEND(2); return 1;
+        case 4: ATTEND(4); return 1;
+        case 8: ATTEND(8); return 1;
+#if !defined(HERON_AVX512)
+        case 16: ATTEND(16); return 1;
+#endif
+        default: return 0;
+    }
+#undef ATTEND
+}
+#endif
+
+int heron_paged_attention_f32(
+    float *out, const float *q, const float *kv_cache, const int64_t *block_table, const int64_t *table_rows,
+    const int64_t *seq_lens,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     int64_t num_blocks, int64_t max_blocks_per_seq, float scale, int64_t sliding_window) {
     const int64_t group = num_heads / num_kv_heads;
@@ -124,9 +323,14 @@ int heron_paged_decode_attention_f32(
                     continue;
                 }
             }
-            const int64_t *blocks = block_table + seq * max_blocks_per_seq;
+            const int64_t *blocks = block_table + (table_rows ? table_rows[seq] : seq) * max_blocks_per_seq;
             const float *queries = q + (seq * num_heads + first_head * group) * head_dim;
             float *outputs = out + (seq * num_heads + first_head * group) * head_dim;
+#if defined(HERON_AVX2)
+            if (attend_task_vectors(outputs, queries, k_cache, v_cache, blocks, start, length, heads_per_task, group,
+                                    head_dim, block_size, block_stride, slot_stride, first_head, scale, scores))
+                continue;
+#endif
             float maxima[MAX_TASK_ROWS];
             for (int64_t row = 0; row < rows; row++) maxima[row] = -INFINITY;
             for (int64_t pos = start; pos < length; pos++) {

@@ -1,20 +1,23 @@
 /*
- * A whole Llama decode step on the CPU in one call: every layer of a low-bit
- * model (4-bit Q4_1-scheme or int8 linear layers, int8 inputs) for a batch of
- * sequences, one new token each.
+ * A whole Llama forward pass on the CPU in one call: every layer of a low-bit
+ * model (4-bit Q4_1-scheme or int8 linear layers, int8 inputs) over a flat
+ * batch of tokens, any mix of decodes and prefill chunks.
  *
  * The torch path spends about half of a small model's decode step between its
  * matrix products: ~20 small torch ops per layer (norms, RoPE, the K/V write,
  * residual adds, SiLU) plus Python, each costing more in dispatch than in
- * arithmetic. Here those are plain loops over a few thousand floats, and the
- * matrix products and attention are the same C kernels the torch path calls
- * (heron_q4_linear_f32 / heron_q8_linear_f32, heron_paged_decode_attention_f32), so both compute one
- * function; they differ by float32 rounding, which the int8 rounding of each
- * linear layer's input now and then turns into one rounding step.
+ * arithmetic, and its prompts go through torch's attention, which gathers each
+ * request's cached K/V first. Here those are plain loops over the rows (split
+ * over threads when there are many), and the matrix products are the same C
+ * kernels the torch path calls (heron_q4_linear_f32 / heron_q8_linear_f32);
+ * attention is heron_paged_attention_f32 for every row, each over its request's
+ * cache up to its own position. Both paths compute one function; they differ
+ * by float32 rounding, which the int8 rounding of each linear layer's input now
+ * and then turns into one rounding step.
  *
- * Per layer, for hidden states h [B, hidden]:
+ * Per layer, for hidden states h [T, hidden]:
  *   x = rmsnorm(h) * w_in;  qkv = x Wqkv^T;  RoPE on q and k;  k, v -> cache slots
- *   h += attention(q) Wo^T
+ *   h += attention(q) Wo^T      (after every row's k, v is in the cache)
  *   x = rmsnorm(h) * w_post;  g, u = x Wgu^T;  h += (silu(g) * u) Wdown^T
  * and at the end h = rmsnorm(h) * w_final, in place.
  */
@@ -23,14 +26,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_exp.h"
+
+/* row loops go over threads from this many rows on (below, the fork costs more than it saves) */
+#define PARALLEL_ROWS 16
+
 int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *tiles, const float *scales,
                         const float *mins, float *y, int64_t n_out);
 int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *tiles, const float *column_scales,
                         float *y, int64_t n_out);
-int heron_paged_decode_attention_f32(float *out, const float *q, const float *kv_cache, const int64_t *block_table,
-                                     const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
-                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                                     int64_t max_blocks_per_seq, float scale, int64_t sliding_window);
+int heron_paged_attention_f32(float *out, const float *q, const float *kv_cache, const int64_t *block_table,
+                              const int64_t *table_rows, const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                              int64_t max_blocks_per_seq, float scale, int64_t sliding_window);
 
 typedef struct {         // column tiles, see tiled_linear.c
     const void *tiles;    // bits 4: [n / 8, k / 32, 128] uint8; bits 8: [n / 8, k / 4, 32] int8
@@ -56,6 +64,7 @@ typedef struct {
 } heron_llama_shape;
 
 static void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * n;
         float sum = 0.0f;
@@ -77,18 +86,46 @@ static void rope(float *head, const float *cos, const float *signed_sin, int64_t
     for (int64_t i = 0; i < dim; i++) head[i] = head[i] * cos[i] + rotated[i] * signed_sin[i];
 }
 
+/* out[i] = silu(gate[i]) * up[i] = gate[i] * sigmoid(gate[i]) * up[i] */
+static void silu_and_mul(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+#if defined(HERON_AVX2)
+    /* sigmoid(x) = 1 / (1 + t) for x >= 0, t / (1 + t) below, with t = e^-|x| (exp of a non-positive number) */
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + i);
+        const __m256 t = exp_nonpositive(_mm256_or_ps(x, sign)); /* e^-|x| */
+        const __m256 numerator = _mm256_blendv_ps(one, t, x);   /* t where x is negative (sign bit set) */
+        const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(one, t));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* hidden += update, [rows, n] */
+static void add_rows(float *hidden, const float *update, int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) hidden[r * n + i] += update[r * n + i];
+    }
+}
+
 static int linear(const heron_lowbit_weight *w, const float *x, int64_t rows, int64_t k, float *y, int64_t n) {
     if (w->bits == 8) return heron_q8_linear_f32(x, rows, k, w->tiles, w->scales, y, n);
     return heron_q4_linear_f32(x, rows, k, w->tiles, w->scales, w->mins, y, n);
 }
 
-/* hidden [rows, shape.hidden]: the embeddings in, the final-normed states out.
- * cos / signed_sin [rows, head_dim]; slots [rows]; block_table [rows, max_blocks]
- * and seq_lens [rows] (context length including the new token), all int64. */
-int heron_llama_decode_lowbit(float *hidden, int64_t rows, const heron_decoder_layer *layers, int64_t num_layers,
-                          const float *final_norm, heron_llama_shape shape, const float *cos,
-                          const float *signed_sin, const int64_t *slots, const int64_t *block_table,
-                          int64_t max_blocks, const int64_t *seq_lens, int64_t block_size, int64_t num_blocks) {
+/* hidden [rows, shape.hidden]: the embeddings of the step's tokens in, the final-normed states out.
+ * cos / signed_sin [rows, head_dim]; slots [rows]; block_table [requests, max_blocks]; table_rows [rows]: each
+ * token's request (its block-table row; NULL: token i is request i's only one); seq_lens [rows]: each token's
+ * position + 1 (the context it attends over, itself included); all int64. */
+int heron_llama_forward_lowbit(float *hidden, int64_t rows, const heron_decoder_layer *layers, int64_t num_layers,
+                               const float *final_norm, heron_llama_shape shape, const float *cos,
+                               const float *signed_sin, const int64_t *slots, const int64_t *block_table,
+                               int64_t max_blocks, const int64_t *table_rows, const int64_t *seq_lens,
+                               int64_t block_size, int64_t num_blocks) {
     const int64_t H = shape.hidden, D = shape.head_dim, I = shape.intermediate;
     const int64_t q_size = shape.num_heads * D, kv_size = shape.num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
@@ -107,6 +144,7 @@ int heron_llama_decode_lowbit(float *hidden, int64_t rows, const heron_decoder_l
         const heron_decoder_layer *layer = layers + l;
         rms_norm(hidden, layer->input_norm, normed, rows, H, shape.eps);
         if ((status = linear(&layer->qkv, normed, rows, H, qkv, qkv_size)) != 0) break;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
         for (int64_t r = 0; r < rows; r++) {
             float *row = qkv + r * qkv_size;
             for (int64_t h = 0; h < shape.num_heads + shape.num_kv_heads; h++)
@@ -116,20 +154,18 @@ int heron_llama_decode_lowbit(float *hidden, int64_t rows, const heron_decoder_l
             memcpy(key_slot, row + q_size, sizeof(float) * (size_t)kv_size);
             memcpy(key_slot + cache_half, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
         }
-        status = heron_paged_decode_attention_f32(attended, queries, layer->kv_cache, block_table, seq_lens, rows,
-                                                  shape.num_heads, shape.num_kv_heads, D, block_size, num_blocks,
-                                                  max_blocks, shape.scale, layer->sliding_window);
+        status = heron_paged_attention_f32(attended, queries, layer->kv_cache, block_table, table_rows, seq_lens, rows,
+                                           shape.num_heads, shape.num_kv_heads, D, block_size, num_blocks, max_blocks,
+                                           shape.scale, layer->sliding_window);
         if (status != 0) break;
         if ((status = linear(&layer->o, attended, rows, q_size, update, H)) != 0) break;
-        for (int64_t i = 0; i < rows * H; i++) hidden[i] += update[i];
+        add_rows(hidden, update, rows, H);
         rms_norm(hidden, layer->post_norm, normed, rows, H, shape.eps);
         if ((status = linear(&layer->gate_up, normed, rows, H, gate_up, 2 * I)) != 0) break;
-        for (int64_t r = 0; r < rows; r++) {
-            const float *gate = gate_up + r * 2 * I, *up = gate + I;
-            for (int64_t i = 0; i < I; i++) activated[r * I + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        }
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+        for (int64_t r = 0; r < rows; r++) silu_and_mul(gate_up + r * 2 * I, gate_up + r * 2 * I + I, activated + r * I, I);
         if ((status = linear(&layer->down, activated, rows, I, update, H)) != 0) break;
-        for (int64_t i = 0; i < rows * H; i++) hidden[i] += update[i];
+        add_rows(hidden, update, rows, H);
     }
     if (status == 0) {
         rms_norm(hidden, final_norm, normed, rows, H, shape.eps);
