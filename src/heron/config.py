@@ -93,6 +93,8 @@ class CacheConfig:
     kv_offloading_dir_bytes: int = 16 << 30
     # a prefix block that cannot be loaded from a tier: compute it again, or fail the request
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # the KV cache's element type (None: the model's dtype)
+    kv_cache_dtype_name: ResolvedDType | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -307,6 +309,13 @@ class EngineConfig:
         import torch
 
         return torch.device(self.device_name)
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What the (target model's) KV cache holds: ``cache.kv_cache_dtype_name``, or the model's dtype."""
+        import torch
+
+        return getattr(torch, self.cache.kv_cache_dtype_name or self.model.dtype_name)
 
     def resolved_summary(self) -> dict[str, Any]:
         """The resolved values two processes resolving the same arguments must agree on."""

@@ -100,12 +100,13 @@ def test_input_rounding_is_bit_identical_to_scalar(scalar, variant):
         assert torch.equal(ops.round_q8(x, library=variant), ops.round_q8(x, library=scalar))
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (16, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (16, 2, 128), (4, 4, 32), (6, 2, 24)])
 @pytest.mark.parametrize("num_seqs", [3, 9])
-def test_paged_attention_matches_scalar(scalar, variant, num_heads, num_kv_heads, head_dim, num_seqs):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_paged_attention_matches_scalar(scalar, variant, num_heads, num_kv_heads, head_dim, num_seqs, cache_dtype):
     generator = torch.Generator().manual_seed(num_heads * num_seqs)
     num_blocks, block_size, max_blocks = 40, 16, 8
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
     seq_lens = torch.tensor([1, 17, 31, 128, 100, 2, 64, 15, 90][:num_seqs], dtype=torch.int64)
     block_table = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(num_seqs)])
     query = torch.randn(num_seqs, num_heads, head_dim, generator=generator) * 3  # peaked softmax
@@ -113,6 +114,25 @@ def test_paged_attention_matches_scalar(scalar, variant, num_heads, num_kv_heads
         expected = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window, library=scalar)
         got = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window, library=variant)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_rounding_matches_torch(scalar, variant):
+    """The float16 a KV cache gets from the native forward pass: round to nearest
+    even, as torch's .half(), on every build (F16C in the vector ones, portable C in
+    the scalar one and for the vector builds' tails), subnormals and overflow included."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.cat([
+        torch.randn(4099, generator=generator) * torch.logspace(-9, 5, 4099),  # every magnitude
+        torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, -70000.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14,
+                      float("inf"), -float("inf"), 1 + 2.0**-11, 1 + 3 * 2.0**-11]),  # limits and ties
+        torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.float16).float(),  # every float16 value
+    ])
+    finite = torch.isfinite(x) | torch.isinf(x)
+    expected = x.half().view(torch.int16)
+    for library in (scalar, variant):
+        got = ops.to_half(x, library=library).view(torch.int16)
+        assert torch.equal(got[finite], expected[finite])
+        assert torch.isnan(ops.to_half(x, library=library)[~finite]).all()
 
 
 @pytest.mark.skipif(not cpu_isa.is_x86_64(), reason="x86-64 instruction sets")

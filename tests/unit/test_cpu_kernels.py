@@ -16,10 +16,11 @@ pytestmark = pytest.mark.skipif(cpu_library.native_library() is None, reason="no
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("num_seqs", [7, 10])  # tasks per (sequence, KV head) below 8 sequences, per sequence above
-def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window, num_seqs):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window, num_seqs, cache_dtype):
     generator = torch.Generator().manual_seed(num_heads + (window or 0))
     num_blocks, block_size = 64, 16
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
     seq_lens = torch.tensor([1, 15, 16, 17, 33, 100, 160, 2, 48, 159][:num_seqs], dtype=torch.int64)
     max_blocks = 10
     block_table = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(num_seqs)])
@@ -30,7 +31,7 @@ def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window, 
         decode_token_index=torch.arange(num_seqs), decode_block_table=block_table,
         decode_block_ids=block_table.flatten(), decode_seq_lens=seq_lens, all_decode=True,
     )
-    expected = TorchAttentionBackend._decode_with_torch(spec, query, cache, metadata)
+    expected = TorchAttentionBackend._decode_with_torch(spec, query, cache, metadata)  # (a float16 cache read as float32)
     got = cpu_kernels.paged_decode_attention(query, cache, block_table, seq_lens, spec.scale, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

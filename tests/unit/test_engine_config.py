@@ -47,6 +47,33 @@ def test_auto_quantization_needs_vectorized_kernels(monkeypatch):
     assert EngineArgs(device="cpu").create_engine_config().model.quantization == "none"
 
 
+def test_low_bit_modes_keep_a_float16_kv_cache_unless_asked_otherwise(monkeypatch):
+    """"auto": the CPU's low-bit modes store K/V as float16 (half the bytes their
+    attention reads); unquantized models keep their own dtype; an explicit choice
+    wins, and a cache dtype other than the model's is refused off the CPU."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from heron.engine.resolve import resolve_kv_cache_dtype
+    from heron.kernels.cpu import isa
+
+    monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar", "avx2"])
+    default = EngineArgs(device="cpu").create_engine_config()
+    assert default.model.quantization == "int4" and default.kv_cache_dtype == torch.float16
+    plain = EngineArgs(device="cpu", quantization="none", dtype="float32").create_engine_config()
+    assert plain.kv_cache_dtype == torch.float32
+    opted_out = EngineArgs(device="cpu", kv_cache_dtype="float32").create_engine_config()
+    assert opted_out.kv_cache_dtype == torch.float32 and opted_out.cache.kv_cache_dtype_name is None
+    low_bit_gpu_model = SimpleNamespace(quantization="none", dtype_name="bfloat16")
+    assert resolve_kv_cache_dtype("auto", "cuda", low_bit_gpu_model) is None
+    assert resolve_kv_cache_dtype("bfloat16", "cuda", low_bit_gpu_model) is None
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_cache_dtype("float16", "cuda", low_bit_gpu_model)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineArgs(device="cpu", kv_cache_dtype="int3").create_engine_config()
+
+
 def test_every_engine_argument_has_one_flag_built_from_its_field():
     """The flags come from EngineArgs' fields: types, choices and defaults are
     the fields' own, so the CLI and LLM(**kwargs) cannot drift apart."""

@@ -121,8 +121,8 @@ class AttentionBackend(ABC, Generic[MetadataT]):
         """Write this step's keys and values (``[num_tokens, num_kv_heads,
         head_dim]``) into their slots of a ``kv_cache_shape`` cache."""
         flat = kv_cache.view(2, -1, key.shape[1], key.shape[2])
-        flat[0].index_copy_(0, slot_mapping, key)
-        flat[1].index_copy_(0, slot_mapping, value)
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))  # (a no-op unless the cache has its own dtype)
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> MetadataT:

@@ -187,8 +187,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
                 k = key[span.start : span.end]
                 v = value[span.start : span.end]
             else:
-                k = key_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len]
-                v = value_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len]
+                k = key_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len].to(query.dtype)
+                v = value_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len].to(query.dtype)
             attended = _attend(layer, q, k.transpose(0, 1), v.transpose(0, 1), mask)
             output[span.start : span.end] = attended.transpose(0, 1)
         return output
@@ -206,6 +206,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
             kv_cache.view(2, kv_cache.shape[1], -1)
             .index_select(1, metadata.decode_block_ids)
             .view(2, num_decodes, -1, num_kv_heads, head_dim)
+            .to(q.dtype)
         )
         # each KV head's query heads become query rows: [B, Hkv, group, D]
         return _attend(

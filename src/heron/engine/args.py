@@ -40,6 +40,7 @@ from heron.engine.resolve import (
     draft_model_config,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     resolve_max_model_len,
     resolve_quantization,
 )
@@ -108,6 +109,8 @@ class EngineArgs:
     kv_load_failure_policy: Literal["recompute", "fail"] = _arg(
         "recompute", "a prefix block an offload tier cannot deliver (deleted, corrupt): compute it again, or fail "
                      "the request")
+    kv_cache_dtype: DType = _arg("auto", "what the KV cache holds; auto: float16 for the CPU's low-bit modes (half the "
+                                         "bytes decode attention reads), else the model's dtype")
     kv_cache_memory_fraction: float = _arg(0.25, "CPU: share of the memory left after the weights for the KV cache")
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks (overrides the memory budgets)")
     scheduling_policy: SchedulingPolicy = _arg("fcfs", "admission order: first come first served, or by "
@@ -200,6 +203,7 @@ class EngineArgs:
                 kv_offloading_dir=self.kv_offloading_dir,
                 kv_offloading_dir_bytes=int(self.kv_offloading_dir_size * (1 << 30)),
                 kv_load_failure_policy=self.kv_load_failure_policy,
+                kv_cache_dtype_name=resolve_kv_cache_dtype(self.kv_cache_dtype, device, model_config),
                 kv_cache_memory_fraction=self.kv_cache_memory_fraction,
                 num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -160,9 +160,11 @@ def _bench_quality(args: argparse.Namespace) -> int:
     from heron.engine.llm import LLM
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    reference_config = replace(config, model=replace(config.model, quantization="none", dtype_name="float32"))
+    reference_config = replace(config, model=replace(config.model, quantization="none", dtype_name="float32"),
+                               cache=replace(config.cache, kv_cache_dtype_name=None))
     result = compare(LLM.from_config(reference_config), LLM.from_config(config))
-    result["mode"] = {"dtype": config.model.dtype_name, "quantization": config.model.quantization}
+    result["mode"] = {"dtype": config.model.dtype_name, "quantization": config.model.quantization,
+                      "kv_cache_dtype": str(config.kv_cache_dtype).removeprefix("torch.")}
     print(json.dumps(result, indent=2))
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as handle:

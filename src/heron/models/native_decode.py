@@ -7,7 +7,7 @@ the same function; they differ by float32 rounding (attention sums in another
 order than torch's), which the int8 rounding of layer inputs now and then turns
 into a rounding step (logprobs within about 0.01). It is enabled for
 ``--quantization int4`` and ``int8`` models whose layers it covers (4-bit or
-int8 linears without biases, no Q/K norms, SiLU, float32 KV cache);
+int8 linears without biases, no Q/K norms, SiLU; a float32 or float16 KV cache);
 ``HERON_DISABLE_NATIVE_DECODE=1`` turns it off (the name is from when it ran
 decode steps only).
 """
@@ -57,6 +57,7 @@ class _LlamaShape(ctypes.Structure):
         ("intermediate", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("kv_half", ctypes.c_int64),
     ]
 
 
@@ -154,9 +155,10 @@ class NativeLowBitDecoder:
         pointers = [cache.data_ptr() for cache in caches]
         if pointers != self._bound_caches:
             for entry, cache in zip(self.layers, caches):
-                if cache.dtype != torch.float32 or not cache.is_contiguous():
-                    raise ValueError("the native decode path needs a contiguous float32 KV cache")
+                if cache.dtype not in (torch.float32, torch.float16) or not cache.is_contiguous():
+                    raise ValueError("the native forward pass needs a contiguous float32 or float16 KV cache")
                 entry.kv_cache = cache.data_ptr()
+            self.shape.kv_half = int(caches[0].dtype == torch.float16)
             self._bound_caches = pointers
 
     def __call__(

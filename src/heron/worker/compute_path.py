@@ -73,6 +73,8 @@ def describe_compute_path(
     path["linear"] = _linear_path(model, config.model.quantization)
     num_heads = model.attention_layers()[0].spec.num_heads
     path["attention"] = _attention_path(model, backend_name, device, config.model.dtype, num_heads)
+    if config.kv_cache_dtype != config.model.dtype:
+        path["attention"] += f", {str(config.kv_cache_dtype).removeprefix('torch.')} KV cache"
     path["decode"] = _decode_path(model, device, use_cuda_graphs)
     return {key: path[key] for key in COMPUTE_PATH_KEYS}
 

@@ -142,7 +142,7 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block in every layer's cache (and the draft model's)."""
-        target = layers_bytes_per_block(self.attention_layers, self.block_size, self.config.model.dtype)
+        target = layers_bytes_per_block(self.attention_layers, self.block_size, self.config.kv_cache_dtype)
         return target + (self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int, num_offload_blocks: int = 0) -> None:
@@ -246,7 +246,7 @@ class ModelRunner:
 
     def _bind_kv_caches(self, num_blocks: int) -> None:
         self.kv_caches = bind_kv_caches(
-            self.attention_layers, self.backend, num_blocks, self.block_size, self.config.model.dtype, self.device
+            self.attention_layers, self.backend, num_blocks, self.block_size, self.config.kv_cache_dtype, self.device
         )
 
     @torch.inference_mode()

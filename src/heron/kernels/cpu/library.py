@@ -27,7 +27,7 @@ from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_i
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "lowbit_input.c", "tiled_linear.c", "llama_forward.c", "quantize_weights.c")
-HEADERS = ("lowbit_input.h", "simd.h", "vector_exp.h")
+HEADERS = ("lowbit_input.h", "simd.h", "vector_exp.h", "half.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DISABLE_ENV = envs.HERON_DISABLE_NATIVE
 
@@ -74,7 +74,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """Give the library's entry points their ctypes signatures."""
     attention = library.heron_paged_attention_f32
     attention.restype = ctypes.c_int
-    attention.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int64]
+    attention.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
     q4 = library.heron_q4_linear_f32
     q4.restype = ctypes.c_int
     q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64]
@@ -87,6 +87,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     pack = library.heron_pack_q4_tiles
     pack.restype = ctypes.c_int
     pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 3]
+    halves = library.heron_store_halves_f32
+    halves.restype = ctypes.c_int
+    halves.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     library.heron_kernel_isa.restype = ctypes.c_char_p
     library.heron_kernel_isa.argtypes = []
     return library

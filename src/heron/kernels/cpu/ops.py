@@ -27,14 +27,14 @@ def supports_paged_decode(dtype: torch.dtype, num_heads: int) -> bool:
 def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and kv_cache.dtype == torch.float32
+        and kv_cache.dtype in (torch.float32, torch.float16)
         and supports_paged_decode(query.dtype, query.shape[1])
     )
 
 
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D] float32
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] float32 or float16
     block_table: torch.Tensor,  # [B, max_blocks] int64
     seq_lens: torch.Tensor,  # [B] int64
     scale: float,
@@ -56,7 +56,7 @@ def paged_decode_attention(
         output.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(),
         None if table_rows is None else table_rows.data_ptr(), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1],
-        scale, sliding_window or 0,
+        scale, sliding_window or 0, int(kv_cache.dtype == torch.float16),
     )
     if status != 0:
         raise MemoryError("paged attention could not allocate its score buffer")
@@ -107,6 +107,16 @@ def round_q8(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tenso
     out = torch.empty_like(x)
     if library.heron_round_q8_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()) != 0:
         raise ValueError(f"rounding needs a multiple of 32 inputs, got {x.shape[1]}")
+    return out
+
+
+def to_half(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` float32 as float16, rounded as the native forward pass writes a float16 KV cache."""
+    library = library or native_library()
+    assert library is not None
+    x = x.detach().float().contiguous()
+    out = torch.empty(x.shape, dtype=torch.float16)
+    library.heron_store_halves_f32(out.data_ptr(), x.data_ptr(), x.numel())
     return out
 
 

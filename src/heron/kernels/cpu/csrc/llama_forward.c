@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
 #include "vector_exp.h"
 
 /* row loops go over threads from this many rows on (below, the fork costs more than it saves) */
@@ -35,10 +36,10 @@ int heron_q4_linear_f32(const float *x, int64_t rows, int64_t k, const uint8_t *
                         const float *mins, float *y, int64_t n_out);
 int heron_q8_linear_f32(const float *x, int64_t rows, int64_t k, const int8_t *tiles, const float *column_scales,
                         float *y, int64_t n_out);
-int heron_paged_attention_f32(float *out, const float *q, const float *kv_cache, const int64_t *block_table,
+int heron_paged_attention_f32(float *out, const float *q, const void *kv_cache, const int64_t *block_table,
                               const int64_t *table_rows, const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                              int64_t max_blocks_per_seq, float scale, int64_t sliding_window);
+                              int64_t max_blocks_per_seq, float scale, int64_t sliding_window, int64_t kv_half);
 
 typedef struct {         // column tiles, see tiled_linear.c
     const void *tiles;    // bits 4: [n / 8, k / 32, 128] uint8; bits 8: [n / 8, k / 4, 32] int8
@@ -54,13 +55,14 @@ typedef struct {
     heron_lowbit_weight o;        // n = hidden, k = heads * head_dim
     heron_lowbit_weight gate_up;  // n = 2 intermediate, k = hidden
     heron_lowbit_weight down;     // n = hidden, k = intermediate
-    float *kv_cache;          // [2, num_blocks, block_size, kv_heads, head_dim]
+    void *kv_cache;           // [2, num_blocks, block_size, kv_heads, head_dim], float32 or float16
     int64_t sliding_window;   // 0: none
 } heron_decoder_layer;
 
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
+    int64_t kv_half;  // the KV cache holds float16 (else float32)
 } heron_llama_shape;
 
 static void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
@@ -150,13 +152,19 @@ int heron_llama_forward_lowbit(float *hidden, int64_t rows, const heron_decoder_
             for (int64_t h = 0; h < shape.num_heads + shape.num_kv_heads; h++)
                 rope(row + h * D, cos + r * D, signed_sin + r * D, D);
             memcpy(queries + r * q_size, row, sizeof(float) * (size_t)q_size);
-            float *key_slot = layer->kv_cache + slots[r] * kv_size;
-            memcpy(key_slot, row + q_size, sizeof(float) * (size_t)kv_size);
-            memcpy(key_slot + cache_half, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+            if (shape.kv_half) {
+                uint16_t *key_slot = (uint16_t *)layer->kv_cache + slots[r] * kv_size;
+                heron_store_halves(key_slot, row + q_size, kv_size);
+                heron_store_halves(key_slot + cache_half, row + q_size + kv_size, kv_size);
+            } else {
+                float *key_slot = (float *)layer->kv_cache + slots[r] * kv_size;
+                memcpy(key_slot, row + q_size, sizeof(float) * (size_t)kv_size);
+                memcpy(key_slot + cache_half, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+            }
         }
         status = heron_paged_attention_f32(attended, queries, layer->kv_cache, block_table, table_rows, seq_lens, rows,
                                            shape.num_heads, shape.num_kv_heads, D, block_size, num_blocks, max_blocks,
-                                           shape.scale, layer->sliding_window);
+                                           shape.scale, layer->sliding_window, shape.kv_half);
         if (status != 0) break;
         if ((status = linear(&layer->o, attended, rows, q_size, update, H)) != 0) break;
         add_rows(hidden, update, rows, H);

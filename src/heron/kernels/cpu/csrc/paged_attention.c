@@ -1,5 +1,5 @@
 /*
- * Paged attention on the CPU (float32), for any query rows: each row (a decode
+ * Paged attention on the CPU, for any query rows: each row (a decode
  * token, or one token of a prefill chunk) attends over its request's K/V up to
  * and including its own position, read in place from the paged cache through
  * the request's block table: no gather into a padded tensor. This step's K/V
@@ -7,7 +7,8 @@
  * Work is split over OpenMP threads by sequence (by sequence and KV head when
  * there are few sequences); a task computes the scores of its query heads against
  * every key, then a softmax (exp vectorized), then the weighted sum of values,
- * all in float32. With a task per sequence each cached slot (every KV head) is
+ * all in float32; the cache holds float32 or float16 (half the bytes to read,
+ * converted to float32 as loaded). With a task per sequence each cached slot (every KV head) is
  * read as one contiguous run, which the hardware prefetcher follows: reading a
  * third of each slot per task ran at about 7 GB/s.
  *
@@ -17,13 +18,13 @@
  * summed across lanes in one shuffle tree: no horizontal sum per dot product),
  * and the values' weighted sums for several query heads held in registers over
  * every position (the output is not loaded and stored once per position).
- * Measured on an AVX-512 EPYC, 30 layers at batch 32 and context 330: 39 ms
- * before, see BENCHMARKS.md. The portable loops below are the reference and
- * serve any other head size.
+ * On an AVX-512 EPYC, 30 layers at batch 32 and context 330 went from 39 to
+ * 29 ms (float32 cache, BENCHMARKS.md). The portable loops below are the
+ * reference and serve any other head size.
  *
  * Layouts (contiguous):
  *   q, out      [num_seqs, num_heads, head_dim]  (a "sequence" is a query row)
- *   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]  (K then V)
+ *   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]  (K then V), float32 or float16
  *   block_table [table rows, max_blocks_per_seq]  int64
  *   table_rows  [num_seqs]  int64: the block-table row of each query row (NULL: row i uses row i)
  *   seq_lens    [num_seqs]  int64 (context length including the query's own token)
@@ -33,20 +34,36 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
 #include "simd.h"
 
 #define MAX_TASK_ROWS 256 /* query heads one task handles: ops.py checks num_heads <= this */
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+/* element `index` of a float32 (half = 0) or float16 (half = 1) cache */
+static inline float kv_at(const void *cache, int64_t index, int half) {
+    return half ? heron_half_to_float(((const uint16_t *)cache)[index]) : ((const float *)cache)[index];
+}
+
+static inline float dot(const float *restrict a, const void *cache, int64_t index, int half, int64_t n) {
     float sum = 0.0f;
+    if (!half) {
+        const float *restrict b = (const float *)cache + index;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+        for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+        return sum;
+    }
+    for (int64_t i = 0; i < n; i++) sum += a[i] * kv_at(cache, index + i, 1);
     return sum;
 }
 
-static inline void axpy(float *restrict y, float alpha, const float *restrict x, int64_t n) {
+static inline void axpy(float *restrict y, float alpha, const void *cache, int64_t index, int half, int64_t n) {
+    if (!half) {
+        const float *restrict x = (const float *)cache + index;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+        for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) y[i] += alpha * kv_at(cache, index + i, 1);
 }
 
 #include "vector_exp.h"
@@ -108,6 +125,8 @@ static inline __attribute__((always_inline)) vec sum_each(const vec v[16]) {
 }
 
 static inline float vec_max_of(vec v) { return _mm512_reduce_max_ps(v); }
+
+static inline vec vec_from_halves(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #else
 #define VEC_LANES 8
 #define MAX_ACCUMULATORS 12 /* of 16 ymm registers */
@@ -129,6 +148,8 @@ static inline __attribute__((always_inline)) vec sum_each(const vec v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+static inline vec vec_from_halves(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
 static inline float vec_max_of(vec v) {
     float lanes[8], best = -INFINITY;
     _mm256_storeu_ps(lanes, v);
@@ -137,16 +158,23 @@ static inline float vec_max_of(vec v) {
 }
 #endif
 
-/* scores[i] = scale * q . k_i for `count` (<= VEC_LANES) keys k_i = keys + i * stride, nv vectors each */
-static inline __attribute__((always_inline)) void score_keys(int nv, const float *q, const float *keys, int64_t stride,
-                                                             int count, float scale, float *scores) {
+/* VEC_LANES elements of a cache from element `index` (half: float16, converted) */
+static inline __attribute__((always_inline)) vec kv_load(const void *cache, int64_t index, int half) {
+    return half ? vec_from_halves((const uint16_t *)cache + index) : vec_load((const float *)cache + index);
+}
+
+/* scores[i] = scale * q . k_i for `count` (<= VEC_LANES) keys k_i at cache element `keys` + i * stride, nv vectors
+ * each */
+static inline __attribute__((always_inline)) void score_keys(int nv, int half, const float *q, const void *cache,
+                                                             int64_t keys, int64_t stride, int count, float scale,
+                                                             float *scores) {
     vec query[16], partial[VEC_LANES];
     for (int j = 0; j < nv; j++) query[j] = vec_load(q + j * VEC_LANES);
     for (int i = 0; i < VEC_LANES; i++) {
         if (i < count) {
-            const float *key = keys + i * stride;
-            vec sum = vec_mul(query[0], vec_load(key));
-            for (int j = 1; j < nv; j++) sum = vec_fma(query[j], vec_load(key + j * VEC_LANES), sum);
+            const int64_t key = keys + i * stride;
+            vec sum = vec_mul(query[0], kv_load(cache, key, half));
+            for (int j = 1; j < nv; j++) sum = vec_fma(query[j], kv_load(cache, key + j * VEC_LANES, half), sum);
             partial[i] = sum;
         } else {
             partial[i] = vec_zero();
@@ -163,16 +191,17 @@ static inline __attribute__((always_inline)) void score_keys(int nv, const float
 }
 
 /* out[r] += sum over i < run of weights[r * count + i] * v_i, for `rows` (<= 6, and rows * nv <= 24) query heads
- * of one KV head; v_i = values + i * stride (nv vectors) */
-static inline __attribute__((always_inline)) void weigh_values(int nv, int rows, const float *weights, int64_t count,
-                                                               const float *values, int64_t stride, int64_t run,
-                                                               float *out, int64_t out_stride) {
+ * of one KV head; v_i at cache element `values` + i * stride (nv vectors) */
+static inline __attribute__((always_inline)) void weigh_values(int nv, int half, int rows, const float *weights,
+                                                               int64_t count, const void *cache, int64_t values,
+                                                               int64_t stride, int64_t run, float *out,
+                                                               int64_t out_stride) {
     vec acc[24];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < nv; j++) acc[r * nv + j] = vec_load(out + r * out_stride + j * VEC_LANES);
     for (int64_t i = 0; i < run; i++, values += stride) {
         vec value[16];
-        for (int j = 0; j < nv; j++) value[j] = vec_load(values + j * VEC_LANES);
+        for (int j = 0; j < nv; j++) value[j] = kv_load(cache, values + j * VEC_LANES, half);
         for (int r = 0; r < rows; r++) {
             const vec weight = vec_set1(weights[r * count + i]);
             for (int j = 0; j < nv; j++) acc[r * nv + j] = vec_fma(weight, value[j], acc[r * nv + j]);
@@ -184,7 +213,7 @@ static inline __attribute__((always_inline)) void weigh_values(int nv, int rows,
 
 /* ask for the cache lines of `bytes` from `start` (the next block, while this one is worked on: blocks lie
  * anywhere in the pool, so the hardware prefetcher cannot guess them) */
-static inline void prefetch_bytes(const float *start, int64_t bytes) {
+static inline void prefetch_bytes(const void *start, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)start + offset, _MM_HINT_T0);
 }
 
@@ -195,23 +224,24 @@ static inline int64_t block_run(int64_t pos, int64_t length, int64_t limit, int6
     return run < limit ? run : limit;
 }
 
-/* one (sequence, KV heads) task on the vector path: nv = head_dim / VEC_LANES (a constant after inlining) */
+/* one (sequence, KV heads) task on the vector path: nv = head_dim / VEC_LANES and half (the cache holds float16)
+ * are constants after inlining; K at cache element 0, V at v_offset */
 static inline __attribute__((always_inline)) void attend_task(
-    int nv, float *outputs, const float *queries, const float *k_cache, const float *v_cache, const int64_t *blocks,
-    int64_t start, int64_t length, int64_t heads, int64_t group, int64_t head_dim, int64_t block_size,
-    int64_t block_stride, int64_t slot_stride, int64_t first_head, float scale, float *scores) {
+    int nv, int half, float *outputs, const float *queries, const void *cache, int64_t v_offset,
+    const int64_t *blocks, int64_t start, int64_t length, int64_t heads, int64_t group, int64_t head_dim,
+    int64_t block_size, int64_t block_stride, int64_t slot_stride, int64_t first_head, float scale, float *scores) {
     const int64_t count = length - start, rows = heads * group;
-    const int64_t block_bytes = block_stride * (int64_t)sizeof(float);
+    const int64_t element_size = half ? 2 : 4, block_bytes = block_stride * element_size;
     /* scores: a vector's width of positions at a time (never across a block), every query head */
     for (int64_t pos = start; pos < length;) {
         const int64_t chunk = block_run(pos, length, VEC_LANES, block_size);
         if (pos % block_size + chunk == block_size && pos + chunk < length)
-            prefetch_bytes(k_cache + blocks[pos / block_size + 1] * block_stride, block_bytes);
-        const float *slots = k_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride +
-                             first_head * head_dim;
+            prefetch_bytes((const char *)cache + blocks[pos / block_size + 1] * block_bytes, block_bytes);
+        const int64_t slots = blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride +
+                              first_head * head_dim;
         for (int64_t row = 0; row < rows; row++)
-            score_keys(nv, queries + row * head_dim, slots + (row / group) * head_dim, slot_stride, (int)chunk, scale,
-                       scores + row * count + (pos - start));
+            score_keys(nv, half, queries + row * head_dim, cache, slots + (row / group) * head_dim, slot_stride,
+                       (int)chunk, scale, scores + row * count + (pos - start));
         pos += chunk;
     }
     /* softmax weights per query head */
@@ -231,16 +261,18 @@ static inline __attribute__((always_inline)) void attend_task(
     const int max_rows = nv >= MAX_ACCUMULATORS ? 1 : (MAX_ACCUMULATORS / nv > 6 ? 6 : MAX_ACCUMULATORS / nv);
     for (int64_t pos = start; pos < length;) {
         const int64_t run = block_run(pos, length, block_size, block_size);
-        if (pos + run < length) prefetch_bytes(v_cache + blocks[pos / block_size + 1] * block_stride, block_bytes);
-        const float *slots = v_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+        if (pos + run < length)
+            prefetch_bytes((const char *)cache + (v_offset + blocks[pos / block_size + 1] * block_stride) * element_size,
+                           block_bytes);
+        const int64_t slots = v_offset + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
         for (int64_t h = 0; h < heads; h++) {
             for (int64_t g = 0; g < group; g += max_rows) {
                 const int64_t row = h * group + g;
                 const int rows_now = (int)(group - g < max_rows ? group - g : max_rows);
                 const float *weights = scores + row * count + (pos - start);
-                const float *values = slots + (first_head + h) * head_dim;
+                const int64_t values = slots + (first_head + h) * head_dim;
                 float *out = outputs + row * head_dim;
-#define WEIGH(R) weigh_values(nv, R, weights, count, values, slot_stride, run, out, head_dim)
+#define WEIGH(R) weigh_values(nv, half, R, weights, count, cache, values, slot_stride, run, out, head_dim)
                 switch (rows_now) {
                     case 1: WEIGH(1); break;
                     case 2: WEIGH(2); break;
@@ -263,37 +295,42 @@ static inline __attribute__((always_inline)) void attend_task(
 }
 
 /* the vector path for this head size: 1 if it ran the task, 0 if the head size is not one it takes */
-static int attend_task_vectors(float *outputs, const float *queries, const float *k_cache, const float *v_cache,
+static int attend_task_vectors(int half, float *outputs, const float *queries, const void *cache, int64_t v_offset,
                                const int64_t *blocks, int64_t start, int64_t length, int64_t heads, int64_t group,
                                int64_t head_dim, int64_t block_size, int64_t block_stride, int64_t slot_stride,
                                int64_t first_head, float scale, float *scores) {
-#define ATTEND(NV) attend_task(NV, outputs, queries, k_cache, v_cache, blocks, start, length, heads, group, head_dim, \
-                               block_size, block_stride, slot_stride, first_head, scale, scores)
+#define ATTEND(NV, HALF) attend_task(NV, HALF, outputs, queries, cache, v_offset, blocks, start, length, heads, group, \
+                                     head_dim, block_size, block_stride, slot_stride, first_head, scale, scores)
+#define ATTEND_EITHER(NV) \
+    if (half) ATTEND(NV, 1); else ATTEND(NV, 0); \
+    return 1
     if (head_dim % VEC_LANES != 0) return 0;
     switch (head_dim / VEC_LANES) {
-        case 1: ATTEND(1); return 1;
-        case 2: ATTEND(2); return 1;
-        case 4: ATTEND(4); return 1;
-        case 8: ATTEND(8); return 1;
+        case 1: ATTEND_EITHER(1);
+        case 2: ATTEND_EITHER(2);
+        case 4: ATTEND_EITHER(4);
+        case 8: ATTEND_EITHER(8);
 #if !defined(HERON_AVX512)
-        case 16: ATTEND(16); return 1;
+        case 16: ATTEND_EITHER(16);
 #endif
         default: return 0;
     }
+#undef ATTEND_EITHER
 #undef ATTEND
 }
 #endif
 
+/* kv_half: the cache holds float16 (else float32) */
 int heron_paged_attention_f32(
-    float *out, const float *q, const float *kv_cache, const int64_t *block_table, const int64_t *table_rows,
+    float *out, const float *q, const void *kv_cache, const int64_t *block_table, const int64_t *table_rows,
     const int64_t *seq_lens,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, int64_t max_blocks_per_seq, float scale, int64_t sliding_window) {
+    int64_t num_blocks, int64_t max_blocks_per_seq, float scale, int64_t sliding_window, int64_t kv_half) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * slot_stride;
-    const float *k_cache = kv_cache;
-    const float *v_cache = kv_cache + num_blocks * block_stride;
+    const int64_t v_offset = num_blocks * block_stride; /* V after K, in elements */
+    const int half = kv_half != 0;
     int failed = 0;
 
     /* many sequences: one task per sequence reads each cached slot (all KV heads)
@@ -327,17 +364,19 @@ int heron_paged_attention_f32(
             const float *queries = q + (seq * num_heads + first_head * group) * head_dim;
             float *outputs = out + (seq * num_heads + first_head * group) * head_dim;
 #if defined(HERON_AVX2)
-            if (attend_task_vectors(outputs, queries, k_cache, v_cache, blocks, start, length, heads_per_task, group,
-                                    head_dim, block_size, block_stride, slot_stride, first_head, scale, scores))
+            if (attend_task_vectors(half, outputs, queries, kv_cache, v_offset, blocks, start, length, heads_per_task,
+                                    group, head_dim, block_size, block_stride, slot_stride, first_head, scale, scores))
                 continue;
 #endif
+            /* the portable reference (and any head size the vector path does not take) */
             float maxima[MAX_TASK_ROWS];
             for (int64_t row = 0; row < rows; row++) maxima[row] = -INFINITY;
             for (int64_t pos = start; pos < length; pos++) {
-                const float *slot = k_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride
-                                    + first_head * head_dim;
+                const int64_t slot = blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride
+                                     + first_head * head_dim;
                 for (int64_t row = 0; row < rows; row++) {
-                    const float s = dot(queries + row * head_dim, slot + (row / group) * head_dim, head_dim) * scale;
+                    const float s =
+                        dot(queries + row * head_dim, kv_cache, slot + (row / group) * head_dim, half, head_dim) * scale;
                     scores[row * count + (pos - start)] = s;
                     if (s > maxima[row]) maxima[row] = s;
                 }
@@ -346,11 +385,11 @@ int heron_paged_attention_f32(
             for (int64_t row = 0; row < rows; row++) sums[row] = exp_and_sum(scores + row * count, count, maxima[row]);
             memset(outputs, 0, sizeof(float) * rows * head_dim);
             for (int64_t pos = start; pos < length; pos++) {
-                const float *slot = v_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride
-                                    + first_head * head_dim;
+                const int64_t slot = v_offset + blocks[pos / block_size] * block_stride +
+                                     (pos % block_size) * slot_stride + first_head * head_dim;
                 for (int64_t row = 0; row < rows; row++)
-                    axpy(outputs + row * head_dim, scores[row * count + (pos - start)], slot + (row / group) * head_dim,
-                         head_dim);
+                    axpy(outputs + row * head_dim, scores[row * count + (pos - start)], kv_cache,
+                         slot + (row / group) * head_dim, half, head_dim);
             }
             for (int64_t row = 0; row < rows; row++) {
                 const float inverse = 1.0f / sums[row];
@@ -361,4 +400,10 @@ int heron_paged_attention_f32(
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* dst[i] = float16(src[i]), as the native forward pass stores K/V in a float16 cache (for tests) */
+int heron_store_halves_f32(uint16_t *dst, const float *src, int64_t n) {
+    heron_store_halves(dst, src, n);
+    return 0;
 }
