@@ -45,6 +45,12 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            # kept as its JSON text: what the grammar compiler takes, and safe to send to the engine core
+            # whatever numbers the schema holds (msgpack stops at 64-bit integers)
+            import json as json_module
+
+            self.json = json_module.dumps(self.json)
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
         if len(given) != 1:
             raise SamplingParamError(
@@ -67,8 +73,7 @@ class StructuredOutputsParams:
         suffix = "-compact" if self.disable_any_whitespace else ""
         if self.json is not None:
             # key order matters: the output follows the schema's property order
-            spec = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
-            return "json" + suffix, spec
+            return "json" + suffix, self.json if isinstance(self.json, str) else json_module.dumps(self.json)
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:

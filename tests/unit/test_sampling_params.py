@@ -57,3 +57,22 @@ def test_clone_is_independent():
     child = params.clone(seed=2)
     child.stop.append("b")
     assert params.stop == ["a"] and params.seed == 1 and child.seed == 2
+
+
+def test_a_json_schema_of_any_numbers_travels_to_the_engine_core():
+    """A schema is JSON: its numbers may pass 64 bits, which msgpack (the engine
+    core's wire format) cannot carry. The schema travels as its text, so a client's
+    schema never turns into a 500 (schemathesis found one through /v1/responses)."""
+    import json
+
+    from heron.engine.serialization import MessageKind, encode_request, pack, unpack
+    from heron.request import EngineCoreRequest
+    from heron.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 464247755404831132115558989824}}}
+    constraint = StructuredOutputsParams(json=schema)
+    assert constraint.key() == ("json", json.dumps(schema))
+    params = SamplingParams(max_tokens=4, structured_outputs=constraint)
+    request = EngineCoreRequest("r", [1, 2], params, eos_token_ids=(2,), max_tokens=4, arrival_time=0.0)
+    kind, payload = unpack(pack(MessageKind.ADD, encode_request(request)))
+    assert kind == MessageKind.ADD and json.dumps(json.dumps(schema)) in json.dumps(payload)  # the text, intact

@@ -26,6 +26,7 @@ import zmq.asyncio
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core_channels import IPC_DIR_PREFIX, ClientAddresses
+from heron.engine.input_processor import InvalidRequestError
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
 
@@ -158,7 +159,11 @@ class EngineCoreClient:
         return None if self.pid is None or _process_running(self.pid) else -1
 
     async def add_request(self, request: EngineCoreRequest) -> None:
-        await self.input_socket.send(pack(MessageKind.ADD, encode_request(request)))
+        try:
+            message = pack(MessageKind.ADD, encode_request(request))
+        except OverflowError as exc:  # a client's number beyond msgpack's 64-bit integers: its input, not a fault
+            raise InvalidRequestError(f"a number in the request is out of range ({exc})") from exc
+        await self.input_socket.send(message)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self._closed:
