@@ -148,7 +148,9 @@ def test_the_waiting_bound_holds_for_the_server_not_per_process():
     429 at once, wherever they land. A bound per process would admit up to 5."""
     server = ServerProcess("--api-server-count", "2", "--max-num-seqs", "1", "--max-waiting-requests", "2")
     try:
-        body = {"model": MODEL, "prompt": "Tell me about herons.", "max_tokens": 250, "ignore_eos": True}
+        # long enough that the running request outlasts the sending (10 x 0.2 s) on the fastest CPU here (a
+        # batch-1 step of about 6 ms: 600 tokens take 3.6 s); 250 tokens once let a slot free up mid-sending
+        body = {"model": MODEL, "prompt": "Tell me about herons.", "max_tokens": 600, "ignore_eos": True}
         statuses: list[int] = []
         servers_seen: set[int] = set()
 
@@ -161,7 +163,7 @@ def test_the_waiting_bound_holds_for_the_server_not_per_process():
         for _ in range(10):
             threads.append(threading.Thread(target=send))
             threads[-1].start()
-            time.sleep(0.25)  # each arrives after the ones before were admitted or refused
+            time.sleep(0.2)  # each arrives after the ones before were admitted or refused
         for thread in threads:
             thread.join(120)
         assert sorted(statuses) == [200] * 3 + [429] * 7, statuses
