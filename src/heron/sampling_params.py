@@ -45,12 +45,6 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
-            # kept as its JSON text: what the grammar compiler takes, and safe to send to the engine core
-            # whatever numbers the schema holds (msgpack stops at 64-bit integers)
-            import json as json_module
-
-            self.json = json_module.dumps(self.json)
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
         if len(given) != 1:
             raise SamplingParamError(

@@ -8,6 +8,7 @@ floats, strings, lists, dicts (int keys allowed).
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -48,7 +49,11 @@ def encode_sampling_params(params: SamplingParams) -> list[Any]:
     values = [getattr(params, name) for name in _SAMPLING_FIELDS]
     values[_SAMPLING_FIELDS.index("output_kind")] = params.output_kind.value
     if params.structured_outputs is not None:  # decoded back by SamplingParams itself
-        values[_SAMPLING_FIELDS.index("structured_outputs")] = asdict(params.structured_outputs)
+        constraint = asdict(params.structured_outputs)
+        if isinstance(constraint["json"], dict):
+            # a schema travels as its text: JSON numbers may pass 64 bits, which msgpack cannot carry
+            constraint["json"] = json.dumps(constraint["json"])
+        values[_SAMPLING_FIELDS.index("structured_outputs")] = constraint
     return values
 
 
