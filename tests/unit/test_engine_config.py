@@ -65,11 +65,11 @@ def test_low_bit_modes_keep_a_float16_kv_cache_unless_asked_otherwise(monkeypatc
     assert plain.kv_cache_dtype == torch.float32
     opted_out = EngineArgs(device="cpu", kv_cache_dtype="float32").create_engine_config()
     assert opted_out.kv_cache_dtype == torch.float32 and opted_out.cache.kv_cache_dtype_name is None
-    low_bit_gpu_model = SimpleNamespace(quantization="none", dtype_name="bfloat16")
-    assert resolve_kv_cache_dtype("auto", "cuda", low_bit_gpu_model) is None
-    assert resolve_kv_cache_dtype("bfloat16", "cuda", low_bit_gpu_model) is None
+    gpu_model = SimpleNamespace(quantization="none", dtype_name="bfloat16")
+    assert resolve_kv_cache_dtype("auto", "cuda", gpu_model) is None
+    assert resolve_kv_cache_dtype("bfloat16", "cuda", gpu_model) is None
     with pytest.raises(ValueError, match="CPU only"):
-        resolve_kv_cache_dtype("float16", "cuda", low_bit_gpu_model)
+        resolve_kv_cache_dtype("float16", "cuda", gpu_model)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(device="cpu", kv_cache_dtype="int3").create_engine_config()
 

@@ -39,11 +39,6 @@
 
 #define MAX_TASK_ROWS 256 /* query heads one task handles: ops.py checks num_heads <= this */
 
-/* element `index` of a float32 (half = 0) or float16 (half = 1) cache */
-static inline float kv_at(const void *cache, int64_t index, int half) {
-    return half ? heron_half_to_float(((const uint16_t *)cache)[index]) : ((const float *)cache)[index];
-}
-
 static inline float dot(const float *restrict a, const void *cache, int64_t index, int half, int64_t n) {
     float sum = 0.0f;
     if (!half) {
@@ -52,7 +47,8 @@ static inline float dot(const float *restrict a, const void *cache, int64_t inde
         for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
         return sum;
     }
-    for (int64_t i = 0; i < n; i++) sum += a[i] * kv_at(cache, index + i, 1);
+    const uint16_t *b = (const uint16_t *)cache + index;
+    for (int64_t i = 0; i < n; i++) sum += a[i] * heron_half_to_float(b[i]);
     return sum;
 }
 
@@ -63,7 +59,8 @@ static inline void axpy(float *restrict y, float alpha, const void *cache, int64
         for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
         return;
     }
-    for (int64_t i = 0; i < n; i++) y[i] += alpha * kv_at(cache, index + i, 1);
+    const uint16_t *x = (const uint16_t *)cache + index;
+    for (int64_t i = 0; i < n; i++) y[i] += alpha * heron_half_to_float(x[i]);
 }
 
 #include "vector_exp.h"
