@@ -144,6 +144,17 @@ def test_every_build_compiles_with_the_real_intrinsics(isa):
     _build(_compiler(), [*_BASE_FLAGS, *cpu_isa.compile_flags(isa)])
 
 
+@pytest.mark.skipif("avx2" not in cpu_isa.supported_isas(), reason="the emulation builds on AVX2")
+@pytest.mark.skipif(_simde_include() is None, reason="simde-py is not installed")
+@pytest.mark.parametrize("isa", ["avx512", "avx512_vnni"])
+def test_every_emulated_build_compiles_here_too(isa):
+    """The SIMDe build that checks the AVX-512 code on AVX2-only CPUs compiles on
+    every CPU, so a CPU that runs AVX-512 natively (and so never uses it) still
+    catches what breaks it (SIMDe's headers bring <complex.h>, whose `I` once broke
+    llama_forward.c there only)."""
+    assert load_library(isa, _simde_include()).heron_kernel_isa().decode() == isa
+
+
 def test_forcing_an_isa(monkeypatch):
     supported = cpu_isa.supported_isas()
     monkeypatch.setenv(cpu_isa.ISA_ENV, "scalar")

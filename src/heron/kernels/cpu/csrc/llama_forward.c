@@ -128,7 +128,8 @@ int heron_llama_forward_lowbit(float *hidden, int64_t rows, const heron_decoder_
                                const float *signed_sin, const int64_t *slots, const int64_t *block_table,
                                int64_t max_blocks, const int64_t *table_rows, const int64_t *seq_lens,
                                int64_t block_size, int64_t num_blocks) {
-    const int64_t H = shape.hidden, D = shape.head_dim, I = shape.intermediate;
+    /* (not `I`: <complex.h>, which SIMDe's emulated AVX-512 headers pull in, defines it) */
+    const int64_t H = shape.hidden, D = shape.head_dim, inter = shape.intermediate;
     const int64_t q_size = shape.num_heads * D, kv_size = shape.num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
     if (D > 512 || D % 2 != 0) return -3;
@@ -137,8 +138,8 @@ int heron_llama_forward_lowbit(float *hidden, int64_t rows, const heron_decoder_
     float *qkv = malloc(sizeof(float) * (size_t)(rows * qkv_size));
     float *queries = malloc(sizeof(float) * (size_t)(rows * q_size));
     float *attended = malloc(sizeof(float) * (size_t)(rows * q_size));
-    float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * I));
-    float *activated = malloc(sizeof(float) * (size_t)(rows * I));
+    float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * inter));
+    float *activated = malloc(sizeof(float) * (size_t)(rows * inter));
     float *update = malloc(sizeof(float) * (size_t)(rows * H));
     int status = 0;
     if (!normed || !qkv || !queries || !attended || !gate_up || !activated || !update) status = -2;
@@ -169,10 +170,11 @@ int heron_llama_forward_lowbit(float *hidden, int64_t rows, const heron_decoder_
         if ((status = linear(&layer->o, attended, rows, q_size, update, H)) != 0) break;
         add_rows(hidden, update, rows, H);
         rms_norm(hidden, layer->post_norm, normed, rows, H, shape.eps);
-        if ((status = linear(&layer->gate_up, normed, rows, H, gate_up, 2 * I)) != 0) break;
+        if ((status = linear(&layer->gate_up, normed, rows, H, gate_up, 2 * inter)) != 0) break;
 #pragma omp parallel for if (rows >= PARALLEL_ROWS)
-        for (int64_t r = 0; r < rows; r++) silu_and_mul(gate_up + r * 2 * I, gate_up + r * 2 * I + I, activated + r * I, I);
-        if ((status = linear(&layer->down, activated, rows, I, update, H)) != 0) break;
+        for (int64_t r = 0; r < rows; r++)
+            silu_and_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, activated + r * inter, inter);
+        if ((status = linear(&layer->down, activated, rows, inter, update, H)) != 0) break;
         add_rows(hidden, update, rows, H);
     }
     if (status == 0) {
