@@ -117,42 +117,84 @@ def multi_turn_workload(conversations: int, turns: int, rate: float) -> Callable
 
 
 def router_latency(num_requests: int = 1000) -> dict:
-    """What the router adds to a request: the proxy hop, timed on a request the
-    replica answers at once (``GET /v1/models``, sequential requests on kept-alive
-    connections, straight and through the router in alternation so both see the
-    same machine; the p50 of each and of the paired differences), plus the
-    router's hashing and choice for a chat request (its
-    ``heron_router_decision_seconds``, after a warm-up that compiles the chat template)."""
+    """What the router adds to a request, straight and through the router in
+    alternation on kept-alive connections (so both see the same machine), as
+    the p50 of the paired differences: the proxy hop on a request the replica
+    answers at once (``GET /v1/models``); the time to the first streamed token
+    (the first event carrying text) of a two-token chat request (a ~1.3k-character system prompt: the router
+    renders the chat template, tokenizes and hashes it) and of a completions
+    request with the same text as its prompt; and the router's hashing and
+    choice per chat request (its ``heron_router_decision_seconds``)."""
     replica = ServerProcess("--kv-events-config", KV_EVENTS)
     router = None
     try:
         router = RouterProcess([replica.base_url])
         with httpx.Client(timeout=10) as direct, httpx.Client(timeout=10) as routed:
-            pairs = []
-            for index in range(num_requests + 50):
-                times = []
-                for client, base in ((direct, replica.base_url), (routed, router.base_url)):
-                    started = time.perf_counter()
-                    client.get(f"{base}/v1/models").raise_for_status()
-                    times.append(1000 * (time.perf_counter() - started))
-                if index >= 50:  # warm-up
-                    pairs.append(times)
-        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
-                "messages": [{"role": "system", "content": "You answer questions about estuary birds. " * 30},
-                             {"role": "user", "content": "Which bird waits in the shallows?"}]}
-        for _ in range(5):
-            httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
-        before = _decision_totals(router)
-        for number in range(50):
-            body["messages"][1]["content"] = f"Which bird waits in the shallows? ({number})"
-            httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
-        total, count = (after - start for after, start in zip(_decision_totals(router), before, strict=True))
-        return {"direct_p50_ms": median([d for d, _ in pairs]), "routed_p50_ms": median([r for _, r in pairs]),
-                "proxy_hop_ms": median([r - d for d, r in pairs]), "decision_mean_ms": 1000 * total / count}
+            hop = _paired(num_requests, direct, routed, replica.base_url, router.base_url,
+                          lambda client, base, _: _timed_get(client, f"{base}/v1/models"))
+            before = _decision_totals(router)
+            chat = _paired(num_requests // 2, direct, routed, replica.base_url, router.base_url, _chat_ttft)
+            total, count = (after - start for after, start in zip(_decision_totals(router), before, strict=True))
+            completion = _paired(num_requests // 2, direct, routed, replica.base_url, router.base_url,
+                                 _completion_ttft)
+        return {"direct_p50_ms": hop["direct_p50_ms"], "routed_p50_ms": hop["routed_p50_ms"],
+                "proxy_hop_ms": hop["added_p50_ms"], "chat_ttft": chat, "completion_ttft": completion,
+                "decision_mean_ms": 1000 * total / count}
     finally:
         if router is not None:
             router.stop()
         replica.stop()
+
+
+def _paired(num_requests: int, direct: httpx.Client, routed: httpx.Client, direct_url: str, routed_url: str,
+            timed: Callable[[httpx.Client, str, int], float]) -> dict:
+    pairs = []
+    for index in range(num_requests + 20):
+        times = [timed(direct, direct_url, index), timed(routed, routed_url, index)]
+        if index >= 20:  # warm-up
+            pairs.append(times)
+    return {"direct_p50_ms": median(d for d, _ in pairs), "routed_p50_ms": median(r for _, r in pairs),
+            "added_p50_ms": median(r - d for d, r in pairs)}
+
+
+def _timed_get(client: httpx.Client, url: str) -> float:
+    started = time.perf_counter()
+    client.get(url).raise_for_status()
+    return 1000 * (time.perf_counter() - started)
+
+
+SYSTEM = "You answer questions about estuary birds. " * 30
+
+
+def _chat_ttft(client: httpx.Client, base: str, index: int) -> float:
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": f"Which bird waits in the shallows? ({index % 7})"}]}
+    return _first_event_ms(client, f"{base}/v1/chat/completions", body)
+
+
+def _completion_ttft(client: httpx.Client, base: str, index: int) -> float:
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
+            "prompt": f"{SYSTEM}Which bird waits in the shallows? ({index % 7})"}
+    return _first_event_ms(client, f"{base}/v1/completions", body)
+
+
+def _first_event_ms(client: httpx.Client, url: str, body: dict) -> float:
+    started = time.perf_counter()
+    first = None
+    with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {") and _has_text(json.loads(line[6:])):
+                first = 1000 * (time.perf_counter() - started)
+    assert first is not None, "no token in the stream"
+    return first
+
+
+def _has_text(event: dict) -> bool:
+    """A streamed event carrying a token (not chat's opening role-only event)."""
+    choice = event["choices"][0]
+    return bool(choice.get("text") or choice.get("delta", {}).get("content"))
 
 
 def _decision_totals(router: RouterProcess) -> tuple[float, float]:
@@ -174,6 +216,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
     parser.add_argument("--conversation-rate", type=float, default=0.4, help="conversations started per second")
     parser.add_argument("--workloads", default="shared_prefix,multi_turn")
+    parser.add_argument("--latency-only", action="store_true", help="only the router's own added latency")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-router-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -185,7 +228,7 @@ def main() -> None:
                  "multi_turn": multi_turn_workload(args.conversations, args.turns, args.conversation_rate)}
     policies = args.policies.split(",")
     results: dict[str, list[dict]] = {}
-    for name in args.workloads.split(","):
+    for name in [] if args.latency_only else args.workloads.split(","):
         # session pins a conversation: compared where there are conversations
         names = policies + (["session"] if name == "multi_turn" and "session" not in policies else [])
         results[name] = [run_policy(policy, workloads[name]) for policy in names]
@@ -206,6 +249,10 @@ def main() -> None:
     print(f"\nrouter hop (GET /v1/models, p50 of paired differences): direct {latency['direct_p50_ms']:.2f} ms, "
           f"routed {latency['routed_p50_ms']:.2f} ms (+{latency['proxy_hop_ms']:.2f} ms); hashing a chat request "
           f"and choosing: {latency['decision_mean_ms']:.2f} ms mean")
+    for kind in ("chat_ttft", "completion_ttft"):
+        row = latency[kind]
+        print(f"{kind} (streamed, one token): direct {row['direct_p50_ms']:.2f} ms, routed "
+              f"{row['routed_p50_ms']:.2f} ms, added {row['added_p50_ms']:.2f} ms (p50 of paired differences)")
 
 
 if __name__ == "__main__":

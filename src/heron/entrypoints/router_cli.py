@@ -42,8 +42,6 @@ def add_router_parser(subcommands: Any) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from heron.router.prompt_hashes import PromptHasher
     from heron.router.replica import ReplicaSet
     from heron.router.server import RouterServer
@@ -65,7 +63,7 @@ def run_router(args: argparse.Namespace) -> int:
     logger.info("heron router (%s) on http://%s:%d over %s%s", args.policy, args.host, args.port,
                 ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])),
                 f"; prompts prefilled first on {', '.join(args.prefill)}" if args.prefill else "")
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    asyncio.run(server.run(args.host, args.port))
     return 0
 
 

@@ -1,30 +1,37 @@
-"""``heron router``'s HTTP front door (aiohttp): the OpenAI endpoints, proxied to
-the replica the policy picks, responses (SSE included) passed through chunk by
-chunk as they arrive.
+"""``heron router``'s front door: the OpenAI endpoints, each request proxied to
+the replica the policy picks, its answer (SSE included) passed through as it
+arrives, over the raw HTTP/1.1 front (``http_front.py``) and kept-alive replica
+connections (``upstream.py``).
 
 A request that fails before its first byte (no connection, a timeout, a 5xx)
 is retried on another replica, up to ``max_attempts``; a stream cut by a dying
-replica ends with an error event and ``[DONE]``, so a client never hangs.
-Every outcome feeds the replica's circuit breaker; 4xx answers are passed
-through and never count against a replica.
+replica ends with an error event and ``[DONE]``, so a client never hangs; a
+client that leaves takes its replica request with it (the connection to the
+replica is closed, which aborts the request there). Every outcome feeds the
+replica's circuit breaker; 4xx answers are passed through and never count
+against a replica. Health probes and the prefill stage of disaggregation use
+aiohttp's client: they are not on a request's latency path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import signal
 import time
 from typing import Any
 
 import aiohttp
-from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from heron.gc_freeze import freeze_startup_objects
 from heron.router.disaggregation import PrefillStage
+from heron.router.http_front import HttpRequest, ResponseWriter, error_body, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner
+from heron.router.upstream import UpstreamConnection, UpstreamCut, UpstreamFailed, UpstreamPool
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
@@ -33,8 +40,8 @@ GENERATION_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
 FORWARDED_PATHS = ("/v1/models", "/tokenize", "/detokenize", "/version")
 # request headers passed to the replica (the client's key reaches the replica's gateway)
 _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive", "server",
-                "date"}
+# the replica's framing and connection headers: the router frames its own answer
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
 class RouterMetrics:
@@ -70,85 +77,97 @@ class RouterServer:
         self.router = router
         self.hasher = hasher
         self.max_attempts = max_attempts
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=2.0)
+        self.request_timeout = request_timeout
         self.metrics = RouterMetrics()
         self.responses = ResponseAffinity()
+        self.upstream = UpstreamPool()
         self.session: aiohttp.ClientSession | None = None
         self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry, request_timeout)
                         if prefill_replicas is not None else None)
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
-        for path in GENERATION_PATHS:
-            app.router.add_post(path, self.generate)
-        for path in FORWARDED_PATHS:
-            app.router.add_route("*", path, self.forward)
-        app.router.add_route("*", RESPONSES_PATH + "/{response_id}", self.forward_response)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/router/replicas", self.describe)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
+    async def run(self, host: str, port: int) -> None:
+        """Serves until SIGINT or SIGTERM."""
+        await self.start()
+        server = await serve(self.handle, host, port)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        try:
+            await stopping.wait()
+        finally:
+            server.close()
+            await self.stop()
 
-    async def _start(self, _: web.Application) -> None:
+    async def start(self) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.replicas.start(self.session)
         if self.prefill is not None:
             await self.prefill.replicas.start(self.session)
         freeze_startup_objects("router")  # the tokenizer and transformers' objects: no full-collection pauses
 
-    async def _stop(self, _: web.Application) -> None:
+    async def stop(self) -> None:
         await self.replicas.stop()
         if self.prefill is not None:
             await self.prefill.replicas.stop()
+        self.upstream.close()
         if self.session is not None:
             await self.session.close()
 
     # ---- routes ------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
+    async def handle(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        path = request.path
+        if path in GENERATION_PATHS:
+            if request.method != "POST":
+                writer.send_json(405, error_body(405, f"{path} takes POST", "method_not_allowed"))
+                return
+            await self.generate(request, writer)
+        elif path in FORWARDED_PATHS:
+            await self._proxy(request, writer, request.body, [], None)
+        elif path.startswith(RESPONSES_PATH + "/") and path.count("/") == 3:
+            # GET or DELETE of a stored response: to the replica that holds it
+            pinned = self.responses.replica_of(path.rsplit("/", 1)[1])
+            await self._proxy(request, writer, request.body, [], None, pinned)
+        elif path == "/health" and request.method in ("GET", "HEAD"):
+            usable = self.replicas.usable()
+            writer.send_json(200 if usable else 503, {"status": "ok" if usable else "no replica available",
+                                                      "replicas": self._replica_states()})
+        elif path == "/metrics" and request.method in ("GET", "HEAD"):
+            writer.send(200, self._prometheus(), CONTENT_TYPE_LATEST)
+        elif path == "/router/replicas" and request.method in ("GET", "HEAD"):
+            writer.send_json(200, self._describe())
+        else:
+            writer.send_json(404, error_body(404, f"no route for {request.method} {path}", "not_found"))
+
+    async def generate(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        raw = request.body
         started = time.perf_counter()
         body = _json_object(raw)
         hashes = self.hasher.block_hashes(request.path, body, self.replicas.block_size) if self.hasher and body else []
-        session = (body.get("user") if body else None) or request.headers.get("X-Session-Id")
+        session = (body.get("user") if body else None) or request.headers.get("x-session-id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if self.prefill is not None and body is not None and "kv_transfer_params" not in body:
             assert self.session is not None
-            headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
-            kv_transfer_params = await self.prefill.run(self.session, request.path, body, headers, hashes)
+            kv_transfer_params = await self.prefill.run(self.session, request.path, body,
+                                                        dict(_passed_headers(request)), hashes)
             if kv_transfer_params is not None:
                 raw = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
         previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
         pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
-        return await self._proxy(request, raw, hashes, session if isinstance(session, str) else None, pinned)
+        await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned)
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, await request.read(), [], None)
-
-    async def forward_response(self, request: web.Request) -> web.StreamResponse:
-        """GET or DELETE of a stored response: to the replica that holds it."""
-        pinned = self.responses.replica_of(request.match_info["response_id"])
-        return await self._proxy(request, await request.read(), [], None, pinned)
-
-    async def health(self, _: web.Request) -> web.Response:
-        usable = self.replicas.usable()
-        status = 200 if usable else 503
-        return web.json_response({"status": "ok" if usable else "no replica available",
-                                  "replicas": self._replica_states()}, status=status)
-
-    async def describe(self, _: web.Request) -> web.Response:
-        described: dict[str, Any] = {"policy": self.router.policy, "replicas": self._replica_states()}
-        if self.prefill is not None:
-            described["prefill_replicas"] = self._replica_states(self.prefill.replicas)
-        return web.json_response(described)
-
-    async def prometheus(self, _: web.Request) -> web.Response:
+    def _prometheus(self) -> bytes:
         for replica in self.replicas.replicas:
             self.metrics.in_flight.labels(replica.url).set(replica.load.in_flight)
             self.metrics.usable.labels(replica.url).set(1 if replica.breaker.usable else 0)
-        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+        return generate_latest(self.metrics.registry)
+
+    def _describe(self) -> dict[str, Any]:
+        described: dict[str, Any] = {"policy": self.router.policy, "replicas": self._replica_states()}
+        if self.prefill is not None:
+            described["prefill_replicas"] = self._replica_states(self.prefill.replicas)
+        return described
 
     def _replica_states(self, replicas: ReplicaSet | None = None) -> list[dict[str, Any]]:
         return [{"url": r.url, "state": r.breaker.state.value, "in_flight": r.load.in_flight,
@@ -157,12 +176,12 @@ class RouterServer:
 
     # ---- proxying ----------------------------------------------------------------
 
-    async def _proxy(self, request: web.Request, raw: bytes, hashes: list[bytes],
-                     session: str | None, pinned: str | None = None) -> web.StreamResponse:
+    async def _proxy(self, request: HttpRequest, writer: ResponseWriter, raw: bytes, hashes: list[bytes],
+                     session: str | None, pinned: str | None = None) -> None:
         """``pinned``: the replica holding the stored response the request names
         (tried first while usable; elsewhere it answers that it has no such response)."""
         tried: list[Replica] = []
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+        headers = _passed_headers(request)
         for attempt in range(self.max_attempts):
             candidates = self.replicas.usable(exclude=tried)
             if not candidates:
@@ -180,62 +199,92 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            response = await self._send(request, replica, raw, headers, decision.uncached_blocks)
-            if response is not None:
-                return response
+            if await self._send(request, writer, replica, raw, headers, decision.uncached_blocks):
+                return
         self.metrics.failed.inc()
-        return _error(503, "no replica could serve the request", "service_unavailable")
+        writer.send_json(503, error_body(503, "no replica could serve the request", "service_unavailable"))
 
-    async def _send(self, request: web.Request, replica: Replica, raw: bytes, headers: dict[str, str],
-                    uncached_blocks: int) -> web.StreamResponse | None:
-        """The replica's answer passed through, or None when it failed before
-        its first byte (the caller retries elsewhere). The replica's load
-        carries the request (and its prefill work) until it ends."""
-        assert self.session is not None
+    async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
+                    headers: list[tuple[str, str]], uncached_blocks: int) -> bool:
+        """Passes the replica's answer through; False when it failed before its
+        first byte (the caller retries elsewhere). The replica's load carries
+        the request (and its prefill work) until it ends."""
+        deadline = asyncio.get_running_loop().time() + self.request_timeout
         replica.load.dispatch(uncached_blocks)
         replica.num_requests += 1
+        connection: UpstreamConnection | None = None
         try:
-            async with self.session.request(request.method, replica.url + request.path_qs, data=raw or None,
-                                            headers=headers, timeout=self.timeout) as upstream:
-                if upstream.status >= 500:
-                    self.replicas.record(replica, upstream.status)
-                    await upstream.read()
-                    return None
-                self.replicas.record(replica, upstream.status)
-                return await self._relay(request, replica, upstream)
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            logger.warning("replica %s failed before answering: %s", replica.url, exc)
-            self.replicas.record(replica, None)
-            return None
+            try:
+                async with asyncio.timeout_at(deadline):
+                    connection = await self.upstream.request(replica.url, request.method, request.path_qs,
+                                                             headers, raw)
+            except (UpstreamFailed, TimeoutError) as exc:
+                logger.warning("replica %s failed before answering: %s", replica.url, exc or "timeout")
+                self.replicas.record(replica, None)
+                return False
+            status, upstream_headers = connection.head.result()
+            self.replicas.record(replica, status)
+            if status >= 500:  # nothing reached the client yet: another replica may serve it
+                connection.stream_to(_discard)
+                await _until(connection.done, deadline)
+                return False
+            await self._relay(request, writer, replica, connection, status, upstream_headers, deadline)
+            return True
         finally:
             replica.load.release(uncached_blocks)
+            if connection is not None:
+                self.upstream.release(replica.url, connection)  # closed unless its answer ended cleanly
 
-    async def _relay(self, request: web.Request, replica: Replica,
-                     upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status)
-        for key, value in upstream.headers.items():
-            if key.lower() not in _HOP_HEADERS:
-                response.headers[key] = value
-        await response.prepare(request)
-        event_stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and upstream.status == 200 else None
-        try:
-            async for chunk in upstream.content.iter_any():
-                if scanner is not None and scanner.found is None:
-                    scanner.feed(chunk)
-                    if scanner.found is not None:
-                        self.responses.remember(scanner.found, replica.url)
-                await response.write(chunk)
-        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            logger.warning("replica %s cut a response: %s", replica.url, exc)
+    async def _relay(self, request: HttpRequest, writer: ResponseWriter, replica: Replica,
+                     connection: UpstreamConnection, status: int, upstream_headers: list[tuple[str, str]],
+                     deadline: float) -> None:
+        headers = [(name, value) for name, value in upstream_headers if name.lower() not in _HOP_HEADERS]
+        event_stream = any(name.lower() == "content-type" and value.startswith("text/event-stream")
+                           for name, value in upstream_headers)
+        length = next((value for name, value in upstream_headers if name.lower() == "content-length"), None)
+        writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
+        scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and status == 200 else None
+
+        def forward(chunk: bytes) -> None:
+            if scanner is not None and scanner.found is None:
+                scanner.feed(chunk)
+                if scanner.found is not None:
+                    self.responses.remember(scanner.found, replica.url)
+            writer.write(chunk)
+
+        assert connection.transport is not None
+        writer.on_pause = connection.transport.pause_reading  # a slow client slows the replica, no buffering
+        writer.on_resume = connection.transport.resume_reading
+        # the answer's end goes out with its last bytes, in the same write
+        connection.stream_to(forward, lambda: writer.end() if connection.complete else writer.flush())
+        if not await _until(connection.done, deadline):
+            logger.warning("replica %s cut a response", replica.url)
             self.metrics.cut_streams.inc()
             self.replicas.record(replica, None)
+            if length is not None:
+                writer.abort()  # its length was promised: the client must see the cut
+                return
             if event_stream:
-                error = {"error": {"message": "the replica serving this stream failed", "type": "server_error",
-                                   "param": None, "code": "replica_failed"}}
-                await response.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
-        await response.write_eof()
-        return response
+                error = error_body(502, "the replica serving this stream failed", "replica_failed")
+                writer.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+        writer.end()
+
+
+async def _until(done: asyncio.Future[None], deadline: float) -> bool:
+    """Waits for an answer's end: False if it was cut or the deadline passed."""
+    try:
+        await asyncio.wait_for(done, max(0.0, deadline - asyncio.get_running_loop().time()))
+    except (UpstreamCut, TimeoutError):
+        return False
+    return True
+
+
+def _passed_headers(request: HttpRequest) -> list[tuple[str, str]]:
+    return [(name, value) for name, value in request.headers.items() if name in _PASSED_HEADERS]
+
+
+def _discard(_: bytes) -> None:
+    pass
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
@@ -244,8 +293,3 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def _error(status: int, message: str, code: str) -> web.Response:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return web.json_response(body, status=status)

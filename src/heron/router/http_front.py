@@ -1,0 +1,297 @@
+"""The router's HTTP/1.1 front door: a small asyncio server on httptools (the C
+parser uvicorn uses), so that a proxied request costs a parse and a few writes
+rather than a web framework's request and response objects.
+
+Measured on a 2-core EPYC (BENCHMARKS.md, issue #18): the time to the first
+streamed chunk through the router, over a direct request, went from 1.4-2.6 ms
+with aiohttp's server and client to a fraction of a millisecond.
+
+Invariants:
+- requests on one connection are answered one at a time, in order (pipelined
+  requests wait their turn; a client that floods them is paused);
+- a response is complete (its Content-Length sent, or its chunked framing
+  ended) before the next one starts, or the connection is closed;
+- a client that goes away cancels the handler of its request, so whatever the
+  handler holds (an upstream request) is dropped with it;
+- a request that cannot be parsed, or is too large, is answered 400 / 413 /
+  431 and the connection closed; the handler never sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import httptools
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
+MAX_HEAD_BYTES = 64 << 10
+_MAX_QUEUED_REQUESTS = 8  # pipelined requests held before the client is paused
+
+
+@dataclass
+class HttpRequest:
+    method: str
+    path: str  # without the query string
+    query: str  # the raw query string, '' when none
+    headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
+    body: bytes
+
+    @property
+    def path_qs(self) -> str:
+        return f"{self.path}?{self.query}" if self.query else self.path
+
+
+class ResponseWriter:
+    """One response to the client: whole (``send``) or streamed (``start``,
+    ``write``..., ``end``); streamed with chunked framing unless its length is
+    given. What is written is held until ``flush`` or ``end``, so a relay sends
+    what one read from its source brought in one system call (the status line
+    goes out with the first body bytes). Flow control: while the client's
+    socket buffer is full, ``on_pause`` is called (and ``on_resume`` when it
+    drains) so a relay can stop reading its source instead of buffering
+    without bound."""
+
+    def __init__(self, transport: asyncio.Transport, keep_alive: bool, head_only: bool) -> None:
+        self._transport = transport
+        self.keep_alive = keep_alive
+        self._head_only = head_only
+        self._chunked = False
+        self.started = False
+        self.finished = False
+        self.on_pause: Callable[[], None] | None = None
+        self.on_resume: Callable[[], None] | None = None
+        self._pending: list[bytes] = []
+
+    @property
+    def client_gone(self) -> bool:
+        return self._transport.is_closing()
+
+    def send(self, status: int, body: bytes, content_type: str = "application/json",
+             headers: list[tuple[str, str]] | None = None) -> None:
+        self.start(status, [("content-type", content_type), *(headers or [])], content_length=len(body))
+        self.write(body)
+        self.end()
+
+    def send_json(self, status: int, value: Any) -> None:
+        self.send(status, json.dumps(value).encode())
+
+    def start(self, status: int, headers: list[tuple[str, str]], content_length: int | None) -> None:
+        assert not self.started, "a response is started once"
+        self.started = True
+        reason = _reason(status)
+        lines = [f"HTTP/1.1 {status} {reason}"]
+        lines += [f"{name}: {value}" for name, value in headers]
+        if content_length is not None:
+            lines.append(f"content-length: {content_length}")
+        elif not self._head_only and status not in (204, 304):
+            self._chunked = True
+            lines.append("transfer-encoding: chunked")
+        if not self.keep_alive:
+            lines.append("connection: close")
+        self._pending.append(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+
+    def write(self, data: bytes) -> None:
+        if not data or self._head_only:
+            return
+        if self._chunked:
+            self._pending.append(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            self._pending.append(data)
+
+    def flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def end(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self._chunked:
+            self._pending.append(b"0\r\n\r\n")
+        self.flush()
+
+    def abort(self) -> None:
+        """Closes the connection: the answer cannot be completed (its length was promised)."""
+        self._pending.clear()
+        self._transport.close()
+
+
+Handler = Callable[[HttpRequest, ResponseWriter], Awaitable[None]]
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection: parses requests and runs ``handler`` on each in turn."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._queue: deque[tuple[HttpRequest, bool]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._writer: ResponseWriter | None = None
+        self._rejected = False
+        self._reset_message()
+
+    # ---- asyncio.Protocol -----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._reject(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._queue.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def pause_writing(self) -> None:
+        if self._writer is not None and self._writer.on_pause is not None:
+            self._writer.on_pause()
+
+    def resume_writing(self) -> None:
+        if self._writer is not None and self._writer.on_resume is not None:
+            self._writer.on_resume()
+
+    # ---- httptools callbacks ----------------------------------------------------
+
+    def _reset_message(self) -> None:
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._head_bytes = 0
+        self._body_bytes = 0
+
+    def on_message_begin(self) -> None:
+        self._reset_message()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            self._reject(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        if self._headers.get("expect", "").lower() == "100-continue" and self._transport is not None:
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > MAX_BODY_BYTES:
+            self._reject(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        if not self._rejected:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._rejected:
+            return
+        url = httptools.parse_url(self._url)
+        request = HttpRequest(
+            method=self._parser.get_method().decode("latin-1"),
+            path=(url.path or b"/").decode("latin-1"),
+            query=(url.query or b"").decode("latin-1"),
+            headers=self._headers,
+            body=b"".join(self._body),
+        )
+        self._queue.append((request, self._parser.should_keep_alive()))
+        if len(self._queue) > _MAX_QUEUED_REQUESTS and self._transport is not None:
+            self._transport.pause_reading()
+        self._next()
+
+    # ---- running requests ----------------------------------------------------------
+
+    def _next(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        if not self._queue or self._transport is None or self._transport.is_closing():
+            return
+        request, keep_alive = self._queue.popleft()
+        if len(self._queue) <= _MAX_QUEUED_REQUESTS // 2:
+            self._transport.resume_reading()
+        self._writer = ResponseWriter(self._transport, keep_alive, head_only=request.method == "HEAD")
+        self._task = asyncio.get_running_loop().create_task(self._run(request, self._writer))
+
+    async def _run(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        assert self._transport is not None
+        try:
+            await self._handler(request, writer)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 (a bug in a handler costs that request, never the server)
+            logger.exception("the router failed on %s %s", request.method, request.path)
+            if not writer.started:
+                writer.send_json(500, error_body(500, "the router failed on this request"))
+        if not writer.finished or not writer.keep_alive:
+            self._transport.close()
+            return
+        self._writer = None
+        self._task = None
+        self._next()
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
+
+    def _reject(self, status: int, message: str) -> None:
+        """Answers a request the handler never sees and closes the connection;
+        nothing the client sent after it is read."""
+        if self._rejected:
+            return
+        self._rejected = True
+        self._queue.clear()
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            if self._task is None or self._task.done():  # never in the middle of another response
+                ResponseWriter(transport, keep_alive=False, head_only=False).send_json(
+                    status, error_body(status, message))
+            transport.close()
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error object."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+
+def _reason(status: int) -> str:
+    with contextlib.suppress(ValueError):
+        return HTTPStatus(status).phrase
+    return "Unknown"
+
+
+async def serve(handler: Handler, host: str, port: int) -> asyncio.Server:
+    """A listening server running ``handler`` on every request."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: FrontConnection(handler), host, port, reuse_address=True)

@@ -1,0 +1,260 @@
+"""The router's own HTTP front and replica connections (``http_front.py``,
+``upstream.py``), in one event loop against scripted fake replicas (aiohttp
+servers on loopback): keep-alive and pipelining, bad requests, streams passed
+through as they come, cut streams, clients that leave, retries after a 5xx,
+pooled connections the replica closed, and a reader that stops reading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from aiohttp import web
+
+from heron.router.http_front import serve
+from heron.router.replica import ReplicaSet
+from heron.router.server import RouterServer
+from heron.routing.policies import Router
+
+
+class FakeReplica:
+    """A replica whose /v1/completions does what the request's ``mode`` says."""
+
+    def __init__(self, fail_with: int | None = None) -> None:
+        self.fail_with = fail_with
+        self.release = asyncio.Event()
+        self.client_left = asyncio.Event()
+        self.sent_bytes = 0
+        self.requests = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self, port: int = 0) -> None:
+        app = web.Application()
+        for path, answer in (("/health", {"status": "ok"}), ("/v1/kv_events", {"enabled": False}),
+                             ("/v1/models", {"object": "list", "data": []}), ("/metrics", {})):
+            app.router.add_get(path, _answer(answer))
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        raw = await request.read()
+        if self.fail_with is not None:
+            return web.json_response({"error": "down"}, status=self.fail_with)
+        mode = json.loads(raw).get("mode", "echo")
+        if mode == "echo":
+            return web.json_response({"bytes": len(raw), "query": request.query_string,
+                                      "auth": request.headers.get("Authorization")})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            if mode == "sse":  # one event, then the next only once the test says so
+                await response.write(b"data: first\n\n")
+                await self.release.wait()
+                await response.write(b"data: second\n\ndata: [DONE]\n\n")
+            elif mode == "cut":  # the replica dies mid-stream
+                await response.write(b"data: first\n\n")
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            elif mode == "hang":  # never answers more: only a leaving client ends it
+                await response.write(b"data: first\n\n")
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.02)
+                self.client_left.set()
+                return response
+            elif mode == "big":  # as fast as the router takes it
+                chunk = b"x" * (1 << 20)
+                for _ in range(64):
+                    await response.write(chunk)
+                    self.sent_bytes += len(chunk)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.client_left.set()
+            raise
+        await response.write_eof()
+        return response
+
+
+def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(_: web.Request) -> web.Response:
+        return web.json_response(value)
+    return handler
+
+
+def run_with_router(test: Callable[[str, list[FakeReplica], RouterServer], Awaitable[None]],
+                    replicas: list[FakeReplica] | None = None) -> None:
+    async def main() -> None:
+        fakes = replicas or [FakeReplica()]
+        for fake in fakes:
+            await fake.start()
+        server = RouterServer(ReplicaSet([f.url for f in fakes], {}, probe_interval=30.0), Router("round_robin"),
+                              hasher=None)
+        await server.start()
+        front = await serve(server.handle, "127.0.0.1", 0)
+        port = front.sockets[0].getsockname()[1]
+        try:
+            await asyncio.wait_for(test(f"http://127.0.0.1:{port}", fakes, server), 30)
+        finally:
+            front.close()
+            await server.stop()
+            for fake in fakes:
+                await fake.stop()
+
+    asyncio.run(main())
+
+
+async def raw_exchange(url: str, data: bytes, read_until_closed: bool = True) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    received = await asyncio.wait_for(reader.read(-1) if read_until_closed else reader.read(65536), 10)
+    writer.close()
+    return received
+
+
+def post(path: str, body: dict[str, Any], extra: str = "", close: bool = False) -> bytes:
+    raw = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
+            f"{'Connection: close' + chr(13) + chr(10) if close else ''}{extra}\r\n").encode() + raw
+
+
+def test_requests_on_one_connection_are_answered_in_order_pipelined_or_not():
+    async def test(url: str, _: list[FakeReplica], __: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            for size in (1, 200, 5000):  # kept alive between them
+                answer = (await client.post("/v1/completions?x=1", content=json.dumps({"pad": "p" * size}),
+                                            headers={"Authorization": "Bearer k"})).json()
+                assert answer == {"bytes": len(json.dumps({"pad": "p" * size})), "query": "x=1",
+                                  "auth": "Bearer k"}
+        # three requests in one write, the last closing the connection: three answers, in order
+        pipelined = (post("/v1/completions", {"a": 1}) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                     + post("/v1/completions", {"abc": 1}, close=True))
+        received = await raw_exchange(url, pipelined)
+        assert received.count(b"HTTP/1.1 200 OK") == 3
+        assert received.index(b'"bytes": 8') < received.index(b'"data": []') < received.index(b'"bytes": 10')
+
+    run_with_router(test)
+
+
+def test_a_chunked_request_body_reaches_the_replica_whole():
+    async def test(url: str, _: list[FakeReplica], __: RouterServer) -> None:
+        body = json.dumps({"pad": "z" * 3000}).encode()
+        chunked = b"".join(b"%x\r\n%b\r\n" % (len(body[i:i + 1000]), body[i:i + 1000])
+                           for i in range(0, len(body), 1000)) + b"0\r\n\r\n"
+        received = await raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                           b"Transfer-Encoding: chunked\r\n\r\n" + chunked)
+        assert received.startswith(b"HTTP/1.1 200 OK") and b'"bytes": %d' % len(body) in received
+
+    run_with_router(test)
+
+
+def test_bad_requests_get_a_clear_error_and_a_closed_connection():
+    async def test(url: str, fakes: list[FakeReplica], __: RouterServer) -> None:
+        cases = [
+            (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n\r\n", b"413"),
+            (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (70 << 10) + b"\r\n\r\n", b"431"),
+            (b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"404"),
+            (b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"405"),
+        ]
+        for request, status in cases:
+            received = await raw_exchange(url, request)  # returns only once the router closes
+            assert received.startswith(b"HTTP/1.1 " + status), received[:80]
+            assert b'"error"' in received
+        assert fakes[0].requests == 0
+
+    run_with_router(test)
+
+
+def test_a_stream_is_passed_through_as_it_comes():
+    async def test(url: str, fakes: list[FakeReplica], __: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client, \
+                client.stream("POST", "/v1/completions", json={"mode": "sse"}) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = response.aiter_lines()
+            assert await anext(lines) == "data: first"  # before the replica sends the rest
+            fakes[0].release.set()
+            assert [line async for line in lines if line] == ["data: second", "data: [DONE]"]
+
+    run_with_router(test)
+
+
+def test_a_stream_cut_by_its_replica_ends_with_an_error_event():
+    async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client, \
+                client.stream("POST", "/v1/completions", json={"mode": "cut"}) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        assert lines[0] == "data: first" and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[1].removeprefix("data: "))["error"]["code"] == "replica_failed"
+        assert server.replicas.replicas[0].breaker.consecutive_failures == 1
+
+    run_with_router(test)
+
+
+def test_a_client_that_leaves_takes_its_replica_request_with_it():
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(post("/v1/completions", {"mode": "hang"}))
+        assert b"data: first" in await asyncio.wait_for(reader.read(65536), 10)
+        writer.close()
+        await asyncio.wait_for(fakes[0].client_left.wait(), 10)
+        while server.replicas.replicas[0].load.in_flight:
+            await asyncio.sleep(0.01)
+
+    run_with_router(test)
+
+
+def test_a_5xx_before_the_first_byte_is_retried_on_another_replica():
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(4):
+                response = await client.post("/v1/completions", content=json.dumps({"n": 1}))
+                assert response.status_code == 200 and response.json()["bytes"] == 8
+        assert fakes[0].requests >= 2 and fakes[1].requests == 4
+        assert server.metrics.retries._value.get() >= 2  # noqa: SLF001 (the counter's value)
+
+    run_with_router(test, [FakeReplica(fail_with=503), FakeReplica()])
+
+
+def test_a_kept_alive_connection_the_replica_closed_is_not_the_replicas_failure():
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.post("/v1/completions", json={})).status_code == 200
+            # the replica restarts its connections (an idle timeout, a restart): the pooled one is dead
+            await fakes[0].stop()
+            await fakes[0].start(port=int(fakes[0].url.rsplit(":", 1)[1]))
+            assert (await client.post("/v1/completions", json={})).status_code == 200
+        assert server.replicas.replicas[0].breaker.consecutive_failures == 0
+
+    run_with_router(test)
+
+
+def test_a_reader_that_stops_reading_stops_the_replica_not_the_routers_memory():
+    async def test(url: str, fakes: list[FakeReplica], __: RouterServer) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 16)
+        writer.write(post("/v1/completions", {"mode": "big"}, close=True))
+        await asyncio.sleep(1.5)  # the client reads nothing
+        assert fakes[0].sent_bytes < 40 << 20, "the router kept reading a replica its client does not read"
+        received = 0
+        while chunk := await reader.read(1 << 20):
+            received += len(chunk)
+        assert received > 64 << 20 and fakes[0].sent_bytes == 64 << 20
+        writer.close()
+
+    run_with_router(test)
