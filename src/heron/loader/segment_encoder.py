@@ -61,15 +61,27 @@ class SegmentEncoder:
         """The tokenizer's ids for ``text``."""
         if add_special_tokens and self._adds_special_tokens:
             return list(self.backend.encode(text, add_special_tokens=True).ids)
-        if self.pattern is None:
-            return self._piece(text)
         ids: list[int] = []
-        for index, piece in enumerate(self.pattern.split(text)):
-            if index % 2:
-                ids.append(self.added[piece])
-            elif piece:
-                ids.extend(self._piece(piece))
+        for piece in self.pieces(text):
+            ids.extend(self.piece_ids(piece))
         return ids
+
+    def encodes_whole(self, add_special_tokens: bool) -> bool:
+        """Whether ``encode`` takes the text whole (the tokenizer adds tokens around it)."""
+        return add_special_tokens and self._adds_special_tokens
+
+    def pieces(self, text: str) -> list[str]:
+        """``text`` cut into the pieces the tokenizer encodes independently: each
+        added token alone, the non-empty texts between them; their ids in order
+        (``piece_ids``) are the text's ids."""
+        if self.pattern is None:
+            return [text] if text else []
+        return [piece for piece in self.pattern.split(text) if piece]
+
+    def piece_ids(self, piece: str) -> list[int]:
+        """The ids of one piece of ``pieces`` (do not modify: it may be remembered)."""
+        token_id = self.added.get(piece)
+        return [token_id] if token_id is not None else self._piece(piece)
 
     def _piece(self, text: str) -> list[int]:
         if len(text) < MIN_CACHED_CHARS:

@@ -1,0 +1,83 @@
+"""The router's block hashes of a request are the ones its replica registers:
+the direct chat rendering and the memo of shared beginnings are shortcuts that
+never change a hash."""
+
+import random
+
+import pytest
+
+from heron.core.hashing import prompt_block_hashes
+from heron.router.chat_render import DirectChatRenderer
+from heron.router.prompt_hashes import CHAT_PATH, PrefixHashMemo, PromptHasher
+
+SYSTEMS = ["You answer questions about estuary birds. " * 20, "You are terse.", "Ünïcode 🦩 and\ttabs  " * 9]
+WORDS = ["heron", "egret", "  ", "\n", "<|im_start|>", "<|im_end|>", "mud", "🦩", "2+2?", "x" * 70]
+
+
+@pytest.fixture(scope="module")
+def hasher() -> PromptHasher:
+    return PromptHasher(None)
+
+
+def _replica_hashes(hasher: PromptHasher, body: dict, block_size: int) -> list[bytes]:
+    """What the replica does: apply_chat_template, the tokenizer, the hash chain."""
+    processor = hasher.processor
+    if "messages" in body:
+        text = processor.render_chat(body["messages"], add_generation_prompt=body.get("add_generation_prompt", True))
+        ids = processor.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = processor.tokenizer.encode(body["prompt"], add_special_tokens=True)
+    return prompt_block_hashes(ids, block_size, body.get("cache_salt"))
+
+
+def _conversation(rng: random.Random) -> list[dict]:
+    messages = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.8 else []
+    for turn in range(rng.randint(1, 4)):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
+        messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": text})
+    return messages
+
+
+def test_the_router_hashes_what_the_replica_registers(hasher):
+    assert hasher._chat is not None and hasher._memo is not None  # the shortcuts are in use here
+    rng = random.Random(3)
+    for _ in range(150):
+        block_size = rng.choice([4, 16])
+        body: dict = {"messages": _conversation(rng), "add_generation_prompt": rng.random() < 0.8}
+        if rng.random() < 0.3:
+            body["cache_salt"] = rng.choice(["tenant-a", "tenant-b"])
+        expected = _replica_hashes(hasher, body, block_size)
+        assert hasher.block_hashes(CHAT_PATH, body, block_size) == expected
+        prompt = {"prompt": rng.choice(SYSTEMS) + " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 20)))}
+        assert hasher.block_hashes("/v1/completions", prompt, block_size) == _replica_hashes(hasher, prompt,
+                                                                                            block_size)
+
+
+def test_messages_that_are_not_plain_take_the_long_way_to_the_same_hashes(hasher):
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "tell me about herons " * 6}]}]}
+    named = {"messages": [{"role": "user", "content": "tell me about herons " * 6, "name": "ann"}]}
+    for body in (parts, named):
+        assert hasher._chat.render(body["messages"], True) is None
+        flat = {"messages": [{"role": "user", "content": "tell me about herons " * 6}]}
+        assert hasher.block_hashes(CHAT_PATH, body, 16) == _replica_hashes(hasher, flat, 16)
+
+
+def test_a_template_that_renders_differently_is_not_taken_directly(hasher):
+    class Lying:
+        tokenizer = hasher.processor.tokenizer
+
+        @staticmethod
+        def render_chat(messages, add_generation_prompt=True):
+            return "something else"
+
+    assert DirectChatRenderer.create(Lying()) is None  # type: ignore[arg-type]
+
+
+def test_the_memo_is_bounded_and_starts_over(hasher):
+    memo = PrefixHashMemo(hasher._segments, max_tokens=200)
+    rng = random.Random(5)
+    for _ in range(60):
+        text = rng.choice(SYSTEMS) + "<|im_end|>" + " ".join(rng.choice(WORDS) for _ in range(20))
+        ids = hasher._segments.encode(text)
+        assert memo.block_hashes(text, 16, None) == prompt_block_hashes(ids, 16)
+        assert memo._tokens <= 200 + len(ids)
