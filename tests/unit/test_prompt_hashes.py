@@ -2,11 +2,13 @@
 the direct chat rendering and the memo of shared beginnings are shortcuts that
 never change a hash."""
 
+import copy
 import random
 
 import pytest
 
 from heron.core.hashing import prompt_block_hashes
+from heron.engine.input_processor import InputProcessor
 from heron.router.chat_render import DirectChatRenderer
 from heron.router.prompt_hashes import CHAT_PATH, PrefixHashMemo, PromptHasher
 
@@ -71,6 +73,27 @@ def test_a_template_that_renders_differently_is_not_taken_directly(hasher):
             return "something else"
 
     assert DirectChatRenderer.create(Lying()) is None  # type: ignore[arg-type]
+
+
+def _processor_with_template(hasher: PromptHasher, template: str) -> InputProcessor:
+    tokenizer = copy.copy(hasher.processor.tokenizer)  # the session's tokenizer keeps its own template
+    tokenizer.chat_template = template
+    return InputProcessor(hasher.processor.model_config, tokenizer)
+
+
+def test_a_template_that_refuses_some_conversations_is_still_taken_directly(hasher):
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                 "{% endif %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+    processor = _processor_with_template(hasher, no_system)
+    renderer = DirectChatRenderer.create(processor)
+    assert renderer is not None
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert renderer.render(messages, True) == processor.render_chat(messages) == "<user>Hi</s><assistant>Hello</s><assistant>"
+    with pytest.raises(Exception, match="no system role"):
+        renderer.render([{"role": "system", "content": "s"}, *messages], True)
+    # a template that refuses every sample verifies nothing: not taken
+    assert DirectChatRenderer.create(_processor_with_template(hasher, "{{ raise_exception('never') }}")) is None
 
 
 def test_the_memo_is_bounded_and_starts_over(hasher):

@@ -16,6 +16,7 @@ cache match, never an answer: replicas render their own prompts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from heron.engine.input_processor import InputProcessor
@@ -50,18 +51,23 @@ class DirectChatRenderer:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
             renderer = DirectChatRenderer(_compile_jinja_template(source), dict(tokenizer.special_tokens_map))
-            for sample, add_generation_prompt in _SAMPLES:
-                messages = [{"role": role, "content": content} for role, content in sample]
-                direct = renderer.render(messages, add_generation_prompt)
-                if direct is None or direct != processor.render_chat(messages,
-                                                                     add_generation_prompt=add_generation_prompt):
-                    logger.info("the chat template renders differently outside transformers: the router takes "
-                                "apply_chat_template for every chat")
-                    return None
         except Exception as exc:  # noqa: BLE001 (an unusual template or transformers: the long way is always there)
             logger.info("no direct chat rendering (%s): the router takes apply_chat_template", exc)
             return None
-        return renderer
+        def slow(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+            return processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+        verified = 0
+        for sample, add_generation_prompt in _SAMPLES:
+            messages = [{"role": role, "content": content} for role, content in sample]
+            # a template may refuse a sample (no system role, say): then both ways must refuse it
+            expected = _or_none(slow, messages, add_generation_prompt)
+            if _or_none(renderer.render, messages, add_generation_prompt) != expected:
+                logger.info("the chat template renders differently outside transformers: the router takes "
+                            "apply_chat_template for every chat")
+                return None
+            verified += expected is not None
+        return renderer if verified else None
 
     def render(self, messages: Any, add_generation_prompt: bool) -> str | None:
         """The rendered conversation, or None where the messages are not plain
@@ -76,3 +82,11 @@ class DirectChatRenderer:
             plain.append({"role": message["role"], "content": message["content"]})
         return str(self._template.render(messages=plain, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self._variables))
+
+
+def _or_none(render: Callable[[list[dict[str, str]], bool], str | None], messages: list[dict[str, str]],
+             add_generation_prompt: bool) -> str | None:
+    try:
+        return render(messages, add_generation_prompt)
+    except Exception:  # noqa: BLE001 (a template's own refusal, or the request's error)
+        return None
