@@ -12,9 +12,17 @@ Invariants:
 - a response is complete (its Content-Length sent, or its chunked framing
   ended) before the next one starts, or the connection is closed;
 - a client that goes away cancels the handler of its request, so whatever the
-  handler holds (an upstream request) is dropped with it;
+  handler holds (an upstream request) is dropped with it; a client that only
+  half-closes (sends its end of stream) counts as gone, as with uvicorn: a
+  closed socket looks the same until a write fails, and a generation must not
+  run on for a client that left;
 - a request that cannot be parsed, or is too large, is answered 400 / 413 /
-  431 and the connection closed; the handler never sees it.
+  431 after the requests before it, and the connection closed; the handler
+  never sees it, nor anything after it (nor after a request that asked for
+  ``Connection: close``);
+- an HTTP/1.0 client gets no chunked framing: a streamed answer of unknown
+  length is sent bare and the connection closed after it;
+- an offer to upgrade (h2c, websocket) is declined by answering in HTTP/1.1.
 """
 
 from __future__ import annotations
@@ -62,10 +70,14 @@ class ResponseWriter:
     drains) so a relay can stop reading its source instead of buffering
     without bound."""
 
-    def __init__(self, transport: asyncio.Transport, keep_alive: bool, head_only: bool) -> None:
+    def __init__(self, transport: asyncio.Transport, keep_alive: bool, head_only: bool,
+                 http10: bool = False) -> None:
+        """``http10``: the client speaks HTTP/1.0, which has no chunked framing: a
+        streamed answer of unknown length is sent bare and ends with the connection."""
         self._transport = transport
         self.keep_alive = keep_alive
         self._head_only = head_only
+        self._http10 = http10
         self._chunked = False
         self.started = False
         self.finished = False
@@ -94,11 +106,15 @@ class ResponseWriter:
         lines += [f"{name}: {value}" for name, value in headers]
         if content_length is not None:
             lines.append(f"content-length: {content_length}")
+        elif self._http10:
+            self.keep_alive = False  # the end of the connection is the end of the body
         elif not self._head_only and status not in (204, 304):
             self._chunked = True
             lines.append("transfer-encoding: chunked")
         if not self.keep_alive:
             lines.append("connection: close")
+        elif self._http10:
+            lines.append("connection: keep-alive")
         self._pending.append(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
     def write(self, data: bytes) -> None:
@@ -140,10 +156,11 @@ class FrontConnection(asyncio.Protocol):
         self._handler = handler
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
-        self._queue: deque[tuple[HttpRequest, bool]] = deque()
+        self._queue: deque[tuple[HttpRequest, bool, bool]] = deque()  # request, keep-alive, HTTP/1.0
         self._task: asyncio.Task[None] | None = None
         self._writer: ResponseWriter | None = None
-        self._rejected = False
+        self._rejected = False  # nothing more is parsed (a bad request, or one after which the client closes)
+        self._rejection: tuple[int, str] | None = None  # answered once the requests before it are
         self._reset_message()
 
     # ---- asyncio.Protocol -----------------------------------------------------
@@ -160,10 +177,19 @@ class FrontConnection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._reject(400, "protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as exc:
+            if self._parser.get_method() == b"CONNECT":
+                self._reject(400, "CONNECT is not supported")
+                return
+            # an offer to upgrade (h2c, websocket) that the router declines: the request
+            # was read whole and is answered in HTTP/1.1; what follows is parsed afresh
+            self._parser = httptools.HttpRequestParser(self)
+            rest = data[exc.args[0]:] if exc.args and isinstance(exc.args[0], int) else b""
+            if rest:
+                self.data_received(rest)
         except httptools.HttpParserError as exc:
-            self._reject(400, f"malformed HTTP request: {exc}")
+            if not self._rejected:
+                self._reject(400, f"malformed HTTP request: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._queue.clear()
@@ -202,7 +228,10 @@ class FrontConnection(asyncio.Protocol):
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             self._reject(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        if self._headers.get("expect", "").lower() == "100-continue" and self._transport is not None:
+        idle = not self._queue and (self._task is None or self._task.done())
+        if (self._headers.get("expect", "").lower() == "100-continue" and self._transport is not None
+                and idle and not self._rejected):
+            # only between answers (a client that gets none sends its body after a pause)
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -223,7 +252,10 @@ class FrontConnection(asyncio.Protocol):
             headers=self._headers,
             body=b"".join(self._body),
         )
-        self._queue.append((request, self._parser.should_keep_alive()))
+        keep_alive = self._parser.should_keep_alive()
+        self._queue.append((request, keep_alive, self._parser.get_http_version() == "1.0"))
+        if not keep_alive:
+            self._rejected = True  # the client closes after this one: whatever follows is not read
         if len(self._queue) > _MAX_QUEUED_REQUESTS and self._transport is not None:
             self._transport.pause_reading()
         self._next()
@@ -233,12 +265,20 @@ class FrontConnection(asyncio.Protocol):
     def _next(self) -> None:
         if self._task is not None and not self._task.done():
             return
-        if not self._queue or self._transport is None or self._transport.is_closing():
+        transport = self._transport
+        if transport is None or transport.is_closing():
             return
-        request, keep_alive = self._queue.popleft()
-        if len(self._queue) <= _MAX_QUEUED_REQUESTS // 2:
-            self._transport.resume_reading()
-        self._writer = ResponseWriter(self._transport, keep_alive, head_only=request.method == "HEAD")
+        if not self._queue:
+            if self._rejection is not None:  # every request before the bad one is answered
+                status, message = self._rejection
+                ResponseWriter(transport, keep_alive=False, head_only=False).send_json(
+                    status, error_body(status, message))
+                transport.close()
+            return
+        request, keep_alive, http10 = self._queue.popleft()
+        if len(self._queue) <= _MAX_QUEUED_REQUESTS // 2 and not self._rejected:
+            transport.resume_reading()
+        self._writer = ResponseWriter(transport, keep_alive, head_only=request.method == "HEAD", http10=http10)
         self._task = asyncio.get_running_loop().create_task(self._run(request, self._writer))
 
     async def _run(self, request: HttpRequest, writer: ResponseWriter) -> None:
@@ -264,18 +304,16 @@ class FrontConnection(asyncio.Protocol):
             self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
 
     def _reject(self, status: int, message: str) -> None:
-        """Answers a request the handler never sees and closes the connection;
+        """Answers a request the handler never sees, after the requests before
+        it (never in the middle of another answer), and closes the connection;
         nothing the client sent after it is read."""
-        if self._rejected:
+        if self._rejection is not None:
             return
         self._rejected = True
-        self._queue.clear()
-        transport = self._transport
-        if transport is not None and not transport.is_closing():
-            if self._task is None or self._task.done():  # never in the middle of another response
-                ResponseWriter(transport, keep_alive=False, head_only=False).send_json(
-                    status, error_body(status, message))
-            transport.close()
+        self._rejection = (status, message)
+        if self._transport is not None:
+            self._transport.pause_reading()
+        self._next()
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:

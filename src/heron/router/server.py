@@ -257,16 +257,21 @@ class RouterServer:
         writer.on_resume = connection.transport.resume_reading
         # the answer's end goes out with its last bytes, in the same write
         connection.stream_to(forward, lambda: writer.end() if connection.complete else writer.flush())
-        if not await _until(connection.done, deadline):
+        try:
+            finished = await _until(connection.done, deadline)
+        finally:
+            # the connection may go back to the pool: it must read again, and pause nobody's relay
+            writer.on_pause = writer.on_resume = None
+            connection.transport.resume_reading()
+        if not finished:
             logger.warning("replica %s cut a response", replica.url)
             self.metrics.cut_streams.inc()
             self.replicas.record(replica, None)
-            if length is not None:
-                writer.abort()  # its length was promised: the client must see the cut
+            if not event_stream:
+                writer.abort()  # a cut JSON or a short body would read as whole: the client must see the cut
                 return
-            if event_stream:
-                error = error_body(502, "the replica serving this stream failed", "replica_failed")
-                writer.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            error = error_body(502, "the replica serving this stream failed", "replica_failed")
+            writer.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
         writer.end()
 
 

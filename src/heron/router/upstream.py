@@ -54,6 +54,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = False  # read when the answer ends (the parser forgets it after)
         self._head_only = head_only
         self._headers: list[tuple[str, str]] = []
+        self._interim = False  # parsing a 1xx answer (not the final one)
+        self._final_head = False  # the final answer's status line and headers are in
+        self._framed = False  # the answer has a length or chunked framing (else it ends when the replica closes)
         self._held: list[bytes] = []
         self._sink: Sink | None = None
         self._flush: Flush | None = None
@@ -75,7 +78,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self.complete and self._keep_alive and not self.closed
+        """Its answer ended cleanly, the replica keeps it open, and it is reading
+        (a relay that paused it for a slow client must have resumed it)."""
+        return (self.complete and self._keep_alive and not self.closed and self.transport is not None
+                and self.transport.is_reading())
 
     def close(self) -> None:
         self.closed = True
@@ -92,6 +98,9 @@ class UpstreamConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        if self.complete:  # bytes while no exchange is under way: nothing can be trusted on it any more
+            self.close()
+            return
         self.received_any = True
         try:
             self._parser.feed_data(data)
@@ -103,6 +112,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._final_head and not self._framed and not self._head_only and exc is None:
+            self.on_message_complete()  # an answer with no length nor chunks ends when its connection does
         if not self.complete:
             self._fail(f"the replica closed the connection{f': {exc}' if exc else ''}")
 
@@ -112,6 +123,15 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # an interim answer (100 Continue, 103 Early Hints): wait on
+            self._interim = True
+            self._headers = []
+            return
+        names = {name.lower() for name, _ in self._headers}
+        self._framed = ("content-length" in names or "transfer-encoding" in names
+                        or status in (204, 304))
+        self._final_head = True
         if not self.head.done():
             self.head.set_result((self._parser.get_status_code(), self._headers))
         if self._head_only:  # a HEAD answer has no body, whatever its headers say
@@ -125,6 +145,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._held.append(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         if self.complete:
             return
         self.complete = True
