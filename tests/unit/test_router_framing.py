@@ -178,3 +178,21 @@ def test_an_http10_client_gets_a_bare_stream_ended_by_the_close():
         assert body == b"data: first\n\ndata: second\n\ndata: [DONE]\n\n"
 
     run(test, [FakeReplica()])
+
+
+def test_a_client_too_slow_for_the_deadline_is_not_the_replicas_failure():
+    async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
+        server.request_timeout = 1.0
+        host, port = url.removeprefix("http://").split(":")
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        stalled.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(stalled, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=stalled)
+        writer.write(post("/v1/completions", {"mode": "big"}))  # 64 MiB, never read
+        await asyncio.sleep(1.5)
+        assert server.metrics.cut_streams._value.get() == 1  # noqa: SLF001 (the counter's value)
+        assert server.replicas.replicas[0].breaker.consecutive_failures == 0
+        writer.close()
+
+    run(test, [FakeReplica()])

@@ -83,6 +83,7 @@ class ResponseWriter:
         self.finished = False
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
+        self.client_paused = False  # the client's socket buffer is full (it is not reading)
         self._pending: list[bytes] = []
 
     @property
@@ -197,12 +198,16 @@ class FrontConnection(asyncio.Protocol):
             self._task.cancel()
 
     def pause_writing(self) -> None:
-        if self._writer is not None and self._writer.on_pause is not None:
-            self._writer.on_pause()
+        if self._writer is not None:
+            self._writer.client_paused = True
+            if self._writer.on_pause is not None:
+                self._writer.on_pause()
 
     def resume_writing(self) -> None:
-        if self._writer is not None and self._writer.on_resume is not None:
-            self._writer.on_resume()
+        if self._writer is not None:
+            self._writer.client_paused = False
+            if self._writer.on_resume is not None:
+                self._writer.on_resume()
 
     # ---- httptools callbacks ----------------------------------------------------
 

@@ -264,9 +264,14 @@ class RouterServer:
             writer.on_pause = writer.on_resume = None
             connection.transport.resume_reading()
         if not finished:
-            logger.warning("replica %s cut a response", replica.url)
+            if writer.client_paused and not connection.closed:
+                # the deadline passed while the client was not reading: not the replica's failure
+                logger.warning("a client read too slowly to finish an answer from %s in %.0f s", replica.url,
+                               self.request_timeout)
+            else:
+                logger.warning("replica %s cut a response", replica.url)
+                self.replicas.record(replica, None)
             self.metrics.cut_streams.inc()
-            self.replicas.record(replica, None)
             if not event_stream:
                 writer.abort()  # a cut JSON or a short body would read as whole: the client must see the cut
                 return
