@@ -7,11 +7,15 @@ request per policy; the books of both pools balance."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import msgpack
 import pytest
+import zmq
 
 from heron import LLM, SamplingParams
+from heron.engine.input_processor import ProcessedPrompt
 from tests.model.conftest import load_reference, random_prompts, reference_greedy
 
 NEW_TOKENS = 8
@@ -125,3 +129,101 @@ def test_an_unclaimed_prefill_lease_expires(llama):
     assert not engine.has_unfinished_requests()
     manager.check_integrity()
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def _handle(address: str, request_id: str = "elsewhere") -> dict:
+    return {"do_remote_prefill": True, "remote_engine_address": address, "remote_request_id": request_id,
+            "remote_num_blocks": 5, "remote_block_size": 8}
+
+
+def test_a_handle_for_another_prompt_is_refused_and_poisons_nothing(llama):
+    directory, prompts, expected = llama
+    prefill, decode = engines(directory)
+    prefilled = prefill.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+                                 SamplingParams(max_tokens=1, temperature=0,
+                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    wrong = prefilled[1].kv_transfer_params  # the second prompt's blocks, named for the first
+    output, = decode_with(decode, prompts[:1], [wrong])
+    assert output.outputs[0].token_ids == expected[tuple(prompts[0])] and output.num_cached_tokens == 0
+    again, = decode_with(decode, prompts[:1], [None])  # the prefix cache holds the first prompt's own KV
+    assert again.outputs[0].token_ids == expected[tuple(prompts[0])]
+    right, = decode_with(decode, prompts[1:2], [wrong])  # the lease still serves its own prompt
+    assert right.outputs[0].token_ids == expected[tuple(prompts[1])] and right.num_cached_tokens > 0
+    books_balance(prefill)
+    books_balance(decode)
+
+
+def test_peers_that_send_garbage_fail_one_pull_and_stop_nothing(llama):
+    directory, prompts, expected = llama
+    prefill, decode = engines(directory)
+    context = zmq.Context()
+    liar = context.socket(zmq.ROUTER)
+    port = liar.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_with_a_map() -> None:
+        identity, _ = liar.recv_multipart()
+        liar.send_multipart([identity, msgpack.packb({"not": "a list"})])
+
+    thread = threading.Thread(target=answer_with_a_map, daemon=True)
+    thread.start()
+    output, = decode_with(decode, prompts[:1], [_handle(f"tcp://127.0.0.1:{port}")])
+    assert output.outputs[0].token_ids == expected[tuple(prompts[0])] and output.num_cached_tokens == 0
+    # a two-frame message to the prefill engine's block server
+    prefilled = prefill.generate([{"prompt_token_ids": prompts[1]}],
+                                 SamplingParams(max_tokens=1, temperature=0,
+                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    params = prefilled[0].kv_transfer_params
+    prober = context.socket(zmq.DEALER)
+    prober.connect(params["remote_engine_address"])
+    prober.send_multipart([msgpack.packb(["pull", "x", 0, 1]), b"a second frame"])
+    time.sleep(0.3)
+    # both threads live on: the next real pull comes over the wire
+    pulled, = decode_with(decode, prompts[1:2], [params])
+    assert pulled.outputs[0].token_ids == expected[tuple(prompts[1])] and pulled.num_cached_tokens > 0
+    prober.close(0)
+    liar.close(0)
+    context.term()
+    books_balance(prefill)
+    books_balance(decode)
+
+
+def test_prompt_logprobs_compute_the_prompt_here(llama):
+    directory, prompts, _ = llama
+    prefill, decode = engines(directory)
+    prefilled = prefill.generate([{"prompt_token_ids": prompts[0]}],
+                                 SamplingParams(max_tokens=1, temperature=0,
+                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
+                            kv_transfer_params=prefilled[0].kv_transfer_params)
+    output, = decode.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert len(output.prompt_logprobs) == len(prompts[0]) and output.num_cached_tokens == 0
+    books_balance(prefill)  # the lease was released, not left to expire
+    books_balance(decode)
+
+
+def test_an_id_still_loading_is_not_reused(llama):
+    directory, prompts, _ = llama
+    _, decode = engines(directory)
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # never answers: the pull waits
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    engine = decode.engine
+    params = SamplingParams(max_tokens=2, temperature=0, kv_transfer_params=_handle(f"tcp://127.0.0.1:{port}"))
+    engine.add_request("x", ProcessedPrompt(None, list(prompts[0])), params)
+    engine.step()
+    engine.abort_request("x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", ProcessedPrompt(None, list(prompts[1])), SamplingParams(max_tokens=2))
+    silent.close(0)
+    context.term()
+    books_balance(decode)
+
+
+def test_a_block_size_mismatch_fails_the_request_under_the_fail_policy(llama):
+    directory, prompts, _ = llama
+    strict = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 1},
+                 kv_load_failure_policy="fail", **POOL)
+    handle = {**_handle("tcp://127.0.0.1:9"), "remote_block_size": 16}
+    failed, = decode_with(strict, prompts[:1], [handle])
+    assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
+    books_balance(strict)

@@ -130,7 +130,8 @@ class Scheduler(SchedulerKVMixin):
     # ---- request lifecycle -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self._leases:
+        rid = request.request_id
+        if rid in self.requests or rid in self._leases or rid in self.loading:  # held: a lease, a load
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self._num_needing_latest_tokens += request.sampling_params.needs_latest_tokens

@@ -26,7 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from heron.core.hashing import BlockHash
+from heron.core.hashing import BlockHash, update_block_hashes
 from heron.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from heron.core.kv_remote import RemoteLoad
 from heron.core.request_queue import RequestQueue
@@ -58,7 +58,7 @@ class SchedulerKVMixin:
         self._remote_loads: list[RemoteLoad] = []
         # finished prefills whose blocks wait for a decode engine: id -> (request, deadline)
         self._leases: dict[str, tuple[Request, float]] = {}
-        self._new_offers: list[tuple[str, list[int]]] = []
+        self._new_offers: list[tuple[str, list[int], list[BlockHash]]] = []
 
     @property
     def is_loading_kv(self) -> bool:
@@ -127,9 +127,22 @@ class SchedulerKVMixin:
             return None
         block_size = self.kv_cache_manager.block_size
         if params.get("remote_block_size") != block_size:
-            logger.warning("%s: the prefill engine's blocks hold %s tokens, ours %d: computing the prompt here",
-                           request.request_id, params.get("remote_block_size"), block_size)
+            logger.warning("%s: the prefill engine's blocks hold %s tokens, ours %d (%s)", request.request_id,
+                           params.get("remote_block_size"), block_size, self.kv_load_failure_policy)
             request.remote_prefill_tried = True
+            if self.kv_load_failure_policy == "fail":
+                self.waiting.pop()  # the head of the queue: this request
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._failed_requests.append(request)
+                self._free_request(request)
+                return True
+            return None
+        if request.sampling_params.prompt_logprobs is not None:
+            # every prompt position's logprobs need the prompt computed here (as a local
+            # prefix hit would be refused): the prefill engine may free its copy
+            request.remote_prefill_tried = True
+            self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
+                                                 str(params["remote_request_id"]), 0, []))
             return None
         hits, _ = self.kv_cache_manager.get_computed_blocks(request, tiers=False)
         num_blocks = min(int(params.get("remote_num_blocks", 0)), (request.num_tokens - 1) // block_size)
@@ -175,14 +188,16 @@ class SchedulerKVMixin:
             return None
         assert self.kv_transfer_address is not None
         self._leases[request.request_id] = (request, time.monotonic() + self.kv_transfer.kv_lease_seconds)
+        # the blocks' hashes go with them: a pull must name the same prompt (and cache salt)
+        hashes = update_block_hashes(request, block_size)[:num_blocks]
         self._new_offers.append((request.request_id,
-                                 self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks]))
+                                 self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks], hashes))
         return {"do_remote_prefill": True, "remote_engine_address": self.kv_transfer_address,
                 "remote_request_id": request.request_id, "remote_num_blocks": num_blocks,
                 "remote_block_size": block_size}
 
-    def take_kv_offers(self) -> list[tuple[str, list[int]]]:
-        """Leased blocks to offer to decode engines now: (request id, block ids)."""
+    def take_kv_offers(self) -> list[tuple[str, list[int], list[BlockHash]]]:
+        """Leased blocks to offer to decode engines now: (request id, block ids, their hashes)."""
         offers, self._new_offers = self._new_offers, []
         return offers
 

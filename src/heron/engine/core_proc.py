@@ -29,7 +29,7 @@ from heron.engine.core import EngineCore
 from heron.engine.core_channels import ALL, IPC_DIR_PREFIX, ClientAddresses, ClientChannels
 from heron.engine.serialization import MessageKind, decode_request, pack
 from heron.gc_freeze import freeze_startup_objects
-from heron.step_outputs import EngineCoreOutputs
+from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,12 @@ class EngineCoreProc:
         if kind == MessageKind.ADD:
             request = decode_request(payload)
             request.request_id = self.channels.tag(client, request.request_id)
-            self.engine.add_request(request)
+            try:
+                self.engine.add_request(request)
+            except ValueError as exc:  # an id still held here (a lease, a load): that request fails, not the engine
+                logger.warning("refused a request: %s", exc)
+                self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(request.request_id, [], finish_reason="abort")],
+                                             scheduler_stats=self.engine.scheduler.make_stats()))
         elif kind == MessageKind.ABORT:
             outputs = self.engine.abort_requests([self.channels.tag(client, rid) for rid in payload])
             if outputs:

@@ -199,11 +199,11 @@ class ModelRunner:
             assert self.kv_loader is not None
             self.kv_loader.load(loads)
 
-    def offer_kv(self, offers: list[tuple[str, list[int]]]) -> None:
+    def offer_kv(self, offers: list[tuple[str, list[int], list[bytes]]]) -> None:
         assert self.kv_server is not None or not offers
-        for request_id, block_ids in offers:
+        for request_id, block_ids, block_hashes in offers:
             assert self.kv_server is not None
-            self.kv_server.offer(request_id, block_ids)
+            self.kv_server.offer(request_id, block_ids, block_hashes)
 
     def withdraw_kv(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
