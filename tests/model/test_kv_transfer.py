@@ -38,13 +38,18 @@ def engines(directory: str, decode_args: dict | None = None, **producer_args):
     return prefill, decode
 
 
-def prefill_then_decode(prefill: LLM, decode: LLM, prompts: list[list[int]]) -> list:
+def prefill_handles(prefill: LLM, prompts: list[list[int]]) -> list[dict]:
+    """Prefill each prompt for a decode engine: the handles (kv_transfer_params) it answers."""
     prefilled = prefill.generate([{"prompt_token_ids": p} for p in prompts],
                                  SamplingParams(max_tokens=1, temperature=0,
                                                 kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
     params = [output.kv_transfer_params for output in prefilled]
     assert all(p is not None and p["do_remote_prefill"] for p in params)
-    return decode_with(decode, prompts, params)
+    return params
+
+
+def prefill_then_decode(prefill: LLM, decode: LLM, prompts: list[list[int]]) -> list:
+    return decode_with(decode, prompts, prefill_handles(prefill, prompts))
 
 
 def decode_with(decode: LLM, prompts: list[list[int]], params: list) -> list:
@@ -83,12 +88,9 @@ def test_a_decode_engine_pulls_the_prefill_instead_of_computing_it(llama):
 def test_pulled_prompts_decode_together_in_every_batching_situation(llama, decode_args):
     directory, prompts, expected = llama
     prefill, decode = engines(directory, decode_args)
-    prefilled = prefill.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=1, temperature=0,
-                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                             kv_transfer_params=output.kv_transfer_params) for output in prefilled]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, kv_transfer_params=handle)
+              for handle in prefill_handles(prefill, prompts)]
     outputs = decode.generate(batch, params, use_tqdm=False)  # all at once: loads beside running requests
     assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
     books_balance(prefill)
@@ -98,10 +100,7 @@ def test_pulled_prompts_decode_together_in_every_batching_situation(llama, decod
 def test_a_vanished_prefill_engine_is_recomputed_or_fails_per_policy(llama):
     directory, prompts, expected = llama
     prefill, decode = engines(directory)
-    prefilled = prefill.generate([{"prompt_token_ids": prompts[0]}],
-                                 SamplingParams(max_tokens=1, temperature=0,
-                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
-    params = prefilled[0].kv_transfer_params
+    params, = prefill_handles(prefill, prompts[:1])
     prefill.engine.engine_core.shutdown()  # the prefill engine is gone before the pull
     output, = decode_with(decode, prompts[:1], [params])
     assert output.outputs[0].token_ids == expected[tuple(prompts[0])]
@@ -139,10 +138,7 @@ def _handle(address: str, request_id: str = "elsewhere") -> dict:
 def test_a_handle_for_another_prompt_is_refused_and_poisons_nothing(llama):
     directory, prompts, expected = llama
     prefill, decode = engines(directory)
-    prefilled = prefill.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                                 SamplingParams(max_tokens=1, temperature=0,
-                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
-    wrong = prefilled[1].kv_transfer_params  # the second prompt's blocks, named for the first
+    wrong = prefill_handles(prefill, prompts[:2])[1]  # the second prompt's blocks, named for the first
     output, = decode_with(decode, prompts[:1], [wrong])
     assert output.outputs[0].token_ids == expected[tuple(prompts[0])] and output.num_cached_tokens == 0
     again, = decode_with(decode, prompts[:1], [None])  # the prefix cache holds the first prompt's own KV
@@ -169,10 +165,7 @@ def test_peers_that_send_garbage_fail_one_pull_and_stop_nothing(llama):
     output, = decode_with(decode, prompts[:1], [_handle(f"tcp://127.0.0.1:{port}")])
     assert output.outputs[0].token_ids == expected[tuple(prompts[0])] and output.num_cached_tokens == 0
     # a two-frame message to the prefill engine's block server
-    prefilled = prefill.generate([{"prompt_token_ids": prompts[1]}],
-                                 SamplingParams(max_tokens=1, temperature=0,
-                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
-    params = prefilled[0].kv_transfer_params
+    params, = prefill_handles(prefill, prompts[1:2])
     prober = context.socket(zmq.DEALER)
     prober.connect(params["remote_engine_address"])
     prober.send_multipart([msgpack.packb(["pull", "x", 0, 1]), b"a second frame"])
@@ -190,11 +183,8 @@ def test_peers_that_send_garbage_fail_one_pull_and_stop_nothing(llama):
 def test_prompt_logprobs_compute_the_prompt_here(llama):
     directory, prompts, _ = llama
     prefill, decode = engines(directory)
-    prefilled = prefill.generate([{"prompt_token_ids": prompts[0]}],
-                                 SamplingParams(max_tokens=1, temperature=0,
-                                                kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
-    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
-                            kv_transfer_params=prefilled[0].kv_transfer_params)
+    handle, = prefill_handles(prefill, prompts[:1])
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, kv_transfer_params=handle)
     output, = decode.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert len(output.prompt_logprobs) == len(prompts[0]) and output.num_cached_tokens == 0
     books_balance(prefill)  # the lease was released, not left to expire

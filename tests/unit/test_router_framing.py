@@ -57,6 +57,16 @@ def run(test: Callable[[str, list, RouterServer], Awaitable[None]], replicas: li
     run_with_router(test, replicas)  # type: ignore[arg-type]
 
 
+async def small_window_client(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client connection with a 16 KiB receive buffer: the router's writes to it back up soon."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    return await asyncio.open_connection(sock=sock)
+
+
 BIG = (6 << 20) + (200 << 10)
 
 
@@ -68,12 +78,7 @@ async def big_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 def test_a_connection_paused_for_a_slow_client_goes_back_to_the_pool_reading():
     async def test(url: str, _: list, server: RouterServer) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        slow = socket.socket()
-        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        slow.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(slow, (host, int(port)))
-        reader, writer = await asyncio.open_connection(sock=slow)
+        reader, writer = await small_window_client(url)
         writer.write(post("/v1/completions", {}))
         await reader.readuntil(b"\r\n\r\n")
         received = 0
@@ -183,12 +188,7 @@ def test_an_http10_client_gets_a_bare_stream_ended_by_the_close():
 def test_a_client_too_slow_for_the_deadline_is_not_the_replicas_failure():
     async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
         server.request_timeout = 1.0
-        host, port = url.removeprefix("http://").split(":")
-        stalled = socket.socket()
-        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        stalled.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(stalled, (host, int(port)))
-        reader, writer = await asyncio.open_connection(sock=stalled)
+        reader, writer = await small_window_client(url)
         writer.write(post("/v1/completions", {"mode": "big"}))  # 64 MiB, never read
         await asyncio.sleep(1.5)
         assert server.metrics.cut_streams._value.get() == 1  # noqa: SLF001 (the counter's value)

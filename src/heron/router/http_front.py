@@ -169,9 +169,7 @@ class FrontConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        send_at_once(transport)
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
@@ -319,6 +317,13 @@ class FrontConnection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.pause_reading()
         self._next()
+
+
+def send_at_once(transport: asyncio.Transport) -> None:
+    """TCP_NODELAY on a TCP connection: a relayed event goes out when written."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:

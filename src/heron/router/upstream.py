@@ -13,12 +13,13 @@ byte; that is retried once on a fresh connection and is not the replica's fault.
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
+
+from heron.router.http_front import send_at_once
 
 Sink = Callable[[bytes], None]
 Flush = Callable[[], None]
@@ -93,9 +94,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        send_at_once(transport)
 
     def data_received(self, data: bytes) -> None:
         if self.complete:  # bytes while no exchange is under way: nothing can be trusted on it any more
