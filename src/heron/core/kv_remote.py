@@ -19,3 +19,8 @@ class RemoteLoad:
     remote_request_id: str
     first: int
     blocks: list[tuple[BlockHash, int]]
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """The hashes of ``blocks``, in order: what a pull and its release name."""
+        return [block_hash for block_hash, _ in self.blocks]

@@ -132,8 +132,8 @@ class Scheduler(SchedulerKVMixin):
     def add_request(self, request: Request) -> None:
         rid = request.request_id
         if rid in self.requests or rid in self._leases or rid in self.loading:  # held: a lease, a load
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+            raise ValueError(f"request id {rid!r} is already in use")
+        self.requests[rid] = request
         self._num_needing_latest_tokens += request.sampling_params.needs_latest_tokens
         self.waiting.add(request)
         request.record_event(EngineEventType.QUEUED)

@@ -87,9 +87,7 @@ class SchedulerKVMixin:
                 self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
                 request.num_cached_tokens = -1  # what is found again when it is admitted
                 if self.kv_load_failure_policy == "fail":
-                    request.status = RequestStatus.FINISHED_ABORTED
-                    self._failed_requests.append(request)
-                    self._free_request(request)
+                    self._fail_request(request)
                     continue
             else:
                 request.num_computed_tokens = num_computed
@@ -132,24 +130,20 @@ class SchedulerKVMixin:
             request.remote_prefill_tried = True
             if self.kv_load_failure_policy == "fail":
                 self.waiting.pop()  # the head of the queue: this request
-                request.status = RequestStatus.FINISHED_ABORTED
-                self._failed_requests.append(request)
-                self._free_request(request)
+                self._fail_request(request)
                 return True
             return None
         if request.sampling_params.prompt_logprobs is not None:
             # every prompt position's logprobs need the prompt computed here (as a local
             # prefix hit would be refused): the prefill engine may free its copy
             request.remote_prefill_tried = True
-            self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
-                                                 str(params["remote_request_id"]), 0, []))
+            self._release_remote(request, params)
             return None
         hits, _ = self.kv_cache_manager.get_computed_blocks(request, tiers=False)
         num_blocks = min(int(params.get("remote_num_blocks", 0)), (request.num_tokens - 1) // block_size)
         if num_blocks <= len(hits.blocks):  # cached here already: the prefill engine may free its copy
             request.remote_prefill_tried = True
-            self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
-                                                 str(params["remote_request_id"]), 0, []))
+            self._release_remote(request, params)
             return None
         blocks = self.kv_cache_manager.start_remote_load(request, hits, num_blocks)
         if blocks is None:
@@ -159,6 +153,17 @@ class SchedulerKVMixin:
                                              str(params["remote_request_id"]), len(hits.blocks), blocks))
         self._to_loading(request, num_blocks * block_size)
         return True
+
+    def _release_remote(self, request: Request, params: dict[str, Any]) -> None:
+        """Tell the prefill engine it may free its copy: nothing will be pulled."""
+        self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
+                                             str(params["remote_request_id"]), 0, []))
+
+    def _fail_request(self, request: Request) -> None:
+        """End a request whose prefix could not be had (``kv_load_failure_policy`` "fail")."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._failed_requests.append(request)
+        self._free_request(request)
 
     def _to_loading(self, request: Request, num_hit_tokens: int) -> None:
         self.waiting.pop()

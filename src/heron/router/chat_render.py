@@ -54,6 +54,7 @@ class DirectChatRenderer:
         except Exception as exc:  # noqa: BLE001 (an unusual template or transformers: the long way is always there)
             logger.info("no direct chat rendering (%s): the router takes apply_chat_template", exc)
             return None
+
         def slow(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
             return processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
 

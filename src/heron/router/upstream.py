@@ -132,7 +132,7 @@ class UpstreamConnection(asyncio.Protocol):
                         or status in (204, 304))
         self._final_head = True
         if not self.head.done():
-            self.head.set_result((self._parser.get_status_code(), self._headers))
+            self.head.set_result((status, self._headers))
         if self._head_only:  # a HEAD answer has no body, whatever its headers say
             self.on_message_complete()
             self.close()

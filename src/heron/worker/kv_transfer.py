@@ -165,17 +165,13 @@ class RemoteKVLoader:
                 if not job.blocks:
                     self._release(job)
                     continue
-                error: str | None = "the pull did not finish"
-                try:
-                    error = self._pull(job)
-                except Exception as exc:  # noqa: BLE001 (whatever a peer sent: this job fails, the thread lives on)
-                    error = f"{type(exc).__name__}: {exc}"
-                finally:  # every job is reported, so no request waits for ever
-                    if error is not None:
-                        logger.warning("%s: could not pull %d blocks from %s: %s",
-                                       job.request_id, len(job.blocks), job.address, error)
-                        self._release(job)
-                    self.reports.finished(job.request_id, [] if error is None else [h for h, _ in job.blocks])
+                error = self._pull(job)  # whatever a peer sent fails this job only
+                if error is not None:
+                    logger.warning("%s: could not pull %d blocks from %s: %s",
+                                   job.request_id, len(job.blocks), job.address, error)
+                    self._release(job)
+                # every job is reported, so no request waits for ever
+                self.reports.finished(job.request_id, [] if error is None else job.block_hashes)
 
     def _release(self, job: RemoteLoad) -> None:
         """Tell the prefill engine its blocks are not needed (best effort: its lease expires anyway)."""
@@ -190,13 +186,12 @@ class RemoteKVLoader:
             socket.close()
 
     def _pull(self, job: RemoteLoad) -> str | None:
-        """Pull and write the blocks; the reason it failed, or None."""
+        """Pull and write the blocks; the reason it failed, or None (whatever the peer answers)."""
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 1000)
         try:
             socket.connect(job.address)
-            socket.send(msgpack.packb(["pull", job.remote_request_id, job.first, len(job.blocks),
-                                       [block_hash for block_hash, _ in job.blocks]]))
+            socket.send(msgpack.packb(["pull", job.remote_request_id, job.first, len(job.blocks), job.block_hashes]))
             if not socket.poll(self.timeout_ms):
                 return f"no answer in {self.timeout_ms / 1000:.0f} s"
             reply = msgpack.unpackb(socket.recv())
@@ -224,4 +219,4 @@ class RemoteKVLoader:
 def _release_message(job: RemoteLoad) -> list:
     if not job.blocks:
         return ["release", job.remote_request_id]
-    return ["release", job.remote_request_id, job.first, [block_hash for block_hash, _ in job.blocks]]
+    return ["release", job.remote_request_id, job.first, job.block_hashes]
