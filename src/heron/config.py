@@ -237,11 +237,13 @@ class KVEventsConfig:
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Prefill/decode disaggregation (worker/kv_transfer.py), with vLLM's keys: a
+    """Prefill/decode disaggregation (worker/kv_transfer.py, kv_pull.py), with vLLM's keys: a
     producer (prefill engine) keeps a finished ``do_remote_decode`` request's
     blocks for ``kv_lease_seconds`` and serves them on ``kv_ip:kv_port``
     (0: a free port); a consumer (decode engine) pulls them for a
-    ``do_remote_prefill`` request, giving up after ``kv_timeout_seconds``."""
+    ``do_remote_prefill`` request, giving up after ``kv_timeout_seconds``.
+    ``kv_peers`` (heron's own key): the prefill engines a consumer pulls from,
+    each "host" or "host:port" as handles name them; empty: any, as vLLM."""
 
     kv_connector: str = "HeronConnector"
     kv_role: KVRole = "kv_both"
@@ -249,6 +251,15 @@ class KVTransferConfig:
     kv_port: int = 0
     kv_lease_seconds: float = 30.0
     kv_timeout_seconds: float = 30.0
+    kv_peers: tuple[str, ...] = ()
+
+    def allows_peer(self, address: str) -> bool:
+        """Whether a handle's ``remote_engine_address`` (tcp://host:port) is a peer this engine pulls from."""
+        if not self.kv_peers:
+            return True
+        host_port = address.removeprefix("tcp://")
+        host = host_port.rpartition(":")[0]
+        return host_port in self.kv_peers or host in self.kv_peers
 
     @property
     def produces(self) -> bool:
@@ -281,6 +292,10 @@ class KVTransferConfig:
         for name in ("kv_lease_seconds", "kv_timeout_seconds"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"kv_transfer_config.{name} must be a positive number")
+        peers = self.kv_peers
+        if not isinstance(peers, (list, tuple)) or not all(isinstance(p, str) and p and "/" not in p for p in peers):
+            raise ValueError('kv_transfer_config.kv_peers must be a list of "host" or "host:port" strings')
+        object.__setattr__(self, "kv_peers", tuple(peers))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ import zmq
 
 from heron import LLM, SamplingParams
 from heron.engine.input_processor import ProcessedPrompt
+from heron.worker import kv_pull
+
 from tests.model.conftest import load_reference, random_prompts, reference_greedy
 
 NEW_TOKENS = 8
@@ -217,3 +219,87 @@ def test_a_block_size_mismatch_fails_the_request_under_the_fail_policy(llama):
     failed, = decode_with(strict, prompts[:1], [handle])
     assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
     books_balance(strict)
+
+
+def test_a_silent_prefill_engine_delays_only_its_own_requests(llama):
+    directory, prompts, expected = llama
+    prefill = LLM(directory, kv_transfer_config={"kv_role": "kv_producer"}, **POOL)
+    decode = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 2}, **POOL)
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # takes the pull, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    handle, = prefill_handles(prefill, prompts[1:2])
+    engine = decode.engine
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("stalled", ProcessedPrompt(None, list(prompts[0])),
+                       greedy.clone(kv_transfer_params=_handle(f"tcp://127.0.0.1:{port}")))
+    engine.add_request("pulled", ProcessedPrompt(None, list(prompts[1])), greedy.clone(kv_transfer_params=handle))
+    finished = {}
+    while "pulled" not in finished:
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+    # pulled from the live prefill engine while the silent one's pull still waits
+    assert "stalled" in engine.engine_core.scheduler.loading
+    assert finished["pulled"].outputs[0].token_ids == expected[tuple(prompts[1])]
+    assert finished["pulled"].num_cached_tokens > 0
+    while engine.has_unfinished_requests():  # the silent peer's pull times out: recomputed here
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+    assert finished["stalled"].outputs[0].token_ids == expected[tuple(prompts[0])]
+    assert finished["stalled"].num_cached_tokens == 0
+    silent.close(0)
+    context.term()
+    books_balance(prefill)
+    books_balance(decode)
+
+
+def test_a_long_prompt_comes_over_in_bounded_pulls(llama, monkeypatch):
+    directory, prompts, expected = llama
+    monkeypatch.setattr(kv_pull, "CHUNK_BYTES", 1)  # one block a pull
+    prefill, decode = engines(directory)
+    loader = decode.engine.engine_core.model_runner.kv_loader
+    assert loader.chunk_blocks == 1
+    server = prefill.engine.engine_core.model_runner.kv_server
+    pulls = []
+    capture = server.codec.capture
+    monkeypatch.setattr(server.codec, "capture", lambda block_id: pulls.append(block_id) or capture(block_id))
+    outputs = prefill_then_decode(prefill, decode, prompts)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == expected[tuple(prompt)]
+        assert output.num_cached_tokens > 0
+    assert len(pulls) == sum(output.num_cached_tokens for output in outputs) // POOL["block_size"] > len(prompts)
+    books_balance(prefill)
+    books_balance(decode)
+
+
+def test_a_lease_withdrawn_during_a_copy_waits_for_it_and_steps_never_do(llama, monkeypatch):
+    directory, prompts, _ = llama
+    prefill = LLM(directory, kv_transfer_config={"kv_role": "kv_producer"}, **POOL)
+    handle, = prefill_handles(prefill, prompts[:1])
+    server = prefill.engine.engine_core.model_runner.kv_server
+    copying, proceed = threading.Event(), threading.Event()
+    capture = server.codec.capture
+
+    def slow_capture(block_id: int):
+        copying.set()
+        proceed.wait(10)
+        return capture(block_id)
+
+    monkeypatch.setattr(server.codec, "capture", slow_capture)
+    blocks, hashes = server._offers[handle["remote_request_id"]]
+    context = zmq.Context()
+    puller = context.socket(zmq.DEALER)
+    puller.connect(handle["remote_engine_address"])
+    puller.send(msgpack.packb(["pull", handle["remote_request_id"], 0, 1, hashes[:1]]))
+    assert copying.wait(10)
+    server.offer("another", [], [])  # what a step does: never waits for a copy
+    assert server.take_released() == []
+    withdraw = threading.Thread(target=server.withdraw, args=(handle["remote_request_id"],))
+    withdraw.start()
+    withdraw.join(0.3)
+    assert withdraw.is_alive()  # the blocks are being read: not free to reuse yet
+    proceed.set()
+    withdraw.join(10)
+    assert not withdraw.is_alive()
+    header, block = puller.recv_multipart()
+    assert msgpack.unpackb(header)[0] is True and len(block) == server.codec.block_bytes
+    puller.close(0)
+    context.term()

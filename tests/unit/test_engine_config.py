@@ -136,3 +136,32 @@ def test_kv_transfer_config_takes_vllm_keys_and_refuses_what_heron_lacks():
         KVTransferConfig.from_dict({"kv_role": "prefill"})
     with pytest.raises(ValueError, match="kv_lease_seconds"):
         KVTransferConfig.from_dict({"kv_lease_seconds": 0})
+
+
+def test_kv_peers_bound_where_a_consumer_pulls_from():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from heron.config import KVTransferConfig
+    from heron.entrypoints.openai.errors import APIError
+    from heron.entrypoints.openai.protocol import CompletionRequest
+    from heron.entrypoints.openai.serving_common import check_kv_transfer_params
+
+    anyone = KVTransferConfig.from_dict({"kv_role": "kv_consumer"})
+    assert anyone is not None and anyone.allows_peer("tcp://198.51.100.7:9")
+    config = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "kv_peers": ["prefill-a", "10.0.0.5:7000"]})
+    assert config is not None and config.kv_peers == ("prefill-a", "10.0.0.5:7000")
+    assert config.allows_peer("tcp://prefill-a:41234") and config.allows_peer("tcp://10.0.0.5:7000")
+    assert not config.allows_peer("tcp://10.0.0.5:7001") and not config.allows_peer("tcp://prefill-b:41234")
+    assert not config.allows_peer("tcp://prefill-a.evil:1")
+    for bad in ("prefill-a", ["tcp://prefill-a:1"], [""], [3]):
+        with pytest.raises(ValueError, match="kv_peers"):
+            KVTransferConfig.from_dict({"kv_peers": bad})
+    ctx = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(kv_transfer=config)))
+    handle = {"do_remote_prefill": True, "remote_request_id": "r", "remote_num_blocks": 1, "remote_block_size": 16}
+    check_kv_transfer_params(ctx, CompletionRequest(prompt="x", kv_transfer_params={
+        **handle, "remote_engine_address": "tcp://prefill-a:5"}))
+    with pytest.raises(APIError, match="not among this server's kv_peers"):
+        check_kv_transfer_params(ctx, CompletionRequest(prompt="x", kv_transfer_params={
+            **handle, "remote_engine_address": "tcp://203.0.113.9:5"}))

@@ -39,7 +39,8 @@ from heron.worker.kv_cache_sizing import bind_kv_caches, layers_bytes_per_block
 from heron.worker.kv_disk_store import DiskKVStore
 from heron.worker.kv_load_reports import LoadReports
 from heron.worker.kv_offload_store import HostKVStore
-from heron.worker.kv_transfer import KVBlockServer, RemoteKVLoader
+from heron.worker.kv_pull import RemoteKVLoader
+from heron.worker.kv_transfer import KVBlockServer
 from heron.worker.request_state import CachedRequestState
 from heron.worker.sampling_metadata import SamplingMetadataBuilder
 from heron.worker.spec_verify import verify_drafts

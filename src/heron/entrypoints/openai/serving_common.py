@@ -122,6 +122,9 @@ def check_kv_transfer_params(ctx: ServingContext, request: SamplingFields, num_p
         address = params.get("remote_engine_address")
         if not isinstance(address, str) or not address.startswith("tcp://"):
             raise bad_request("kv_transfer_params.remote_engine_address must be a tcp:// address", "kv_transfer_params")
+        if not config.allows_peer(address):
+            raise bad_request(f"kv_transfer_params.remote_engine_address {address!r} is not among this server's "
+                              f"kv_peers", "kv_transfer_params")
         for key in ("remote_num_blocks", "remote_block_size"):
             if not isinstance(params.get(key), int) or params[key] < 0:
                 raise bad_request(f"kv_transfer_params.{key} must be an integer >= 0", "kv_transfer_params")

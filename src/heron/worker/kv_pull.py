@@ -1,0 +1,213 @@
+"""Prefill/decode disaggregation, the decode engine's half: pull a finished
+prefill's blocks from the prefill engine that holds them into this engine's
+pool (the protocol is in ``worker/kv_transfer.py``).
+
+One thread runs every pull at once, each on its own ZMQ socket, so a prefill
+engine that is slow, stalled or gone delays only the requests whose blocks it
+holds, never the pulls from other engines. A pull asks for at most
+``chunk_bytes`` of blocks at a time (the next run once the last one is
+written), and gives up when a prefill engine does not answer one run within
+the timeout. Every job is reported exactly once (``LoadReports``): its blocks
+loaded, or all of them failed, whatever a peer answers, so no request waits
+for ever; the scheduler's load-failure policy decides what a failure costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import torch
+import zmq
+
+from heron.core.kv_remote import RemoteLoad
+from heron.worker.kv_block_codec import BlockCodec
+from heron.worker.kv_load_reports import LoadReports
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 32 << 20  # one pull's blocks at most (at least one block)
+
+
+@dataclass(slots=True)
+class _Pull:
+    """A job in flight: ``done`` of its blocks written, the next ``asked`` asked for by ``deadline``."""
+
+    job: RemoteLoad
+    socket: zmq.Socket
+    done: int = 0
+    asked: int = 0
+    deadline: float = 0.0
+
+
+class RemoteKVLoader:
+    def __init__(self, caches: Sequence[torch.Tensor], fingerprint: bytes, reports: LoadReports,
+                 timeout_s: float, chunk_bytes: int | None = None) -> None:
+        self.codec = BlockCodec(caches)
+        self.fingerprint = fingerprint
+        self.reports = reports
+        self.timeout_s = timeout_s
+        self.chunk_blocks = max(1, (chunk_bytes or CHUNK_BYTES) // self.codec.block_bytes)
+        self._context = zmq.Context()
+        self._jobs: queue.SimpleQueue[RemoteLoad | None] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._thread = threading.Thread(target=self._run, name="kv-remote-loader", daemon=True)
+        self._thread.start()
+
+    def load(self, loads: list[RemoteLoad]) -> None:
+        """Pull each load's blocks (one with none only releases the prefill engine's lease)."""
+        self.reports.started(sum(1 for job in loads if job.blocks))
+        for job in loads:
+            self._jobs.put(job)
+        os.write(self._wake_write, b"\0")
+
+    def close(self) -> None:
+        """Stop; pulls still under way are reported failed."""
+        self._jobs.put(None)
+        os.write(self._wake_write, b"\0")
+        self._thread.join(timeout=5)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+        self._context.term()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_read, zmq.POLLIN)
+        pulls: dict[zmq.Socket, _Pull] = {}
+        running = True
+        with torch.inference_mode():
+            while running:
+                ready = dict(poller.poll(_wait_ms(pulls.values())))
+                if self._wake_read in ready:
+                    running = self._start_jobs(poller, pulls)
+                now = time.monotonic()
+                for socket, pull in list(pulls.items()):
+                    if socket in ready:
+                        error = self._receive(pull)  # whatever a peer sent fails this job only
+                    elif now >= pull.deadline:
+                        error = f"no answer in {self.timeout_s:g} s"
+                    else:
+                        continue
+                    if error is None and pull.done < len(pull.job.blocks):
+                        error = self._ask(pull)
+                        if error is None:
+                            continue
+                    poller.unregister(socket)
+                    del pulls[socket]
+                    self._finish(pull, error)
+            for pull in pulls.values():
+                self._finish(pull, "the engine is shutting down")
+
+    def _start_jobs(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull]) -> bool:
+        """Start the queued jobs; False once told to stop."""
+        while True:
+            try:
+                os.read(self._wake_read, 4096)
+            except BlockingIOError:
+                pass
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            if not job.blocks:
+                self._release(job)
+                continue
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 1000)
+            pull = _Pull(job, socket)
+            try:
+                socket.connect(job.address)
+            except zmq.ZMQError as bad_address:
+                self._finish(pull, f"bad address: {bad_address}")
+                continue
+            refused = self._ask(pull)
+            if refused is not None:
+                self._finish(pull, refused)
+                continue
+            poller.register(socket, zmq.POLLIN)
+            pulls[socket] = pull
+
+    def _ask(self, pull: _Pull) -> str | None:
+        """Ask for the next run of blocks; the reason it cannot, or None."""
+        job = pull.job
+        pull.asked = min(self.chunk_blocks, len(job.blocks) - pull.done)
+        hashes = job.block_hashes[pull.done:pull.done + pull.asked]
+        pull.deadline = time.monotonic() + self.timeout_s
+        try:
+            pull.socket.send(msgpack.packb(["pull", job.remote_request_id, job.first + pull.done, pull.asked, hashes]),
+                             zmq.NOBLOCK)
+        except zmq.ZMQError as error:
+            return f"could not ask: {error}"
+        return None
+
+    def _receive(self, pull: _Pull) -> str | None:
+        """Write the run of blocks the peer answered; the reason it failed, or None."""
+        try:
+            frames = pull.socket.recv_multipart(copy=False)
+            header = msgpack.unpackb(frames[0].buffer)
+            if not isinstance(header, list) or not header:
+                return "a malformed answer"
+            if not header[0]:
+                return str(header[1]) if len(header) > 1 else "refused"
+            if len(header) < 2 or header[1] != self.fingerprint:
+                return "the prefill engine runs another model or cache layout"
+            blocks = frames[1:]
+            if len(blocks) != pull.asked or any(len(block) != self.codec.block_bytes for block in blocks):
+                return f"{len(blocks)} blocks of {[len(b) for b in blocks[:3]]} bytes, not {pull.asked}"
+            for block, (_, block_id) in zip(blocks, pull.job.blocks[pull.done:pull.done + pull.asked], strict=True):
+                self.codec.restore(torch.frombuffer(block.buffer, dtype=torch.uint8), block_id)
+            pull.done += pull.asked
+            return None
+        except Exception as error:  # noqa: BLE001 (a peer's answer can be anything)
+            return f"{type(error).__name__}: {error}"
+
+    def _finish(self, pull: _Pull, error: str | None) -> None:
+        """Report the job (loaded, or every block failed) and release the prefill engine's lease."""
+        job = pull.job
+        if error is None:
+            _send_release(pull.socket, job)
+            pull.socket.close()  # lingers until the release is out
+        else:
+            logger.warning("%s: could not pull %d blocks from %s: %s",
+                           job.request_id, len(job.blocks), job.address, error)
+            pull.socket.close(0)  # drops a question still queued for a peer that never came
+            self._release(job)
+        self.reports.finished(job.request_id, [] if error is None else job.block_hashes)
+
+    def _release(self, job: RemoteLoad) -> None:
+        """Tell the prefill engine its blocks are not needed (best effort: its lease expires anyway)."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)
+        try:
+            socket.connect(job.address)
+            _send_release(socket, job)
+        except Exception as error:  # noqa: BLE001 (best effort)
+            logger.info("could not release %s at %s: %s", job.remote_request_id, job.address, error)
+        finally:
+            socket.close()
+
+
+def _wait_ms(pulls: Iterable[_Pull]) -> int | None:
+    """Until the nearest pull's deadline (None: no pull under way, wait for a job)."""
+    deadlines = [pull.deadline for pull in pulls]
+    if not deadlines:
+        return None
+    return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+
+def _send_release(socket: zmq.Socket, job: RemoteLoad) -> None:
+    message = ["release", job.remote_request_id] if not job.blocks else \
+        ["release", job.remote_request_id, job.first, job.block_hashes]
+    try:
+        socket.send(msgpack.packb(message), zmq.NOBLOCK)
+    except zmq.ZMQError as error:
+        logger.info("could not release %s at %s: %s", job.remote_request_id, job.address, error)
