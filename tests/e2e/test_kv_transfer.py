@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+import zmq
 
 from tests.e2e.router_process import RouterProcess
 from tests.e2e.server_process import ServerProcess, wait_for
@@ -77,6 +79,30 @@ def test_chat_goes_through_a_prefill_server_too(disaggregated):
     direct = client(decode.base_url).chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
                                                              max_tokens=10, temperature=0)
     assert routed.choices[0].message.content == direct.choices[0].message.content
+
+
+def test_a_client_that_reuses_a_request_id_is_answered(disaggregated):
+    _, decode, _ = disaggregated
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # takes the pull and never answers: the engine keeps the request
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    handle = {"do_remote_prefill": True, "remote_engine_address": f"tcp://127.0.0.1:{port}",
+              "remote_request_id": "elsewhere", "remote_num_blocks": 5, "remote_block_size": 16}
+    url = f"{decode.base_url}/v1/completions"
+    prompt = PROMPT.replace("heron", "egret")  # not cached there: the engine pulls it
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "request_id": "reused"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the pull waits
+        httpx.post(url, json={**body, "kv_transfer_params": handle}, timeout=1)
+    assert silent.poll(10_000)  # the pull is under way: the engine still holds that request
+    with ThreadPoolExecutor(2) as pool:  # the same id again, twice at once
+        answers = list(pool.map(lambda _: httpx.post(url, json=body, timeout=60), range(2)))
+    for answer in answers:
+        assert answer.status_code == 200 and answer.json()["id"] == "reused"
+        choice = answer.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["text"]
+    silent.close(0)
+    context.term()
 
 
 def test_a_dead_prefill_server_costs_a_recompute_not_a_request(disaggregated):

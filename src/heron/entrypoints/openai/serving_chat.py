@@ -21,7 +21,7 @@ from heron.entrypoints.openai.serving_common import (
     invalid_input,
     kv_transfer_field,
     merge_streams,
-    new_request_id,
+    request_ids,
     resolve_max_tokens,
     sampling_params,
     sse,
@@ -94,14 +94,14 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
             params = tools.constrain(params)
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
-    request_id = request.request_id or new_request_id("chatcmpl")
+    request_id, engine_id = request_ids(request.request_id, "chatcmpl")
     try:
-        streams = start_generation(ctx, [prompt], [params], request_id, request.priority, request.cache_salt)
+        streams = start_generation(ctx, [prompt], [params], engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
     builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs, tools)
     if request.stream:
-        return streaming_response(ctx, builder.stream(streams), request_id, 1)
+        return streaming_response(ctx, builder.stream(streams), engine_id, 1)
     [final] = await final_outputs(ctx, raw_request, streams)
     return JSONResponse(builder.response(final))
 

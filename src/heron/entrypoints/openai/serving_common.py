@@ -76,6 +76,17 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(client_id: str | None, prefix: str) -> tuple[str, str]:
+    """The answer's id (the client's ``request_id`` when it sent one) and the
+    id the engine knows the request by, unique even when clients reuse theirs:
+    an engine may still hold a reused id (a P/D pull under way, a lease), and
+    two clients may pick the same one."""
+    if client_id is None:
+        generated = new_request_id(prefix)
+        return generated, generated
+    return client_id, f"{client_id}-{uuid.uuid4().hex[:12]}"
+
+
 def engine_unavailable(engine: AsyncLLM) -> APIError | None:
     """The 503 to answer while the engine cannot serve (loading, or dead), else None."""
     if engine.is_dead:

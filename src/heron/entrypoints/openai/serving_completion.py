@@ -21,7 +21,7 @@ from heron.entrypoints.openai.serving_common import (
     invalid_input,
     kv_transfer_field,
     merge_streams,
-    new_request_id,
+    request_ids,
     resolve_max_tokens,
     sampling_params,
     sse,
@@ -77,15 +77,15 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         )
         for p in prompts
     ]
-    request_id = request.request_id or new_request_id("cmpl")
+    request_id, engine_id = request_ids(request.request_id, "cmpl")
     created = int(time.time())
     try:
-        streams = start_generation(ctx, prompts, params, request_id, request.priority, request.cache_salt)
+        streams = start_generation(ctx, prompts, params, engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
     builder = _CompletionBuilder(ctx, request, prompts, request_id, created)
     if request.stream:
-        return streaming_response(ctx, builder.stream(streams), request_id, len(prompts))
+        return streaming_response(ctx, builder.stream(streams), engine_id, len(prompts))
     return JSONResponse(builder.response(await final_outputs(ctx, raw_request, streams)))
 
 
