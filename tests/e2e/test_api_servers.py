@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server_process import ServerProcess
 
@@ -104,6 +105,13 @@ def test_two_api_servers_share_the_port_the_metrics_and_the_limits():
             assert server.metric("heron:prefix_cache_queries_total") - queries_before == prompt_tokens
         assert server.metric("heron:compute_path_info", device="cpu") == 1.0
         assert sum(server.metric("heron:engine_requests", engine=str(rank)) for rank in (0, 1)) >= 4
+        # what a router's probe asks for: those samples alone, whichever process answers
+        wanted = {"heron:num_requests_running", "heron:request_success_total"}
+        for _ in range(4):
+            only = httpx.get(f"{server.base_url}/metrics", params=[("name[]", name) for name in wanted],
+                             headers=server.headers, timeout=5)
+            named = {sample.name for family in text_string_to_metric_families(only.text) for sample in family.samples}
+            assert named == wanted
 
         # one burst for the key across both processes (a per-process limit would pass up to twice as many)
         statuses = [httpx.get(f"{server.base_url}/v1/models", timeout=5,

@@ -120,3 +120,13 @@ def test_grafana_dashboard_queries_only_exported_metrics():
 def test_prometheus_scrape_example_points_at_metrics():
     text = (ROOT / "observability" / "prometheus.yml").read_text()
     assert "metrics_path: /metrics" in text and "job_name: heron" in text
+
+
+def test_render_keeps_only_the_samples_asked_for():
+    logger = PrometheusStatLogger("m")
+    logger.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=3), one_finished_iteration())
+    wanted = ["heron:num_requests_waiting", "heron:time_to_first_token_seconds_count"]
+    families = list(text_string_to_metric_families(logger.render(wanted).decode()))
+    samples = {sample.name: sample.value for family in families for sample in family.samples}
+    assert samples == {"heron:num_requests_waiting": 3, "heron:time_to_first_token_seconds_count": 1}
+    assert sample_names(logger) > set(samples)  # no names: everything

@@ -12,9 +12,9 @@ answers for the whole server."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from heron.metrics.stats import IterationStats
@@ -215,10 +215,30 @@ class PrometheusStatLogger:
             if finished.mean_time_per_output_token is not None:
                 self.tpot.labels(name).observe(finished.mean_time_per_output_token)
 
-    def render(self) -> bytes:
+    def render(self, names: Collection[str] = ()) -> bytes:
+        """The exposition text; only the samples named in ``names`` when given
+        (``/metrics?name[]=...``, as prometheus_client's own handler: a router
+        probing three gauges need not have every histogram rendered)."""
         directory = multiprocess_dir()
-        if directory is None:
-            return generate_latest(self.registry)
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, directory)
-        return generate_latest(registry)
+        registry = self.registry
+        if directory is not None:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, directory)
+        return generate_latest(_Named(registry, set(names)) if names else registry)
+
+
+class _Named:
+    """A registry's samples whose names are in ``names`` (works in multiprocess
+    mode too, where ``restricted_registry`` sees no names)."""
+
+    def __init__(self, registry: CollectorRegistry, names: set[str]) -> None:
+        self.registry = registry
+        self.names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            samples = [sample for sample in metric.samples if sample.name in self.names]
+            if samples:
+                named = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                named.samples = samples
+                yield named

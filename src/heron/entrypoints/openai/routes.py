@@ -159,9 +159,11 @@ async def kv_events(ctx: Serving, raw_request: Request) -> dict[str, Any]:
 
 
 @router.get("/metrics")
-async def metrics(ctx: Serving) -> Response:
+async def metrics(ctx: Serving, raw_request: Request) -> Response:
+    """Prometheus text; ``?name[]=heron:num_requests_running&name[]=...`` keeps only those samples."""
     ctx.engine.refresh_engine_metrics()
-    return Response(ctx.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    names = raw_request.query_params.getlist("name[]")
+    return Response(ctx.engine.metrics.render(names), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _check_model(ctx: ServingContext, name: str | None) -> None:
