@@ -241,7 +241,8 @@ class KVTransferConfig:
     producer (prefill engine) keeps a finished ``do_remote_decode`` request's
     blocks for ``kv_lease_seconds`` and serves them on ``kv_ip:kv_port``
     (0: a free port); a consumer (decode engine) pulls them for a
-    ``do_remote_prefill`` request, giving up after ``kv_timeout_seconds``.
+    ``do_remote_prefill`` request, giving up when the prefill engine does not
+    answer one of its pulls (32 MiB of blocks each) within ``kv_timeout_seconds``.
     ``kv_peers`` (heron's own key): the prefill engines a consumer pulls from,
     each "host" or "host:port" as handles name them; empty: any, as vLLM."""
 

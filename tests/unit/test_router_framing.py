@@ -36,7 +36,7 @@ class RawReplica:
                     length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                    if line.lower().startswith(b"content-length:")), 0)
                     await reader.readexactly(length)
-                    probe = _PROBES.get(head.split(b" ", 2)[1])
+                    probe = _PROBES.get(head.split(b" ", 2)[1].split(b"?")[0])
                     if probe is not None:  # the router's health probes
                         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                                      b"Content-Length: %d\r\n\r\n%b" % (len(probe), probe))

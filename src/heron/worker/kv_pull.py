@@ -4,7 +4,8 @@ pool (the protocol is in ``worker/kv_transfer.py``).
 
 One thread runs every pull at once, each on its own ZMQ socket, so a prefill
 engine that is slow, stalled or gone delays only the requests whose blocks it
-holds, never the pulls from other engines. A pull asks for at most
+holds, never the pulls from other engines (up to ``MAX_PULLS`` run at once,
+the rest wait their turn). A pull asks for at most
 ``chunk_bytes`` of blocks at a time (the next run once the last one is
 written), and gives up when a prefill engine does not answer one run within
 the timeout. Every job is reported exactly once (``LoadReports``): its blocks
@@ -14,11 +15,13 @@ for ever; the scheduler's load-failure policy decides what a failure costs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +36,7 @@ from heron.worker.kv_load_reports import LoadReports
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32 << 20  # one pull's blocks at most (at least one block)
+MAX_PULLS = 128  # under way at once, each on its own socket; the rest wait their turn
 
 
 @dataclass(slots=True)
@@ -58,6 +62,7 @@ class RemoteKVLoader:
         self._jobs: queue.SimpleQueue[RemoteLoad | None] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._thread = threading.Thread(target=self._run, name="kv-remote-loader", daemon=True)
         self._thread.start()
 
@@ -66,75 +71,109 @@ class RemoteKVLoader:
         self.reports.started(sum(1 for job in loads if job.blocks))
         for job in loads:
             self._jobs.put(job)
-        os.write(self._wake_write, b"\0")
+        self._wake()
 
     def close(self) -> None:
-        """Stop; pulls still under way are reported failed."""
+        """Stop; pulls still under way or waiting are reported failed."""
         self._jobs.put(None)
-        os.write(self._wake_write, b"\0")
+        self._wake()
         self._thread.join(timeout=5)
         os.close(self._wake_read)
         os.close(self._wake_write)
         self._context.term()
 
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: a wake-up is pending already
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_read, zmq.POLLIN)
         pulls: dict[zmq.Socket, _Pull] = {}
-        running = True
+        waiting: deque[RemoteLoad] = deque()  # beyond MAX_PULLS under way
+        stopping = False
         with torch.inference_mode():
-            while running:
-                ready = dict(poller.poll(_wait_ms(pulls.values())))
-                if self._wake_read in ready:
-                    running = self._start_jobs(poller, pulls)
-                now = time.monotonic()
-                for socket, pull in list(pulls.items()):
-                    if socket in ready:
-                        error = self._receive(pull)  # whatever a peer sent fails this job only
-                    elif now >= pull.deadline:
-                        error = f"no answer in {self.timeout_s:g} s"
-                    else:
-                        continue
-                    if error is None and pull.done < len(pull.job.blocks):
-                        error = self._ask(pull)
-                        if error is None:
-                            continue
-                    poller.unregister(socket)
-                    del pulls[socket]
-                    self._finish(pull, error)
-            for pull in pulls.values():
-                self._finish(pull, "the engine is shutting down")
+            while not stopping:
+                try:
+                    ready = dict(poller.poll(_wait_ms(pulls.values())))
+                    if self._wake_read in ready:
+                        stopping = self._take_jobs(waiting)
+                    self._advance(poller, pulls, ready)
+                    while waiting and len(pulls) < MAX_PULLS:
+                        self._start(poller, pulls, waiting[0])
+                        waiting.popleft()  # after: a job _start failed on is still reported by _fail_all
+                except Exception:  # a bug here must not leave requests waiting for ever
+                    logger.exception("the KV puller failed: failing the pulls under way")
+                    self._fail_all(poller, pulls, waiting, "the puller failed")
+            self._fail_all(poller, pulls, waiting, "the engine is shutting down")
 
-    def _start_jobs(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull]) -> bool:
-        """Start the queued jobs; False once told to stop."""
+    def _take_jobs(self, waiting: deque[RemoteLoad]) -> bool:
+        """Queue the new jobs (releases go out at once); True once told to stop."""
+        try:
+            os.read(self._wake_read, 4096)
+        except BlockingIOError:
+            pass
         while True:
-            try:
-                os.read(self._wake_read, 4096)
-            except BlockingIOError:
-                pass
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
-                return True
-            if job is None:
                 return False
-            if not job.blocks:
+            if job is None:
+                return True
+            if job.blocks:
+                waiting.append(job)
+            else:
                 self._release(job)
+
+    def _advance(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull], ready: dict) -> None:
+        """Take the answers that came, ask for the next runs, end pulls done, failed or timed out."""
+        now = time.monotonic()
+        for socket, pull in list(pulls.items()):
+            if socket in ready:
+                error = self._receive(pull)  # whatever a peer sent fails this job only
+            elif now >= pull.deadline:
+                error = f"no answer in {self.timeout_s:g} s"
+            else:
                 continue
+            if error is None and pull.done < len(pull.job.blocks):
+                error = self._ask(pull)
+                if error is None:
+                    continue
+            poller.unregister(socket)
+            del pulls[socket]
+            self._finish(pull, error)
+
+    def _start(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull], job: RemoteLoad) -> None:
+        try:
             socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 1000)
-            pull = _Pull(job, socket)
-            try:
-                socket.connect(job.address)
-            except zmq.ZMQError as bad_address:
-                self._finish(pull, f"bad address: {bad_address}")
-                continue
-            refused = self._ask(pull)
-            if refused is not None:
-                self._finish(pull, refused)
-                continue
-            poller.register(socket, zmq.POLLIN)
-            pulls[socket] = pull
+        except zmq.ZMQError as error:  # out of sockets: this job fails, the next may not
+            self._report(job, f"no socket: {error}")
+            return
+        socket.setsockopt(zmq.LINGER, 1000)
+        pull = _Pull(job, socket)
+        try:
+            socket.connect(job.address)
+        except zmq.ZMQError as bad_address:
+            self._finish(pull, f"bad address: {bad_address}")
+            return
+        refused = self._ask(pull)
+        if refused is not None:
+            self._finish(pull, refused)
+            return
+        poller.register(socket, zmq.POLLIN)
+        pulls[socket] = pull
+
+    def _fail_all(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull], waiting: deque[RemoteLoad],
+                  reason: str) -> None:
+        for socket, pull in pulls.items():
+            with contextlib.suppress(KeyError):
+                poller.unregister(socket)
+            self._finish(pull, reason)
+        pulls.clear()
+        while waiting:
+            self._report(waiting.popleft(), reason)
 
     def _ask(self, pull: _Pull) -> str | None:
         """Ask for the next run of blocks; the reason it cannot, or None."""
@@ -158,8 +197,10 @@ class RemoteKVLoader:
                 return "a malformed answer"
             if not header[0]:
                 return str(header[1]) if len(header) > 1 else "refused"
-            if len(header) < 2 or header[1] != self.fingerprint:
+            if len(header) < 4 or header[1] != self.fingerprint:
                 return "the prefill engine runs another model or cache layout"
+            if header[2:4] != [pull.job.first + pull.done, pull.asked]:
+                return f"blocks {header[2:4]} answered, not [{pull.job.first + pull.done}, {pull.asked}]"
             blocks = frames[1:]
             if len(blocks) != pull.asked or any(len(block) != self.codec.block_bytes for block in blocks):
                 return f"{len(blocks)} blocks of {[len(b) for b in blocks[:3]]} bytes, not {pull.asked}"
@@ -172,25 +213,32 @@ class RemoteKVLoader:
 
     def _finish(self, pull: _Pull, error: str | None) -> None:
         """Report the job (loaded, or every block failed) and release the prefill engine's lease."""
-        job = pull.job
         if error is None:
-            _send_release(pull.socket, job)
+            _send_release(pull.socket, pull.job)
             pull.socket.close()  # lingers until the release is out
+            self.reports.finished(pull.job.request_id, [])
         else:
-            logger.warning("%s: could not pull %d blocks from %s: %s",
-                           job.request_id, len(job.blocks), job.address, error)
             pull.socket.close(0)  # drops a question still queued for a peer that never came
-            self._release(job)
-        self.reports.finished(job.request_id, [] if error is None else job.block_hashes)
+            self._report(pull.job, error)
+
+    def _report(self, job: RemoteLoad, error: str) -> None:
+        """Every block of the job failed: reported first, then the lease released (best effort)."""
+        logger.warning("%s: could not pull %d blocks from %s: %s", job.request_id, len(job.blocks), job.address, error)
+        self.reports.finished(job.request_id, job.block_hashes)
+        self._release(job)
 
     def _release(self, job: RemoteLoad) -> None:
         """Tell the prefill engine its blocks are not needed (best effort: its lease expires anyway)."""
-        socket = self._context.socket(zmq.DEALER)
+        try:  # never raises: it runs after the job was reported
+            socket = self._context.socket(zmq.DEALER)
+        except Exception as error:  # noqa: BLE001
+            logger.info("could not release %s at %s: %s", job.remote_request_id, job.address, error)
+            return
         socket.setsockopt(zmq.LINGER, 1000)
         try:
             socket.connect(job.address)
             _send_release(socket, job)
-        except Exception as error:  # noqa: BLE001 (best effort)
+        except Exception as error:  # noqa: BLE001
             logger.info("could not release %s at %s: %s", job.remote_request_id, job.address, error)
         finally:
             socket.close()

@@ -4,7 +4,7 @@ here), a decode engine pulls them into its own pool (``RemoteKVLoader``,
 ``worker/kv_pull.py``), over TCP with ZMQ.
 
     decode -> prefill   msgpack ["pull", request id, first block, count, the count blocks' hashes]
-    prefill -> decode   frames [msgpack [True, layout fingerprint], block 0, ..., block count - 1]
+    prefill -> decode   frames [msgpack [True, layout fingerprint, first, count], block 0, ..., block count - 1]
                         or [msgpack [False, reason]]
     decode -> prefill   msgpack ["release", request id(, first block, the hashes it pulled)]
 
@@ -38,6 +38,7 @@ from heron.worker.kv_block_codec import BlockCodec
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+MAX_REPLY_BYTES = 256 << 20  # one pull's blocks at most (decode engines ask for 32 MiB: kv_pull.CHUNK_BYTES)
 
 
 class KVBlockServer:
@@ -126,6 +127,9 @@ class KVBlockServer:
             if first < 0 or count < 0 or first + count > len(block_ids):
                 return [msgpack.packb([False, f"{request_id!r} offers {len(block_ids)} blocks, "
                                               f"not [{first}, {first + count})"])]
+            if count > max(1, MAX_REPLY_BYTES // self.codec.block_bytes):
+                return [msgpack.packb([False, f"{count} blocks in one pull: ask for at most "
+                                              f"{MAX_REPLY_BYTES >> 20} MiB at a time"])]
             if wanted != block_hashes[first:first + count]:
                 return [msgpack.packb([False, f"{request_id!r} holds another prompt's blocks (their hashes differ)"])]
             self._reading = request_id  # a withdraw waits until the copy is done
@@ -135,7 +139,7 @@ class KVBlockServer:
             with self._lock:
                 self._reading = None
                 self._lock.notify_all()
-        return [msgpack.packb([True, self.fingerprint]), *blocks]
+        return [msgpack.packb([True, self.fingerprint, first, count]), *blocks]
 
     def _release(self, request_id: str, message: list) -> None:
         """With the hashes it pulled, if any: only a pull of these blocks releases them."""
