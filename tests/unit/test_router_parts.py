@@ -162,3 +162,36 @@ def test_the_response_id_is_found_however_the_answer_is_cut():
         affinity.remember(name, "http://replica-" + name)
     assert affinity.replica_of("resp_a") is None and affinity.replica_of("resp_c") == "http://replica-resp_c"
     assert affinity.replica_of(None) is None
+
+
+def test_each_failed_trial_doubles_the_rest_and_late_failures_change_nothing():
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=3, open_seconds=2.0, max_open_seconds=30.0, clock=clock)
+    for _ in range(3):
+        breaker.record(None)
+    periods = []
+    for _ in range(5):  # a dead replica: each probe, when due, is the half-open trial (allows()) and fails
+        clock.now += 100
+        assert breaker.allows()
+        breaker.record(None)
+        periods.append(breaker._current_open_seconds)
+    assert periods == [4.0, 8.0, 16.0, 30.0, 30.0]
+    clock.now += 1
+    breaker.record(None)  # a request sent before it opened times out only now
+    assert breaker.state is BreakerState.OPEN and breaker._current_open_seconds == 30.0
+    clock.now += 10
+    assert not breaker.usable  # the open period was not restarted or shortened
+
+
+def test_expectations_never_confirmed_are_dropped_as_they_lapse():
+    clock = FakeClock()
+    index = KVBlockIndex(clock=clock)
+    for second in range(100):  # a replica with events off: nothing ever confirms what was sent there
+        clock.now = float(second)
+        index.expect([bytes([second]) * 32, bytes([second, 1]) * 16])
+    assert len(index.expected) == 2 * 31  # the last 30 seconds' worth, whatever was never looked up
+    clock.now = 100.0
+    index.expect([bytes([70]) * 32])  # expected again: it counts from now
+    clock.now = 129.5
+    index.expect([])
+    assert list(index.expected) == [bytes([70]) * 32]

@@ -172,7 +172,7 @@ class EngineCore:
         if self.kv_events is None:
             return None
         return {"endpoint": self.kv_events.endpoint, "replay_endpoint": self.kv_events.replay_endpoint,
-                "topic": self.config.kv_events.topic}
+                "topic": self.config.kv_events.topic, "epoch": self.kv_events.epoch}
 
     def shutdown(self) -> None:
         """Publish the last events and finish the disk tier's writes."""

@@ -3,8 +3,10 @@
 Every engine step's events go out as one message on a PUB socket: three frames,
 ``[topic, sequence number (8 bytes, big-endian), msgpack batch]``; sequence
 numbers start at 0 and grow by one per batch, so a subscriber sees a gap when
-it missed one. The last ``buffer_steps`` batches are kept: a ROUTER socket at
-the replay endpoint answers a request frame holding a start sequence number (8
+it missed one; each publisher has a random ``epoch`` (in ``GET /v1/kv_events``
+and ``/health``), so a subscriber tells a restarted engine's numbers from old
+ones. The last ``buffer_steps`` batches are kept: a ROUTER socket at the replay
+endpoint answers a request frame holding a start sequence number (8
 bytes, big-endian) with ``[seq, batch]`` for every kept batch from there on,
 then ``[-1 (8 bytes, signed), b""]``. A subscriber subscribes first, replays
 from the last number it saw + 1, and drops live batches it already has.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -44,6 +47,9 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = self._context.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay of the whole buffer is queued whole, never cut
+        # this publisher's numbering: a restarted engine numbers from 0 again under another epoch
+        self.epoch = secrets.token_hex(8)
         try:
             self.endpoint = _bind(self._pub, config.endpoint)
             self.replay_endpoint = _bind(self._replay, config.replay_endpoint or _any_port(config.endpoint))

@@ -10,6 +10,7 @@ used again and re-subscribes, replaying what the replica still keeps.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +31,16 @@ _METRIC = re.compile(r'^heron:(num_requests_running|num_requests_waiting|kv_cach
 # only these samples: a replica renders three gauges instead of every histogram (~30 KB)
 _LOAD_QUERY = [("name[]", f"heron:{name}") for name in ("num_requests_running", "num_requests_waiting",
                                                        "kv_cache_usage_perc")]
+
+
+def _epoch(health: bytes) -> str | None:
+    """The KV events epoch in a /health body (None: not there, or not JSON, as vLLM's empty body)."""
+    try:
+        body = json.loads(health) if health else None
+    except ValueError:
+        return None
+    epoch = body.get("kv_events_epoch") if isinstance(body, dict) else None
+    return epoch if isinstance(epoch, str) else None
 
 
 @dataclass
@@ -111,7 +122,12 @@ class ReplicaSet:
                 self.set_discovered(await self.discover())
             except Exception as exc:  # noqa: BLE001 (keep the replicas we have; try again next round)
                 logger.warning("replica discovery failed: %s", exc)
-        await asyncio.gather(*(self.probe(session, replica) for replica in self.replicas))
+        replicas = list(self.replicas)
+        outcomes = await asyncio.gather(*(self.probe(session, replica) for replica in replicas),
+                                        return_exceptions=True)
+        for replica, outcome in zip(replicas, outcomes, strict=True):
+            if isinstance(outcome, Exception):  # a bug or a strange answer: the next round tries again
+                logger.warning("probing %s failed: %r", replica.url, outcome)
 
     def set_discovered(self, urls: Sequence[str]) -> None:
         """The discovered replicas are now ``urls`` (those given at start stay)."""
@@ -127,19 +143,37 @@ class ReplicaSet:
             self.replicas.append(Replica(url))
 
     async def probe(self, session: aiohttp.ClientSession, replica: Replica) -> None:
-        if replica.breaker.state is BreakerState.OPEN and not replica.breaker.usable:
-            return  # let it rest until it may be tried
+        if replica.breaker.state is BreakerState.OPEN and not replica.breaker.allows():
+            return  # let it rest until it may be tried (then this probe is its half-open trial)
         try:
             # with the key: a replica started with --protect-metrics wants it on /health too
             async with session.get(f"{replica.url}/health", headers=self.headers, timeout=self.timeout) as response:
                 status = response.status
+                health = await response.read() if status == 200 else b""
             if status == 200:
+                self._follow_restarts(replica, _epoch(health))
                 await self._read_metrics(session, replica)
                 if replica.subscription is None:
                     await self._subscribe(session, replica)
         except (TimeoutError, aiohttp.ClientError, OSError):
             status = None
         self.record(replica, status if status == 200 else None)  # a probe succeeds on 200 alone
+
+    def _follow_restarts(self, replica: Replica, epoch: str | None) -> None:
+        """Start following a replica's events again when its subscription ended
+        (it never should) or the replica restarted (its events' epoch changed: its
+        numbers start again from 0, which the old subscription would drop as seen)."""
+        subscription, subscriber = replica.subscription, replica.subscriber
+        if subscription is not None and subscription.done():
+            error = None if subscription.cancelled() else subscription.exception()
+            logger.warning("the KV event subscription to %s ended (%r): following it again", replica.url, error)
+        elif subscriber is not None and epoch is not None and subscriber.epoch not in (None, epoch):
+            logger.info("replica %s restarted (KV events epoch %s -> %s): following it again", replica.url,
+                        subscriber.epoch, epoch)
+        else:
+            return
+        replica.stop_subscription()
+        replica.index.reset()
 
     async def _read_metrics(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         async with session.get(f"{replica.url}/metrics", params=_LOAD_QUERY, headers=self.headers,
@@ -164,10 +198,14 @@ class ReplicaSet:
             if response.status != 200:
                 return
             info = await response.json()
-        if not info.get("enabled"):
+        if not isinstance(info, dict) or not info.get("enabled"):
+            return
+        endpoint, replay_endpoint = info.get("endpoint"), info.get("replay_endpoint")
+        if not isinstance(endpoint, str) or not isinstance(replay_endpoint, str):
+            logger.warning("%s/v1/kv_events names no endpoints: not following its events", replica.url)
             return
         self.block_size = int(info.get("block_size", self.block_size))
-        replica.subscriber = KVEventSubscriber(self.context, info["endpoint"], info["replay_endpoint"],
-                                               info.get("topic", ""), replica.index)
+        replica.subscriber = KVEventSubscriber(self.context, endpoint, replay_endpoint, str(info.get("topic", "")),
+                                               replica.index, epoch=info.get("epoch"))
         replica.subscription = asyncio.create_task(replica.subscriber.run(), name=f"kv-events {replica.url}")
         logger.info("following %s's KV-cache events at %s", replica.url, info["endpoint"])

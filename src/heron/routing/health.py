@@ -5,7 +5,8 @@ closed (in use) -> open after ``failure_threshold`` consecutive failures (a
 connection error, a timeout, a 5xx; a 4xx is the client's fault and counts as
 a success) -> half-open after ``open_seconds``: one request or probe is let
 through -> closed again on its success, open again (for twice as long, up to
-``max_open_seconds``) on its failure.
+``max_open_seconds``) on its failure. Failures reported while open (requests
+sent before it opened) change nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class CircuitBreaker:
             self._current_open_seconds = 0.0
             self._trial_in_flight = False
             return
+        if self.state is BreakerState.OPEN:
+            return  # a late answer to a request sent before it opened: the open period stands
         self.consecutive_failures += 1
         if self.state is BreakerState.HALF_OPEN or self.consecutive_failures >= self.failure_threshold:
             self._open()

@@ -33,9 +33,17 @@ class KVBlockIndex:
 
     def expect(self, block_hashes: Sequence[BlockHash]) -> None:
         now = self.clock()
+        expected = self.expected
         for block_hash in block_hashes:
             if block_hash not in self.blocks:
-                self.expected[block_hash] = now
+                expected.pop(block_hash, None)  # re-inserted last: the dict stays in the order of expectation
+                expected[block_hash] = now
+        # those too old go from the front (blocks a replica never reported: events off, a failed request)
+        while expected:
+            oldest, since = next(iter(expected.items()))
+            if now - since <= EXPECTATION_SECONDS:
+                break
+            del expected[oldest]
 
     def _holds(self, block_hash: BlockHash) -> bool:
         if block_hash in self.blocks:

@@ -3,9 +3,12 @@
 The subscriber reads the replica's PUB socket (``engine/kv_events_publisher.py``
 describes the frames). When a batch's sequence number skips ahead of the last
 one applied, the missing batches are fetched from the replica's replay socket
-before the new one is applied; batches the replica no longer keeps are lost for
-good, and the index is rebuilt from what remains (it may under-count, never
-claim a block that was reported removed after what it saw).
+before the new one is applied. Batches that do not come (the replica no longer
+keeps them, the replay gets no answer, or comes with a hole) are lost for good:
+the index is then cleared and rebuilt from the batches after them (it may
+under-count, never claim a block that was reported removed after what it saw).
+A batch this router cannot decode (another version's events) costs the same,
+never the subscription.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ REPLAY_TIMEOUT_MS = 2000
 
 class KVEventSubscriber:
     def __init__(
-        self, context: zmq.asyncio.Context, endpoint: str, replay_endpoint: str, topic: str, index: KVBlockIndex
+        self, context: zmq.asyncio.Context, endpoint: str, replay_endpoint: str, topic: str, index: KVBlockIndex,
+        epoch: str | None = None,
     ) -> None:
+        """``epoch``: the publisher's (``GET /v1/kv_events``), to tell when it restarted."""
         self.context = context
+        self.epoch = epoch
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
@@ -47,33 +53,52 @@ class KVEventSubscriber:
             while True:
                 _, seq_bytes, payload = await socket.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
-                if seq > self.index.last_seq + 1:
-                    await self.replay(self.index.last_seq + 1)
-                self.index.apply(seq, decode_batch(payload))
+                if seq > self.index.last_seq + 1 and not await self.replay(self.index.last_seq + 1):
+                    self._lose(self.index.last_seq + 1, seq)  # what the replay did not bring is lost
+                self._apply(seq, payload)
         finally:
             socket.close(0)
 
-    async def replay(self, start: int) -> None:
-        """Apply every batch from ``start`` the replica still keeps."""
+    async def replay(self, start: int) -> bool:
+        """Apply every batch from ``start`` the replica still keeps; False when the
+        replay did not come whole (no answer in time: the caller decides)."""
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self.replay_endpoint)
         self.num_replays += 1
         try:
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
-            first = True
+            expected = start
             while await socket.poll(REPLAY_TIMEOUT_MS):
                 _, seq_bytes, payload = await socket.recv_multipart()
                 if seq_bytes == END_OF_REPLAY:
-                    return
+                    return True
                 seq = int.from_bytes(seq_bytes, "big")
-                if first and seq > start and self.index.last_seq >= 0:
-                    self.num_lost_batches += seq - start
-                    logger.warning("KV events %d..%d are gone from %s: rebuilding its index", start, seq - 1,
-                                   self.endpoint)
-                    self.index.reset(last_seq=seq - 1)
-                first = False
-                self.index.apply(seq, decode_batch(payload))
+                if seq > expected and self.index.last_seq >= 0:
+                    self._lose(expected, seq)  # gone from the replica's buffer, or dropped on the way
+                self._apply(seq, payload)
+                expected = max(expected, seq + 1)
             logger.warning("no replay from %s within %d ms", self.replay_endpoint, REPLAY_TIMEOUT_MS)
+            return False
         finally:
             socket.close(0)
+
+    def _lose(self, first: int, seq: int) -> None:
+        """Batches ``first .. seq - 1`` will never be seen: the index cannot be
+        trusted any more, so it starts again from ``seq``."""
+        if seq <= self.index.last_seq + 1:
+            return
+        self.num_lost_batches += seq - first
+        logger.warning("KV events %d..%d from %s are lost: rebuilding its index", first, seq - 1, self.endpoint)
+        self.index.reset(last_seq=seq - 1)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except Exception as error:  # noqa: BLE001 (another version's events: never the end of the subscription)
+            logger.warning("undecodable KV event batch %d from %s (%s): rebuilding its index", seq, self.endpoint,
+                           error)
+            self.num_lost_batches += 1
+            self.index.reset(last_seq=seq)
+            return
+        self.index.apply(seq, batch)

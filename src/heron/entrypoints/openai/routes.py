@@ -62,7 +62,10 @@ async def health(ctx: Serving) -> Response:
         return JSONResponse({"status": "dead", "reason": engine.dead_reason}, status_code=503)
     if not engine.is_ready:
         return JSONResponse({"status": "loading"}, status_code=503)
-    return JSONResponse({"status": "ok", **ctx.health_extra})
+    events = engine.engine_info.get("kv_events")
+    # which numbering of KV events this replica publishes: a router resubscribes when it changes (a restart)
+    epoch = {"kv_events_epoch": events["epoch"]} if events else {}
+    return JSONResponse({"status": "ok", **epoch, **ctx.health_extra})
 
 
 @router.get("/version")
@@ -154,7 +157,8 @@ async def kv_events(ctx: Serving, raw_request: Request) -> dict[str, Any]:
     if info is not None:
         host = raw_request.url.hostname or "127.0.0.1"
         body.update(endpoint=connectable(info["endpoint"], host),
-                    replay_endpoint=connectable(info["replay_endpoint"], host), topic=info["topic"])
+                    replay_endpoint=connectable(info["replay_endpoint"], host), topic=info["topic"],
+                    epoch=info.get("epoch"))
     return body
 
 

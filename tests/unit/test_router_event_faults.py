@@ -1,0 +1,227 @@
+"""The router's view of a replica's cache when its KV events go wrong: a replay
+that never comes, a replay longer than a socket's queue, a batch this router
+cannot decode, a subscription that ended, a replica restarted under the same
+address (its events numbered from 0 again). In each case the index never
+claims a block the replica reported removed, and the router keeps following
+the replica's events. Real publishers and ZMQ sockets on loopback; the
+replica's HTTP side is a small aiohttp app."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from heron.config import KVEventsConfig
+from heron.core.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from heron.engine.kv_events_publisher import ZmqEventPublisher
+from heron.router.replica import ReplicaSet
+from heron.routing import kv_subscriber
+from heron.routing.kv_index import KVBlockIndex
+from heron.routing.kv_subscriber import KVEventSubscriber
+
+X, Y, Z = b"x" * 32, b"y" * 32, b"z" * 32
+
+
+def stored(*hashes: bytes) -> bytes:
+    return encode_batch(KVEventBatch(0.0, [BlockStored(list(hashes), None, [1] * len(hashes), 1)]))
+
+
+def removed(*hashes: bytes) -> bytes:
+    return encode_batch(KVEventBatch(0.0, [BlockRemoved(list(hashes))]))
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_replay_that_never_comes_clears_what_the_missed_batches_removed(monkeypatch):
+    monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_MS", 200)
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        publisher = context.socket(zmq.PUB)
+        port = publisher.bind_to_random_port("tcp://127.0.0.1")
+        mute = context.socket(zmq.ROUTER)  # the replay socket: takes requests, never answers
+        replay_port = mute.bind_to_random_port("tcp://127.0.0.1")
+        index = KVBlockIndex()
+        index.apply(0, KVEventBatch(0.0, [BlockStored([X], None, [1], 1)]))
+        subscriber = KVEventSubscriber(context, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "",
+                                       index)
+        task = asyncio.create_task(subscriber.run())
+        try:
+            # batch 1 (X removed) is lost on the way; batch 2 arrives (resent until the subscription is live)
+            for _ in range(100):
+                await publisher.send_multipart([b"", (2).to_bytes(8, "big"), stored(Y)])
+                await asyncio.sleep(0.05)
+                if index.last_seq == 2:
+                    break
+            assert index.last_seq == 2 and Y in index.blocks
+            assert X not in index.blocks and subscriber.num_lost_batches == 1
+        finally:
+            task.cancel()
+            await asyncio.sleep(0)
+            context.destroy(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_replay_of_more_batches_than_a_socket_queues_arrives_whole():
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+    count = 3000  # ZMQ queues 1,000 messages a socket by default
+    for i in range(count):  # the replica holds one block at a time
+        evicted = [BlockRemoved([(i - 1).to_bytes(32, "big")])] if i else []
+        publisher.publish([*evicted, BlockStored([i.to_bytes(32, "big")], None, [1], 1)])
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        index = KVBlockIndex()
+        subscriber = KVEventSubscriber(context, publisher.endpoint, publisher.replay_endpoint, "", index)
+        while not publisher._queue.empty():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        try:
+            assert await subscriber.replay(0)
+            assert index.last_seq == count - 1 and index.blocks == {(count - 1).to_bytes(32, "big")}
+            assert subscriber.num_lost_batches == 0
+        finally:
+            context.destroy(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.shutdown()
+
+
+def test_a_batch_this_router_cannot_read_costs_the_index_not_the_subscription():
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        index = KVBlockIndex()
+        subscriber = KVEventSubscriber(context, publisher.endpoint, publisher.replay_endpoint, "", index)
+        task = asyncio.create_task(subscriber.run())
+        try:
+            publisher.publish([BlockStored([X], None, [1], 1)])
+            await until(lambda: X in index.blocks)
+            publisher._queue.put(msgpack.packb([0.0, [["BlockStoredV2", [Z]]], None]))  # another version's kind
+            publisher.publish([BlockStored([Y], None, [1], 1)])
+            await until(lambda: Y in index.blocks)
+            assert not task.done() and X not in index.blocks  # unknown what batch 1 did: X no longer claimed
+            assert index.last_seq == 2 and subscriber.num_lost_batches == 1
+        finally:
+            task.cancel()
+            await asyncio.sleep(0)
+            context.destroy(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.shutdown()
+
+
+class EventfulReplica:
+    """A replica's HTTP side over a real publisher; ``restart()`` swaps in a new
+    publisher (a new epoch, its numbers from 0) as a restarted server would."""
+
+    def __init__(self) -> None:
+        self.publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+        self.kv_events_answer: dict | None = None
+
+    def info(self) -> dict:
+        return {"enabled": True, "endpoint": self.publisher.endpoint, "topic": "", "block_size": 16,
+                "replay_endpoint": self.publisher.replay_endpoint, "epoch": self.publisher.epoch}
+
+    async def start(self) -> None:
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok", "kv_events_epoch": self.publisher.epoch})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        async def kv_events(_: web.Request) -> web.Response:
+            return web.json_response(self.kv_events_answer or self.info())
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/kv_events", kv_events)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def restart(self) -> None:
+        self.publisher.shutdown()
+        self.publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+
+    async def stop(self) -> None:
+        self.publisher.shutdown()
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+def run_replica_set(test) -> None:
+    async def scenario() -> None:
+        replica = EventfulReplica()
+        await replica.start()
+        async with aiohttp.ClientSession() as session:
+            replicas = ReplicaSet([replica.url], {}, probe_interval=0.05)
+            await replicas.start(session)
+            try:
+                await test(replica, replicas)
+            finally:
+                await replicas.stop()
+                await replica.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_restarted_at_the_same_address_is_followed_again():
+    async def test(replica: EventfulReplica, replicas: ReplicaSet) -> None:
+        index = replicas.replicas[0].index
+        for i in range(20):
+            replica.publisher.publish([BlockStored([bytes([i]) * 32], None, [1], 1)])
+        replica.publisher.publish([BlockStored([X], None, [1], 1)])
+        await until(lambda: X in index.blocks and index.last_seq == 20)
+        replica.restart()  # an empty cache; batches numbered from 0 again
+        replica.publisher.publish([BlockStored([Y], None, [1], 1)])
+        await until(lambda: Y in index.blocks)
+        assert X not in index.blocks and index.last_seq == 0
+
+    run_replica_set(test)
+
+
+def test_a_subscription_that_ended_is_started_again_and_the_probes_outlive_odd_answers():
+    async def test(replica: EventfulReplica, replicas: ReplicaSet) -> None:
+        tracked = replicas.replicas[0]
+        await until(lambda: tracked.subscription is not None)
+        tracked.subscription.cancel()  # as if it had died
+        replica.publisher.publish([BlockStored([X], None, [1], 1)])
+        await until(lambda: X in tracked.index.blocks)  # followed again by a later probe
+        replica.kv_events_answer = {"enabled": True}  # names no endpoints
+        tracked.stop_subscription()
+        await asyncio.sleep(0.3)  # several rounds
+        assert replicas._task is not None and not replicas._task.done()
+        assert tracked.subscription is None and tracked.breaker.allows()
+
+    run_replica_set(test)
+
+
+@pytest.mark.parametrize("body", [b"", b"ok", b"[1]", b'{"kv_events_epoch": 3}'])
+def test_a_health_body_without_an_epoch_is_no_restart(body):
+    from heron.router.replica import _epoch
+
+    assert _epoch(body) is None
