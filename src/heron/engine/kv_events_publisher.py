@@ -64,8 +64,9 @@ class ZmqEventPublisher:
         logger.info("publishing KV-cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint)
 
     def publish(self, events: list[KVCacheEvent]) -> None:
-        """Queue one step's events (nothing when there are none)."""
-        if events:
+        """Queue one step's events (nothing when there are none, or once the
+        publishing thread has stopped: they would pile up unsent)."""
+        if events and self._thread.is_alive():
             self._queue.put(encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank)))
 
     def shutdown(self, timeout: float = 2.0) -> None:
