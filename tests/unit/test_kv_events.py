@@ -160,30 +160,52 @@ def test_a_wildcard_bind_is_reported_as_the_address_clients_dial():
     assert connectable("tcp://127.0.0.1:5557", "10.0.0.2") == "tcp://127.0.0.1:5557"
 
 
-def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cache():
-    """The router's subscriber replays what it missed: its index equals the
-    pool's prefix cache after joining late, and after a lost live batch."""
+def with_publisher(test, before=lambda publisher: None) -> None:
+    """``test(publisher, subscriber, index)`` (a coroutine) against a real publisher
+    (``before`` publishes first), the router's subscriber made but not running."""
     import asyncio
 
     import zmq.asyncio
 
     from heron.routing.kv_subscriber import KVEventSubscriber
 
-    manager = KVCacheManager(num_blocks=32, block_size=4, enable_kv_events=True)
     publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+    before(publisher)
 
-    def step(offset: int, length: int = 12) -> None:
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        index = KVBlockIndex()
+        try:
+            await test(publisher, KVEventSubscriber(context, publisher.endpoint, publisher.replay_endpoint, "", index),
+                       index)
+        finally:
+            await asyncio.sleep(0)
+            context.destroy(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.shutdown()
+
+
+def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cache():
+    """The router's subscriber replays what it missed: its index equals the
+    pool's prefix cache after joining late, and after a lost live batch."""
+    import asyncio
+
+    manager = KVCacheManager(num_blocks=32, block_size=4, enable_kv_events=True)
+
+    def step(publisher: ZmqEventPublisher, offset: int, length: int = 12) -> None:
         request = make_request(length, token_offset=offset)
         manager.allocate_slots(request, length)
         manager.free(request)
         publisher.publish(manager.take_events())
 
-    async def scenario() -> None:
-        context = zmq.asyncio.Context()
-        index = KVBlockIndex()
-        subscriber = KVEventSubscriber(context, publisher.endpoint, publisher.replay_endpoint, "", index)
+    def history(publisher: ZmqEventPublisher) -> None:
         for offset in range(0, 40, 8):  # before the router existed
-            step(offset)
+            step(publisher, offset)
+
+    async def test(publisher, subscriber, index) -> None:
         async def caught_up() -> None:
             while index.blocks != set(manager.block_pool.cached_blocks):
                 await asyncio.sleep(0.02)
@@ -193,12 +215,12 @@ def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cach
             await asyncio.wait_for(caught_up(), 5)  # joined late: the replay brought the history
             task.cancel()  # the router loses its connection...
             for offset in range(100, 180, 8):  # ...while the replica evicts and stores (missed batches)
-                step(offset)
+                step(publisher, offset)
             assert index.blocks != set(manager.block_pool.cached_blocks)
             task = asyncio.create_task(subscriber.run())
             await asyncio.wait_for(caught_up(), 5)
             for attempt in range(20):  # and live batches apply on top (once the subscription is live)
-                step(300 + 8 * attempt)
+                step(publisher, 300 + 8 * attempt)
                 try:
                     await asyncio.wait_for(caught_up(), 0.5)
                     break
@@ -208,13 +230,8 @@ def test_a_subscriber_joining_late_or_missing_batches_rebuilds_the_replicas_cach
             assert subscriber.num_replays >= 2 and subscriber.num_lost_batches == 0
         finally:
             task.cancel()
-            await asyncio.sleep(0)
-            context.destroy(0)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        publisher.shutdown()
+    with_publisher(test, history)
 
 
 def test_each_data_parallel_rank_publishes_on_its_own_socket():

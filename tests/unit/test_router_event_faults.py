@@ -25,6 +25,7 @@ from heron.router.replica import ReplicaSet
 from heron.routing import kv_subscriber
 from heron.routing.kv_index import KVBlockIndex
 from heron.routing.kv_subscriber import KVEventSubscriber
+from tests.unit.test_kv_events import with_publisher
 
 X, Y, Z = b"x" * 32, b"y" * 32, b"z" * 32
 
@@ -76,39 +77,25 @@ def test_a_replay_that_never_comes_clears_what_the_missed_batches_removed(monkey
 
 
 def test_a_replay_of_more_batches_than_a_socket_queues_arrives_whole():
-    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
     count = 3000  # ZMQ queues 1,000 messages a socket by default
-    for i in range(count):  # the replica holds one block at a time
-        evicted = [BlockRemoved([(i - 1).to_bytes(32, "big")])] if i else []
-        publisher.publish([*evicted, BlockStored([i.to_bytes(32, "big")], None, [1], 1)])
 
-    async def scenario() -> None:
-        context = zmq.asyncio.Context()
-        index = KVBlockIndex()
-        subscriber = KVEventSubscriber(context, publisher.endpoint, publisher.replay_endpoint, "", index)
-        while not publisher._queue.empty():
-            await asyncio.sleep(0.02)
+    def history(publisher: ZmqEventPublisher) -> None:
+        for i in range(count):  # the replica holds one block at a time
+            evicted = [BlockRemoved([(i - 1).to_bytes(32, "big")])] if i else []
+            publisher.publish([*evicted, BlockStored([i.to_bytes(32, "big")], None, [1], 1)])
+
+    async def test(publisher: ZmqEventPublisher, subscriber: KVEventSubscriber, index: KVBlockIndex) -> None:
+        await until(publisher._queue.empty)
         await asyncio.sleep(0.1)
-        try:
-            assert await subscriber.replay(0)
-            assert index.last_seq == count - 1 and index.blocks == {(count - 1).to_bytes(32, "big")}
-            assert subscriber.num_lost_batches == 0
-        finally:
-            context.destroy(0)
+        assert await subscriber.replay(0)
+        assert index.last_seq == count - 1 and index.blocks == {(count - 1).to_bytes(32, "big")}
+        assert subscriber.num_lost_batches == 0
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        publisher.shutdown()
+    with_publisher(test, history)
 
 
 def test_a_batch_this_router_cannot_read_costs_the_index_not_the_subscription():
-    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
-
-    async def scenario() -> None:
-        context = zmq.asyncio.Context()
-        index = KVBlockIndex()
-        subscriber = KVEventSubscriber(context, publisher.endpoint, publisher.replay_endpoint, "", index)
+    async def test(publisher: ZmqEventPublisher, subscriber: KVEventSubscriber, index: KVBlockIndex) -> None:
         task = asyncio.create_task(subscriber.run())
         try:
             publisher.publish([BlockStored([X], None, [1], 1)])
@@ -120,13 +107,8 @@ def test_a_batch_this_router_cannot_read_costs_the_index_not_the_subscription():
             assert index.last_seq == 2 and subscriber.num_lost_batches == 1
         finally:
             task.cancel()
-            await asyncio.sleep(0)
-            context.destroy(0)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        publisher.shutdown()
+    with_publisher(test)
 
 
 class EventfulReplica:
