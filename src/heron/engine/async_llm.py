@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from heron.config import EngineConfig
@@ -136,6 +136,7 @@ class AsyncLLM:
         self.engine_info: dict[str, Any] = {}
         self.dead_reason: str | None = None
         self._ready: asyncio.Event | None = None
+        self._dead = asyncio.Event()  # set with dead_reason
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -232,7 +233,7 @@ class AsyncLLM:
         finished = False
         try:
             for core_request in core_requests:
-                await self.client.add_request(core_request)
+                await self._send_unless_dead(self.client.add_request(core_request))
             if isinstance(self.client, DataParallelClient):
                 self.refresh_engine_metrics()  # at once: other API servers' scrapes read it too
             while True:
@@ -247,6 +248,23 @@ class AsyncLLM:
             self._waiting_changed()
             if not finished:
                 self.abort_nowait(request_id)  # no await: we may be inside a cancellation
+
+    async def _send_unless_dead(self, send: Coroutine[Any, Any, None]) -> None:
+        """Await a send to the engine core(s), or raise EngineDeadError when they
+        die first: a send to a peer that is gone waits for ever."""
+        task = asyncio.ensure_future(send)
+        dead = asyncio.ensure_future(self._dead.wait())
+        sent = False
+        try:
+            await asyncio.wait((task, dead), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+            sent = task.done()
+            if not sent:
+                task.cancel()  # given up on (dead engine), or our caller was cancelled
+        if not sent:
+            raise EngineDeadError(self.dead_reason or "the engine core is gone")
+        task.result()
 
     def discard(self, request_id: str) -> None:
         """Forget a request whose stream was never iterated (nothing was sent to
@@ -345,6 +363,7 @@ class AsyncLLM:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
+        self._dead.set()
         logger.error("%s", reason)
         error = EngineDeadError(reason)
         for collector in self._collectors.values():

@@ -115,7 +115,13 @@ class DataParallelClient:
         engine.load.dispatch(decision.uncached_blocks)
         engine.index.expect(hashes)
         engine.num_requests += 1
-        await engine.client.add_request(request)
+        try:
+            await engine.client.add_request(request)
+        except BaseException:  # it never reached the engine: no output will come back to release it
+            self._owner.pop(request.request_id, None)
+            engine.load.release(decision.uncached_blocks)
+            engine.num_requests -= 1
+            raise
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
@@ -158,7 +164,9 @@ class DataParallelClient:
             engine.load.reported_running = stats.num_running_reqs
             engine.load.reported_waiting = stats.num_waiting_reqs
             engine.load.kv_cache_usage = stats.kv_cache_usage
-            outputs.scheduler_stats = _sum_stats([e.stats for e in self.engines if e.stats is not None])
+            merged = _sum_stats([e.stats for e in self.engines if e.stats is not None])
+            merged.num_scheduled_tokens = stats.num_scheduled_tokens  # this step's: this engine's alone
+            outputs.scheduler_stats = merged
         return outputs
 
     def _on_ready(self, engine: _Engine, payload: dict[str, Any]) -> None:
@@ -209,7 +217,8 @@ class DataParallelClient:
 
 
 def _sum_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
-    """Every engine's statistics as one: counts add up, KV usage is the mean."""
+    """Every engine's statistics as one: counts add up, KV usage is the mean
+    (a step's scheduled tokens are the reporting engine's: ``_merge``)."""
     total = SchedulerStats()
     for spec in fields(SchedulerStats):
         values = [getattr(stats, spec.name) for stats in all_stats]

@@ -1,0 +1,112 @@
+"""The data-parallel client (engine/dp_client.py) and AsyncLLM over stand-in
+engine-core processes (tests/unit/fake_engine_core.py, no model): a request
+that never reaches its engine leaves no load counted there, a request placed
+on an engine that just died ends with EngineDeadError instead of waiting for
+ever, and the merged statistics count a step's tokens once."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from heron.engine.args import EngineArgs
+from heron.engine.async_llm import AsyncLLM, EngineDeadError
+from heron.engine.core_channels import ClientAddresses
+from heron.engine.core_client import EngineCoreEndpoint
+from heron.engine.dp_client import DataParallelClient, _Engine
+from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
+from heron.engine.serialization import MessageKind
+from heron.request import EngineCoreRequest
+from heron.sampling_params import SamplingParams
+from heron.step_outputs import EngineCoreOutputs, SchedulerStats
+
+FAKE_ENGINE = Path(__file__).with_name("fake_engine_core.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config(data_parallel_size: int = 2):
+    return EngineArgs(device="cpu", max_model_len=256, data_parallel_size=data_parallel_size,
+                      usage="serve").create_engine_config()
+
+
+@pytest.fixture
+def fake_engines(tmp_path):
+    processes: list[subprocess.Popen] = []
+
+    def start(count: int) -> tuple[list[subprocess.Popen], list[EngineCoreEndpoint]]:
+        endpoints = []
+        for rank in range(count):
+            addresses = ClientAddresses(f"ipc://{tmp_path}/in-{rank}", f"ipc://{tmp_path}/out-{rank}")
+            process = subprocess.Popen([sys.executable, str(FAKE_ENGINE), addresses.input_address,
+                                        addresses.output_address], cwd=ROOT)
+            processes.append(process)
+            endpoints.append(EngineCoreEndpoint(process.pid, addresses))
+        return processes, endpoints
+
+    yield start
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def test_a_request_that_never_reaches_its_engine_is_not_counted_there(fake_engines):
+    _, endpoints = fake_engines(2)
+
+    async def scenario() -> None:
+        client = DataParallelClient(config(), endpoints)
+        try:
+            while (await client.receive())[0] != MessageKind.READY:
+                pass
+            for index in range(3):  # a number msgpack cannot carry: the client gets a 400
+                request = EngineCoreRequest(f"bad-{index}", [1, 2, 3],
+                                            SamplingParams(kv_transfer_params={"x": 2**64}), (0,), 8,
+                                            time.monotonic())
+                with pytest.raises(InvalidRequestError):
+                    await client.add_request(request)
+                await client.abort_requests([request.request_id])  # what AsyncLLM does next
+            assert client._owner == {}
+            for engine in client.engines:
+                assert engine.load.in_flight == 0 and engine.load.pending_blocks == 0
+            assert client.requests_per_engine() == [0, 0]
+        finally:
+            client.shutdown(0.1)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_placed_on_an_engine_that_just_died_ends_with_an_error(fake_engines):
+    processes, endpoints = fake_engines(2)
+
+    async def scenario() -> None:
+        llm = AsyncLLM(config(), started=endpoints)
+        try:
+            await llm.wait_until_ready(timeout=30)
+            llm.client.router.policy = "round_robin"
+            next(llm.client.router._turn)  # the next request goes to engine 1
+            processes[1].kill()
+            processes[1].wait()
+            stream = llm.generate(ProcessedPrompt("hi", [1, 2, 3]), SamplingParams(max_tokens=4), "r")
+            with pytest.raises(EngineDeadError):  # within the engine watch's period, not never
+                await asyncio.wait_for(anext(stream), 10)
+        finally:
+            llm.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_merged_statistics_count_a_steps_tokens_once():
+    client = DataParallelClient.__new__(DataParallelClient)  # _merge needs no sockets
+    client.engines = [_Engine(0, None), _Engine(1, None)]
+    client._owner = {}
+    merged = []
+    for rank, tokens in [(1, 512), (0, 1), (0, 1)]:  # engine 1 prefilled, then went quiet
+        outputs = client._merge(client.engines[rank],
+                                EngineCoreOutputs(scheduler_stats=SchedulerStats(num_scheduled_tokens=tokens,
+                                                                                 num_running_reqs=1)))
+        merged.append((outputs.scheduler_stats.num_scheduled_tokens, outputs.scheduler_stats.num_running_reqs))
+    assert merged == [(512, 1), (1, 2), (1, 2)]  # running requests add up over engines, a step's tokens do not
