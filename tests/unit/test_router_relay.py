@@ -94,14 +94,21 @@ def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Resp
     return handler
 
 
+class OneBlockHasher:
+    """Every request's prompt is one block (the router's hashing without a tokenizer)."""
+
+    def block_hashes(self, path: str, body: object, block_size: int) -> list[bytes]:
+        return [b"h" * 32]
+
+
 def run_with_router(test: Callable[[str, list[FakeReplica], RouterServer], Awaitable[None]],
-                    replicas: list[FakeReplica] | None = None) -> None:
+                    replicas: list[FakeReplica] | None = None, hasher: OneBlockHasher | None = None) -> None:
     async def main() -> None:
         fakes = replicas or [FakeReplica()]
         for fake in fakes:
             await fake.start()
         server = RouterServer(ReplicaSet([f.url for f in fakes], {}, probe_interval=30.0), Router("round_robin"),
-                              hasher=None)
+                              hasher=hasher)  # type: ignore[arg-type]
         await server.start()
         front = await serve(server.handle, "127.0.0.1", 0)
         port = front.sockets[0].getsockname()[1]
@@ -222,13 +229,17 @@ def test_a_client_that_leaves_takes_its_replica_request_with_it():
 def test_a_5xx_before_the_first_byte_is_retried_on_another_replica():
     async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
         async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+            failing, serving = server.replicas.replicas
+            # tried first (round robin), failed: its block is expected where the request went instead
+            assert fakes[0].requests == 1 and not failing.index.expected and serving.index.expected
             for _ in range(4):
                 response = await client.post("/v1/completions", content=json.dumps({"n": 1}))
                 assert response.status_code == 200 and response.json()["bytes"] == 8
-        assert fakes[0].requests >= 2 and fakes[1].requests == 4
+        assert fakes[0].requests >= 2 and fakes[1].requests == 5
         assert server.metrics.retries._value.get() >= 2  # noqa: SLF001 (the counter's value)
 
-    run_with_router(test, [FakeReplica(fail_with=503), FakeReplica()])
+    run_with_router(test, [FakeReplica(fail_with=503), FakeReplica()], OneBlockHasher())
 
 
 def test_a_kept_alive_connection_the_replica_closed_is_not_the_replicas_failure():

@@ -201,6 +201,7 @@ class RouterServer:
             replica.index.expect(hashes)
             if await self._send(request, writer, replica, raw, headers, decision.uncached_blocks):
                 return
+            replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         self.metrics.failed.inc()
         writer.send_json(503, error_body(503, "no replica could serve the request", "service_unavailable"))
 

@@ -45,6 +45,11 @@ class KVBlockIndex:
                 break
             del expected[oldest]
 
+    def forget_expected(self, block_hashes: Sequence[BlockHash]) -> None:
+        """The request that made these blocks expected never reached the replica."""
+        for block_hash in block_hashes:
+            self.expected.pop(block_hash, None)
+
     def _holds(self, block_hash: BlockHash) -> bool:
         if block_hash in self.blocks:
             return True
