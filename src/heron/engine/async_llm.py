@@ -136,7 +136,7 @@ class AsyncLLM:
         self.engine_info: dict[str, Any] = {}
         self.dead_reason: str | None = None
         self._ready: asyncio.Event | None = None
-        self._dead = asyncio.Event()  # set with dead_reason
+        self._dead: asyncio.Event | None = None  # set with dead_reason (made in start(), in the serving loop)
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -146,6 +146,9 @@ class AsyncLLM:
         loop that serves requests). The event is set when the engine is ready."""
         if self._ready is None:
             self._ready = asyncio.Event()
+            self._dead = asyncio.Event()
+            if self.dead_reason is not None:
+                self._dead.set()
             self._tasks = [
                 asyncio.create_task(self._output_loop(), name="heron-output-loop"),
                 asyncio.create_task(self._watch_engine(), name="heron-engine-watch"),
@@ -252,6 +255,7 @@ class AsyncLLM:
     async def _send_unless_dead(self, send: Coroutine[Any, Any, None]) -> None:
         """Await a send to the engine core(s), or raise EngineDeadError when they
         die first: a send to a peer that is gone waits for ever."""
+        assert self._dead is not None  # start() ran
         task = asyncio.ensure_future(send)
         dead = asyncio.ensure_future(self._dead.wait())
         sent = False
@@ -363,7 +367,8 @@ class AsyncLLM:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        self._dead.set()
+        if self._dead is not None:
+            self._dead.set()
         logger.error("%s", reason)
         error = EngineDeadError(reason)
         for collector in self._collectors.values():
