@@ -136,7 +136,8 @@ class AsyncLLM:
         self.engine_info: dict[str, Any] = {}
         self.dead_reason: str | None = None
         self._ready: asyncio.Event | None = None
-        self._dead: asyncio.Event | None = None  # set with dead_reason (made in start(), in the serving loop)
+        # done with dead_reason (made in start(), in the serving loop); every send races it
+        self._dead: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -146,9 +147,9 @@ class AsyncLLM:
         loop that serves requests). The event is set when the engine is ready."""
         if self._ready is None:
             self._ready = asyncio.Event()
-            self._dead = asyncio.Event()
+            self._dead = asyncio.get_running_loop().create_future()
             if self.dead_reason is not None:
-                self._dead.set()
+                self._dead.set_result(None)
             self._tasks = [
                 asyncio.create_task(self._output_loop(), name="heron-output-loop"),
                 asyncio.create_task(self._watch_engine(), name="heron-engine-watch"),
@@ -257,12 +258,10 @@ class AsyncLLM:
         die first: a send to a peer that is gone waits for ever."""
         assert self._dead is not None  # start() ran
         task = asyncio.ensure_future(send)
-        dead = asyncio.ensure_future(self._dead.wait())
         sent = False
         try:
-            await asyncio.wait((task, dead), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((task, self._dead), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            dead.cancel()
             sent = task.done()
             if not sent:
                 task.cancel()  # given up on (dead engine), or our caller was cancelled
@@ -367,8 +366,8 @@ class AsyncLLM:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        if self._dead is not None:
-            self._dead.set()
+        if self._dead is not None and not self._dead.done():
+            self._dead.set_result(None)
         logger.error("%s", reason)
         error = EngineDeadError(reason)
         for collector in self._collectors.values():
