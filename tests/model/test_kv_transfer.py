@@ -303,3 +303,23 @@ def test_a_lease_withdrawn_during_a_copy_waits_for_it_and_steps_never_do(llama, 
     assert msgpack.unpackb(header)[0] is True and len(block) == server.codec.block_bytes
     puller.close(0)
     context.term()
+
+
+def test_leases_give_way_when_the_pool_is_short(llama):
+    directory, prompts, expected = llama
+    prefill, decode = engines(directory, kv_lease_seconds=600)  # no decode engine is coming for a while
+    handles = prefill_handles(prefill, prompts)
+    engine = prefill.engine.engine_core
+    manager = engine.scheduler.kv_cache_manager
+    assert len(engine.scheduler._leases) == 3
+    long_prompt, = random_prompts([90], seed=7)  # 12 blocks with its answer: more than the leases leave
+    assert manager.num_free_blocks < 12
+    output, = prefill.generate([{"prompt_token_ids": long_prompt}],
+                               SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 6
+    leased = [request_id for request_id in engine.scheduler._leases]
+    assert handles[0]["remote_request_id"] not in leased and len(leased) < 3  # the oldest gave way first
+    manager.check_integrity()
+    given_up, = decode_with(decode, prompts[:1], handles[:1])  # its decode engine computes the prompt itself
+    assert given_up.outputs[0].token_ids == expected[tuple(prompts[0])] and given_up.num_cached_tokens == 0
+    books_balance(decode)

@@ -193,9 +193,11 @@ class Scheduler(SchedulerKVMixin):
         the pool is short), then waiting ones unless this step had to preempt
         (the pool is full)."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self.kv_pool_short = False
         self._schedule_running(plan)
         if not plan.preempted_ids:
             self._schedule_waiting(plan, time.monotonic())
+        self.kv_pool_short |= bool(plan.preempted_ids)
         return self._emit(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -285,10 +287,13 @@ class Scheduler(SchedulerKVMixin):
         else:
             remote = self._start_remote_load(request)
             if remote is not None:
+                self.kv_pool_short |= not remote
                 return remote
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             if computed_blocks.needs_load:
-                return self._start_load(request, computed_blocks, num_hit_tokens)
+                started = self._start_load(request, computed_blocks, num_hit_tokens)
+                self.kv_pool_short |= not started
+                return started
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.token_budget:
             if not self.config.enable_chunked_prefill:
@@ -302,6 +307,7 @@ class Scheduler(SchedulerKVMixin):
             num_lookahead_tokens=self.num_lookahead_tokens,
         )
         if new_blocks is None:
+            self.kv_pool_short = True
             return False
         self.waiting.pop()
         self._holding.pop(request.request_id, None)

@@ -59,6 +59,8 @@ class SchedulerKVMixin:
         # finished prefills whose blocks wait for a decode engine: id -> (request, deadline)
         self._leases: dict[str, tuple[Request, float]] = {}
         self._new_offers: list[tuple[str, list[int], list[BlockHash]]] = []
+        # the last schedule() found the pool short (a request did not fit, or one was preempted)
+        self.kv_pool_short = False
 
     @property
     def is_loading_kv(self) -> bool:
@@ -207,8 +209,17 @@ class SchedulerKVMixin:
         return offers
 
     def expired_leases(self, now: float | None = None) -> list[str]:
+        """Leases past their deadline and, when the last step found the pool short,
+        the oldest other one too: a decode engine that never comes must not hold
+        this engine's own requests back for ``kv_lease_seconds`` (one a step, so a
+        pull about to come is the last to go; a lost one is recomputed there)."""
         now = time.monotonic() if now is None else now
-        return [request_id for request_id, (_, deadline) in self._leases.items() if deadline <= now]
+        expired = [request_id for request_id, (_, deadline) in self._leases.items() if deadline <= now]
+        if self.kv_pool_short and len(expired) < len(self._leases):
+            oldest = next(request_id for request_id in self._leases if request_id not in expired)
+            logger.warning("the KV pool is short: freeing the oldest prefill lease (%s) before it expires", oldest)
+            expired.append(oldest)
+        return expired
 
     def release_leases(self, request_ids: list[str]) -> None:
         """Free leased blocks (released by a decode engine, or expired and withdrawn)."""

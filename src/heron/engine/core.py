@@ -147,14 +147,14 @@ class EngineCore:
         return outputs
 
     def _settle_kv_leases(self) -> None:
-        """Free the blocks decode engines took, and those whose lease expired
-        (withdrawn first: no pull reads them once they are reused)."""
+        """Free the blocks decode engines took, and those whose lease expired or
+        the pool needs (withdrawn first: no pull reads them once they are reused)."""
         if not self.scheduler.has_kv_leases:
             return
         expired = self.scheduler.expired_leases()
         if expired:
-            logger.warning("no decode engine pulled %d finished prefills in time: their blocks are freed",
-                           len(expired))
+            logger.warning("%d finished prefills were not pulled in time, or the pool needed them: their "
+                           "blocks are freed", len(expired))
             self.model_runner.withdraw_kv(expired)
         self.scheduler.release_leases(self.model_runner.take_released_kv() + expired)
 
