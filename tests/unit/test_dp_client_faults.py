@@ -63,7 +63,7 @@ def test_a_request_that_never_reaches_its_engine_is_not_counted_there(fake_engin
             while (await client.receive())[0] != MessageKind.READY:
                 pass
             for index in range(3):  # a number msgpack cannot carry: the client gets a 400
-                request = EngineCoreRequest(f"bad-{index}", [1, 2, 3],
+                request = EngineCoreRequest(f"bad-{index}", list(range(1, 41)),  # two full blocks
                                             SamplingParams(kv_transfer_params={"x": 2**64}), (0,), 8,
                                             time.monotonic())
                 with pytest.raises(InvalidRequestError):
@@ -72,6 +72,7 @@ def test_a_request_that_never_reaches_its_engine_is_not_counted_there(fake_engin
             assert client._owner == {}
             for engine in client.engines:
                 assert engine.load.in_flight == 0 and engine.load.pending_blocks == 0
+                assert not engine.index.expected  # its prompt's blocks are not expected there either
             assert client.requests_per_engine() == [0, 0]
         finally:
             client.shutdown(0.1)

@@ -119,6 +119,7 @@ class DataParallelClient:
             await engine.client.add_request(request)
         except BaseException:  # it never reached the engine: no output will come back to release it
             self._owner.pop(request.request_id, None)
+            engine.index.forget_expected(hashes)  # nothing will be cached there for it
             engine.load.release(decision.uncached_blocks)
             engine.num_requests -= 1
             raise
