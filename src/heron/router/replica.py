@@ -65,6 +65,11 @@ class Replica:
             self.subscription.cancel()
         self.subscription = self.subscriber = None
 
+    def unfollow(self) -> None:
+        """Stop following its events and forget its cache (gone, or to be replayed afresh)."""
+        self.stop_subscription()
+        self.index.reset()
+
 
 class ReplicaSet:
     """Probes every replica every ``probe_interval`` seconds: ``/health`` for the
@@ -97,8 +102,7 @@ class ReplicaSet:
         if replica.breaker.state is BreakerState.OPEN and not was_open:
             logger.warning("replica %s is out (circuit open after %d failures)", replica.url,
                            replica.breaker.consecutive_failures)
-            replica.stop_subscription()
-            replica.index.reset()
+            replica.unfollow()
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         await self._round(session)
@@ -172,8 +176,7 @@ class ReplicaSet:
                         subscriber.epoch, epoch)
         else:
             return
-        replica.stop_subscription()
-        replica.index.reset()
+        replica.unfollow()
 
     async def _read_metrics(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         async with session.get(f"{replica.url}/metrics", params=_LOAD_QUERY, headers=self.headers,

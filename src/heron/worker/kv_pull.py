@@ -145,19 +145,24 @@ class RemoteKVLoader:
             del pulls[socket]
             self._finish(pull, error)
 
+    def _connect(self, address: str) -> zmq.Socket:
+        """A socket to a prefill engine's block server (ZMQError: out of sockets, a bad address)."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)  # a last release still goes out after close()
+        try:
+            socket.connect(address)
+        except zmq.ZMQError:
+            socket.close(0)
+            raise
+        return socket
+
     def _start(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull], job: RemoteLoad) -> None:
         try:
-            socket = self._context.socket(zmq.DEALER)
-        except zmq.ZMQError as error:  # out of sockets: this job fails, the next may not
-            self._report(job, f"no socket: {error}")
+            socket = self._connect(job.address)
+        except zmq.ZMQError as error:  # out of sockets, a bad address: this job fails, the next may not
+            self._report(job, f"cannot connect: {error}")
             return
-        socket.setsockopt(zmq.LINGER, 1000)
         pull = _Pull(job, socket)
-        try:
-            socket.connect(job.address)
-        except zmq.ZMQError as bad_address:
-            self._finish(pull, f"bad address: {bad_address}")
-            return
         refused = self._ask(pull)
         if refused is not None:
             self._finish(pull, refused)
@@ -230,18 +235,12 @@ class RemoteKVLoader:
     def _release(self, job: RemoteLoad) -> None:
         """Tell the prefill engine its blocks are not needed (best effort: its lease expires anyway)."""
         try:  # never raises: it runs after the job was reported
-            socket = self._context.socket(zmq.DEALER)
+            socket = self._connect(job.address)
         except Exception as error:  # noqa: BLE001
             logger.info("could not release %s at %s: %s", job.remote_request_id, job.address, error)
             return
-        socket.setsockopt(zmq.LINGER, 1000)
-        try:
-            socket.connect(job.address)
-            _send_release(socket, job)
-        except Exception as error:  # noqa: BLE001
-            logger.info("could not release %s at %s: %s", job.remote_request_id, job.address, error)
-        finally:
-            socket.close()
+        _send_release(socket, job)
+        socket.close()
 
 
 def _wait_ms(pulls: Iterable[_Pull]) -> int | None:
