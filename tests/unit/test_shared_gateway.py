@@ -3,7 +3,9 @@ token buckets and waiting-request counts hold across processes, the table
 gives way under too many keys, and the engine core's channels keep requests of
 different API servers apart."""
 
+import fcntl
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from heron.engine.core_channels import ClientAddresses, ClientChannels
 from heron.engine.serialization import decode_outputs, unpack
 from heron.entrypoints.openai.errors import APIError
 from heron.entrypoints.openai.gateway import TokenBucketLimiter
+from heron.entrypoints.openai.serving_common import ServingContext, start_generation
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState, create_shared_gateway_file
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
@@ -87,6 +90,48 @@ def test_waiting_counts_add_up_over_api_servers(state_file):
     second.close()
 
 
+def _admit_many(path: str, index: int, limit: int, seconds: float, start, results) -> None:
+    """An API server's admissions for ``seconds``: a check, the work before the
+    request is counted (tokenizing, adding it), the count published; every third
+    round one of its requests gets its first token and stops waiting."""
+    state = SharedGatewayState(path, index)
+    own = admitted = most_seen = round_number = 0
+    start.wait()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        round_number += 1
+        with state.admitting() as waiting:
+            most_seen = max(most_seen, waiting)
+            if waiting < limit:
+                time.sleep(0.0005)
+                own += 1
+                admitted += 1
+                state.publish_waiting(own)
+        if own and round_number % 3 == 2:
+            own -= 1
+            state.publish_waiting(own)
+    results.put((admitted, most_seen))
+    state.close()
+
+
+def test_admissions_in_two_processes_never_overshoot_the_bound(state_file):
+    """A check and the admission it allows are one step for the whole server:
+    with the check alone shared, two processes that both see one free place
+    both take it, and the next check sees more waiting than the bound."""
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Event(), context.Queue()
+    workers = [context.Process(target=_admit_many, args=(state_file, index, 4, 0.5, start, results))
+               for index in (0, 1)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    outcomes = [results.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(30)
+    assert all(admitted > 0 for admitted, _ in outcomes), outcomes
+    assert max(most_seen for _, most_seen in outcomes) <= 4, outcomes
+
+
 def test_not_a_state_file_is_refused(tmp_path):
     path = tmp_path / "other"
     path.write_bytes(b"\0" * 4096)
@@ -123,3 +168,59 @@ def test_engine_core_channels_split_outputs_by_api_server():
     channels.close()
     single.close()
     context.term()
+
+
+class _CountingEngine:
+    """What start_generation needs of AsyncLLM: adding a request counts it as
+    waiting at once and publishes the count (as AsyncLLM.generate does)."""
+
+    def __init__(self, state: SharedGatewayState, lock_path: str) -> None:
+        self.num_waiting_requests = 0
+        self.state = state
+        self.lock_path = lock_path
+        self.added_under_lock: list[bool] = []
+
+    def generate(self, prompt, params, request_id, **_):
+        self.added_under_lock.append(_held_by_someone(self.lock_path))
+        self.num_waiting_requests += 1
+        self.state.publish_waiting(self.num_waiting_requests)
+        return iter(())
+
+    def discard(self, request_id: str) -> None:
+        raise AssertionError("nothing fails here")
+
+
+def _held_by_someone(path: str) -> bool:
+    fd = os.open(path, os.O_RDWR)  # a second open file: flock conflicts even within one process
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_requests_are_added_under_the_check_that_admitted_them(state_file):
+    """start_generation checks the server-wide bound and adds the request in one
+    step under the state file's lock; the other API server's waiting requests
+    count against it."""
+    state, other = SharedGatewayState(state_file, 0), SharedGatewayState(state_file, 1)
+    engine = _CountingEngine(state, state_file)
+    ctx = ServingContext(engine=engine, served_model_name="m", max_model_len=64,  # type: ignore[arg-type]
+                         max_waiting_requests=3, shared=state)
+    other.publish_waiting(1)
+    for number in range(2):
+        start_generation(ctx, [object()], [object()], f"r{number}", 0, None)  # type: ignore[list-item]
+    assert engine.added_under_lock == [True, True]
+    assert other.total_waiting() == 3
+    with pytest.raises(APIError) as refused:
+        start_generation(ctx, [object()], [object()], "r2", 0, None)  # type: ignore[list-item]
+    assert refused.value.status_code == 429 and "3 requests are already waiting" in refused.value.message
+    other.publish_waiting(0)  # the other server's request got its first token
+    start_generation(ctx, [object()], [object()], "r3", 0, None)  # type: ignore[list-item]
+    assert engine.num_waiting_requests == 3
+    state.close()
+    other.close()

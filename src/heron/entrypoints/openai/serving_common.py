@@ -10,8 +10,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -63,9 +63,17 @@ class ServingContext:
     # more of /health's answer when ready (which of several API servers answered)
     health_extra: dict[str, Any] = field(default_factory=dict)
 
-    def waiting_requests(self) -> int:
-        """Requests without a first token yet, in the whole server."""
-        return self.shared.total_waiting() if self.shared else self.engine.num_waiting_requests
+    @contextmanager
+    def admitting(self) -> Iterator[int]:
+        """Requests without a first token yet, in the whole server, with no
+        other admission anywhere in the server until the block ends (the engine's
+        count changes synchronously when a request is added, so in one process
+        the event loop is the lock; several API servers take the state file's)."""
+        if self.shared is not None and self.max_waiting_requests is not None:
+            with self.shared.admitting() as waiting:
+                yield waiting
+        else:
+            yield self.engine.num_waiting_requests
 
     def count_abort(self, reason: str) -> None:
         """An HTTP request this server ended early (``heron:request_aborts_total``)."""
@@ -97,14 +105,18 @@ def engine_unavailable(engine: AsyncLLM) -> APIError | None:
 
 
 def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) -> None:
-    """Model name, unknown fields and queue admission (engine health: the gateway
-    answered 503 before this ran, and generate raises if the engine dies since)."""
+    """Model name and unknown fields (engine health: the gateway answered 503
+    before this ran, and generate raises if the engine dies since; the queue's
+    bound is checked where requests are added, by ``start_generation``)."""
     if model is not None and model != ctx.served_model_name:
         raise model_not_found(model)
     unknown = request.unknown_fields()
     if unknown:
         logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
-    waiting = ctx.waiting_requests() if ctx.max_waiting_requests is not None else 0
+
+
+def check_waiting_bound(ctx: ServingContext, waiting: int) -> None:
+    """429 when ``--max-waiting-requests`` requests are already waiting."""
     if ctx.max_waiting_requests is not None and waiting >= ctx.max_waiting_requests:
         raise too_many_requests(
             f"The server is overloaded: {waiting} requests are already waiting "
@@ -266,6 +278,22 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answe
 
 
 def start_generation(
+    ctx: ServingContext,
+    prompts: list[ProcessedPrompt],
+    params: list[SamplingParams],
+    request_id: str,
+    priority: int,
+    cache_salt: str | None,
+) -> list[AsyncIterator[RequestOutput]]:
+    """Admit the request against ``--max-waiting-requests`` and add its prompts
+    to the engine in one step (checks and additions of concurrent requests, in
+    this process or another API server, never interleave)."""
+    with ctx.admitting() as waiting:
+        check_waiting_bound(ctx, waiting)
+        return _add_requests(ctx, prompts, params, request_id, priority, cache_salt)
+
+
+def _add_requests(
     ctx: ServingContext,
     prompts: list[ProcessedPrompt],
     params: list[SamplingParams],

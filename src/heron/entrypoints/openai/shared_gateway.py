@@ -6,9 +6,10 @@ waiting requests behind ``--max-waiting-requests``.
 It lives in one file mapped into every process (no extra server process):
 
 * a waiting-request count per API server, each written only by its owner and
-  summed by whoever checks the bound;
+  summed by whoever checks the bound; a check and the admission it allows
+  happen under an exclusive ``flock`` of the file;
 * a fixed table of token buckets, keyed by a digest of the key (API key or
-  client address), changed under an exclusive ``flock`` of the file. A key's
+  client address), changed under the same lock. A key's
   slot is found by linear probing; when its probe window is full, the bucket
   used longest ago gives way (it has refilled the most, so a client it belonged
   to loses the least).
@@ -69,6 +70,15 @@ class SharedGatewayState:
     def total_waiting(self) -> int:
         return sum(_COUNT.unpack_from(self._map, self._counts_at + index * _COUNT.size)[0]
                    for index in range(self.num_servers))
+
+    @contextmanager
+    def admitting(self) -> Iterator[int]:
+        """The server-wide waiting count, with every other API server's admissions
+        held off until the block ends. A request admitted inside the block and
+        published (``publish_waiting``) before it ends is seen by the next check
+        anywhere, so checks running at once cannot all pass on one free place."""
+        with self._locked():
+            yield self.total_waiting()
 
     # ---- token buckets ---------------------------------------------------------------------
 
