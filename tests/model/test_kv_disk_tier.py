@@ -8,12 +8,14 @@ token-identical to transformers throughout and the pool's books balance."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from heron import LLM, SamplingParams
+from heron.core import kv_disk_index
 from heron.core.hashing import prompt_block_hashes
 from heron.core.kv_disk_layout import HEADER_BYTES
 from heron.engine.core import EngineCore
@@ -111,6 +113,46 @@ def test_engines_sharing_a_directory_share_prefixes(llama, tmp_path):
     settle(first)
     check(second, with_prefix[1:2], expected)  # found by a file-system lookup: second never saw it
     assert disk_stats(second).loaded >= 6 and disk_stats(second).stored < disk_stats(first).stored
+    settle(second)
+
+
+def test_a_slow_lookup_holds_up_no_one(llama, tmp_path, monkeypatch):
+    """A file system too slow to ask inline (a budget of 0: every lookup goes
+    to the background prober, whose stats of existing files are held until
+    released): the request whose prefix the other engine wrote waits at the
+    head of the queue while a request behind it runs to the end; released, it
+    loads the prefix from disk, and both outputs match transformers."""
+    monkeypatch.setattr(kv_disk_index, "INLINE_LOOKUP_BUDGET_S", 0.0)
+    directory, with_prefix, fillers, expected = llama
+    first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    second = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
+    engine = core(second)
+    check(first, with_prefix[:1], expected)
+    settle(first)
+    released = threading.Event()
+    is_file = Path.is_file
+    monkeypatch.setattr(Path, "is_file", lambda path: (is_file(path) and released.wait(30)) or False)
+    prompts = {"shared": with_prefix[1], "other": fillers[0]}
+    for request_id, prompt in prompts.items():
+        engine.add_request(EngineCoreRequest(request_id, prompt, GREEDY, (), NEW_TOKENS, time.time()))
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    finished: set[str] = set()
+
+    def step() -> None:
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+            if output.finished:
+                finished.add(output.request_id)
+
+    while "other" not in finished:
+        step()
+    assert finished == {"other"} and tokens["shared"] == []
+    assert engine.scheduler.requests["shared"].status == RequestStatus.WAITING
+    released.set()
+    while engine.has_unfinished_requests():
+        step()
+    assert [tokens[request_id] for request_id in prompts] == [expected[tuple(p)] for p in prompts.values()]
+    assert disk_stats(second).loaded >= 6  # the prefix came from disk, not recomputed
     settle(second)
 
 

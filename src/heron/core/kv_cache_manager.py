@@ -44,6 +44,9 @@ class KVCacheBlocks:
     blocks: list[KVCacheBlock] = field(default_factory=list)
     offloaded: list[BlockHash] = field(default_factory=list)
     on_disk: list[bool] = field(default_factory=list)
+    # the disk tier is still finding out how far the prefix goes: nothing is
+    # known yet, admit the request in a later step
+    lookup_pending: bool = False
 
     @property
     def needs_load(self) -> bool:
@@ -120,7 +123,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request, tiers: bool = True) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a request that has no blocks yet, as blocks
-        and a token count (``tiers``: continued in the offload tiers). At least one
+        and a token count (``tiers``: continued in the offload tiers; a disk tier
+        may not know yet: ``lookup_pending``, ask again next step). At least one
         token is always left to compute, since the last position's logits are
         needed to sample."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
@@ -134,13 +138,17 @@ class KVCacheManager:
                 break
             hits.append(block)
         found = KVCacheBlocks(hits)
-        for block_hash in block_hashes[len(hits):max_hit_blocks] if tiers else ():
+        tier_hashes = block_hashes[len(hits):max_hit_blocks] if tiers else []
+        for index, block_hash in enumerate(tier_hashes):
             if self.offload is not None and block_hash in self.offload:
                 found.on_disk.append(False)
-            elif self.disk is not None and block_hash in self.disk:
-                found.on_disk.append(True)
             else:
-                break
+                on_disk = self.disk.lookup(tier_hashes[index:]) if self.disk is not None else False
+                if on_disk is None:
+                    return KVCacheBlocks(lookup_pending=True), 0
+                if not on_disk:
+                    break
+                found.on_disk.append(True)
             found.offloaded.append(block_hash)
         num_on_disk = sum(found.on_disk)
         if self.offload is not None:

@@ -12,20 +12,29 @@ the blocks being read are pinned (LRU eviction skips them) until the worker
 reports the load finished or failed.
 
 The index starts from a scan of the directory. A lookup that misses it asks
-the file system (one ``stat``), so blocks written by other replicas are found;
-blocks deleted by other replicas are found missing when loaded, which the
-load-failure policy handles. Each replica bounds what it knows of; replicas
-sharing a directory each keep within their own bound.
+the file system (one ``stat``), so blocks written by other replicas are found:
+inline while the step has file-system time left in its budget
+(``INLINE_LOOKUP_BUDGET_S``), else in the background (``core/kv_disk_probe.py``),
+the lookup answering "not known yet" and the request waiting its turn without
+holding others up. Blocks deleted by other replicas are found missing when
+loaded, which the load-failure policy handles. Each replica bounds what it
+knows of; replicas sharing a directory each keep within their own bound.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from heron.core.hashing import BlockHash
 from heron.core.kv_disk_layout import DiskTierLayout
+from heron.core.kv_disk_probe import MISSING_TTL_S, DiskProbe, timed_is_file
+
+# file-system time a step may spend on lookups before the rest go to the prober:
+# a local disk answers a prompt's every lookup within it, a network one a few
+INLINE_LOOKUP_BUDGET_S = 0.0005
 
 
 @dataclass(slots=True)
@@ -79,19 +88,71 @@ class DiskIndex:
         self._ops = DiskOps()
         self.stats = DiskTierStats()
         self.on_drop = on_drop
+        self._probe = DiskProbe(layout)
+        self._missing: dict[BlockHash, float] = {}  # block hash -> when the file system said it had none
+        self._lookup_seconds = 0.0  # file-system time spent on lookups in the step being scheduled
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        """Whether the tier holds the block: known here, or found on disk (written
-        by another replica, or before this index was built)."""
+    def lookup(self, run: Sequence[BlockHash]) -> bool | None:
+        """Whether the tier holds ``run[0]`` (the rest of ``run``: the blocks after
+        it in the prompt): known here, or found on disk (written by another
+        replica, or before this index was built). None: not known yet, the file
+        system is being asked in the background; ask again in a later step."""
+        self.take_probe_answers()
+        block_hash = run[0]
         if block_hash in self._held:
+            self._held.move_to_end(block_hash)  # found now: the last to give way while the rest is looked up
             return True
-        if not self.layout.path_for(block_hash).is_file():
+        now = time.monotonic()
+        missing_since = self._missing.get(block_hash)
+        if missing_since is not None and now - missing_since < MISSING_TTL_S:
             return False
-        self._add(block_hash)
-        return True
+        if block_hash in self._probe.pending:
+            return False if self._probe.timed_out(block_hash, now) else None
+        if self._lookup_seconds >= INLINE_LOOKUP_BUDGET_S:
+            self._probe.ask(run)
+            return None
+        present, seconds = timed_is_file(self.layout, block_hash)
+        self._lookup_seconds += seconds
+        if present:  # a miss is not remembered: asked again next time, the file may come
+            self._learn_present(block_hash)
+        return present
+
+    @property
+    def is_probing(self) -> bool:
+        """Lookups are under way in the background (or answered, not taken in yet)."""
+        return bool(self._probe.pending)
+
+    def wait_for_probe(self, timeout: float) -> None:
+        """Until an answer is there to take in (at once if one is)."""
+        self._probe.wait(timeout)
+
+    def close(self) -> None:
+        self._probe.close()
+
+    def take_probe_answers(self) -> None:
+        """Take in what the background lookups found. A block this index deleted
+        after it was asked about is still missing, whatever the stat saw (the
+        worker deletes the file a step later)."""
+        for block_hash, present, asked in self._probe.take_answers():
+            if present:
+                if self._missing.get(block_hash, -1.0) < asked:
+                    self._learn_present(block_hash)
+            elif present is not None:
+                self._note_missing(block_hash)
+
+    def _learn_present(self, block_hash: BlockHash) -> None:
+        self._missing.pop(block_hash, None)
+        if block_hash not in self._held:
+            self._add(block_hash)
+
+    def _note_missing(self, block_hash: BlockHash) -> None:
+        now = time.monotonic()
+        if len(self._missing) >= 4096:  # forget the stale answers before keeping more
+            self._missing = {known: since for known, since in self._missing.items() if now - since < MISSING_TTL_S}
+        self._missing[block_hash] = now
 
     def holds(self, block_hash: BlockHash) -> bool:
         """Known here (no file-system lookup)."""
@@ -103,6 +164,7 @@ class DiskIndex:
         if block_hash in self._held:
             self._held.move_to_end(block_hash)
             return
+        self._missing.pop(block_hash, None)
         self._next_writes.append((block_id, block_hash))
         self._add(block_hash)
         self.stats.stored += 1
@@ -121,7 +183,8 @@ class DiskIndex:
         """Read these blocks into the pool in the background; pinned until ``finish_load``."""
         for block_hash, _ in blocks:
             self._pins[block_hash] = self._pins.get(block_hash, 0) + 1
-            self._held.move_to_end(block_hash)
+            if block_hash in self._held:  # else given way to a block found after it: its read fails
+                self._held.move_to_end(block_hash)
         self._ops.loads.append(DiskLoad(request_id, blocks))
 
     def finish_load(self, blocks: Sequence[BlockHash], failed: Iterable[BlockHash]) -> None:
@@ -141,6 +204,7 @@ class DiskIndex:
         before it (``idle``, no step is coming: every write, the last step's
         blocks are complete then), this step's deletes and loads."""
         ops, self._ops = self._ops, DiskOps()
+        self._lookup_seconds = 0.0  # the next step's lookups start a new budget
         if idle:
             ops.writes = self._ready_writes + self._next_writes
             self._ready_writes = []
@@ -154,6 +218,7 @@ class DiskIndex:
         for block_hash in self._held:
             if block_hash not in self._pins:
                 self._ops.deletes.append(block_hash)
+                self._note_missing(block_hash)
         self._held = OrderedDict((h, None) for h in self._held if h in self._pins)
         self._next_writes = []
         self._ready_writes = []
@@ -178,6 +243,7 @@ class DiskIndex:
                 del self._held[block_hash]
                 if not self._drop_unwritten(block_hash):
                     self._ops.deletes.append(block_hash)
+                    self._note_missing(block_hash)
                 self.stats.evicted += 1
                 if self.on_drop is not None:
                     self.on_drop(block_hash)

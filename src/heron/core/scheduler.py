@@ -268,7 +268,11 @@ class Scheduler(SchedulerKVMixin):
                 # preempted while its last token was in flight, or its grammar still compiles
                 not_ready.append(self.waiting.pop())  # after peek: this request
                 continue
-            if not self._admit(request, plan, now) and not self._release_held_blocks(keep=request):
+            admitted = self._admit(request, plan, now)
+            if admitted is None:  # the disk tier is still looking its prefix up
+                not_ready.append(self.waiting.pop())
+                continue
+            if not admitted and not self._release_held_blocks(keep=request):
                 break
         for request in reversed(not_ready):
             if request.is_finished:  # its grammar failed to compile
@@ -276,10 +280,11 @@ class Scheduler(SchedulerKVMixin):
             else:
                 self.waiting.add_preempted(request)
 
-    def _admit(self, request: Request, plan: _StepPlan, now: float) -> bool:
+    def _admit(self, request: Request, plan: _StepPlan, now: float) -> bool | None:
         """Move the head of the waiting queue to running with its cached prefix
         and a (possibly chunked) grant, or to ``loading`` when its prefix goes on
-        on disk; False when it does not fit."""
+        on disk; False when it does not fit; None when the disk tier does not know
+        yet how far its prefix goes (it stays at the head of the queue)."""
         computed_blocks: KVCacheBlocks | None = None
         loaded = self.kv_cache_manager.has_blocks(request.request_id)  # its prefix, from disk
         if loaded:
@@ -290,6 +295,8 @@ class Scheduler(SchedulerKVMixin):
                 self.kv_pool_short |= not remote
                 return remote
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if computed_blocks.lookup_pending:
+                return None
             if computed_blocks.needs_load:
                 started = self._start_load(request, computed_blocks, num_hit_tokens)
                 self.kv_pool_short |= not started

@@ -70,6 +70,22 @@ class SchedulerKVMixin:
     def has_kv_leases(self) -> bool:
         return bool(self._leases)
 
+    def wait_for_kv_lookups(self, timeout: float) -> None:
+        if self.kv_cache_manager.disk is not None:
+            self.kv_cache_manager.disk.wait_for_probe(timeout)
+
+    def close(self) -> None:
+        """Stop the disk tier's background lookups."""
+        if self.kv_cache_manager.disk is not None:
+            self.kv_cache_manager.disk.close()
+
+    @property
+    def is_looking_up_kv(self) -> bool:
+        """The disk tier is finding out, in the background, how far some waiting
+        request's prefix goes on disk."""
+        disk = self.kv_cache_manager.disk
+        return disk is not None and disk.is_probing
+
     # ---- loading -------------------------------------------------------------
 
     def update_kv_loads(self, finished: list[tuple[str, list[BlockHash]]]) -> None:

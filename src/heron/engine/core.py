@@ -178,6 +178,7 @@ class EngineCore:
         """Publish the last events and finish the disk tier's writes."""
         self._flush_kv_transfers()
         self.model_runner.close()
+        self.scheduler.close()
         if self.kv_events is not None:
             self._publish_kv_events()
             self.kv_events.shutdown()
@@ -205,9 +206,11 @@ class EngineCore:
                 else None
             )
         if scheduler_output.is_empty and in_flight is None:
-            # only requests waiting for their grammars or KV loads: let those run
+            # only requests waiting for their grammars, KV loads or lookups: let those run
             if self.scheduler.is_loading_kv:
                 self.model_runner.wait_for_kv_loads(timeout=0.02)
+            elif self.scheduler.is_looking_up_kv:
+                self.scheduler.wait_for_kv_lookups(timeout=0.02)
             elif self.scheduler.has_kv_leases:
                 self.model_runner.wait_for_kv_release(timeout=0.02)
             else:
