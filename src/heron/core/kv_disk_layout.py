@@ -76,13 +76,20 @@ class DiskTierLayout:
         this layout's block ``block_hash``, whole and intact."""
         if len(data) != self.file_bytes:
             raise CorruptBlockFile(f"{len(data)} bytes, expected {self.file_bytes}")
-        magic, fingerprint, stored_hash, length, crc = _HEADER.unpack_from(data)
+        payload = memoryview(data)[HEADER_BYTES:]
+        self.check_parts(block_hash, memoryview(data)[:HEADER_BYTES], payload)
+        return payload
+
+    def check_parts(self, block_hash: BlockHash, header: bytes | memoryview, payload: bytes | memoryview) -> None:
+        """``check`` for a file read as its header and its payload (into a buffer of
+        the reader's): CorruptBlockFile unless they are whole and intact."""
+        if len(header) != HEADER_BYTES:
+            raise CorruptBlockFile(f"a header of {len(header)} bytes")
+        magic, fingerprint, stored_hash, length, crc = _HEADER.unpack_from(header)
         if magic != MAGIC or fingerprint != self.fingerprint or stored_hash != block_hash:
             raise CorruptBlockFile("header names another layout or block")
-        payload = memoryview(data)[HEADER_BYTES:]
-        if length != len(payload) or zlib.crc32(payload) != crc:
+        if length != len(payload) or length != self.payload_bytes or zlib.crc32(payload) != crc:
             raise CorruptBlockFile("checksum mismatch")
-        return payload
 
     def scan(self) -> list[BlockHash]:
         """The blocks on disk now, least recently written first; temporary files

@@ -6,7 +6,7 @@ start and those it wrote; a block another replica wrote since is found only
 by asking the file system (a ``stat``). On a local disk that is a few
 microseconds, but on a network file system each ``stat`` is a round trip
 (0.6 to 2 ms over sshfs on loopback): a 2,000-token prompt that another
-replica prefilled costs 123 of them, 81 to 116 ms in which the step loop that
+replica prefilled costs 123 of them, 80 to 120 ms in which the step loop that
 made them held every running request still. So the index asks inline only within a
 small budget of file-system time per step, and hands the rest of a prompt's
 run of blocks to this prober: threads that check it in order, in up to four

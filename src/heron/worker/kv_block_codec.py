@@ -1,6 +1,13 @@
-"""One pool block's K/V as bytes and back: what the disk tier writes to a file
+"""Pool blocks' K/V as bytes and back: what the disk tier writes to a file
 and what a prefill engine sends a decode engine. The bytes are each attention
-layer's ``cache[:, block]`` (K then V), in layer order, as the pool holds them."""
+layer's ``cache[:, block]`` (K then V), in layer order, as the pool holds them.
+
+Blocks go many at once, a copy or two per layer rather than one per block and
+layer: a 2,000-token prompt's 123 blocks over 30 layers were 3,690 small
+copies, each a Python call holding the GIL (in the step loop for writes; on a
+background thread for loads and pulls, where the step loop waited for the
+GIL): 59-97 ms for 123 blocks against 13-51 ms, mostly in copies that
+release it (BENCHMARKS.md, "A disk tier on a network file system")."""
 
 from __future__ import annotations
 
@@ -17,20 +24,31 @@ class BlockCodec:
         self._sizes = [cache[:, 0].numel() * cache.element_size() for cache in self.caches]
         self.block_bytes = sum(self._sizes)
 
-    def capture(self, block_id: int) -> torch.Tensor:
-        """A copy of the block, as a flat uint8 tensor on the CPU."""
-        buffer = torch.empty(self.block_bytes, dtype=torch.uint8)
-        offset = 0
-        for cache, size in zip(self.caches, self._sizes, strict=True):
-            block = cache[:, block_id]
-            buffer[offset:offset + size].view(block.dtype).view(block.shape).copy_(block)
-            offset += size
+    def capture(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copies of the blocks, one row each: ``[len(block_ids), block_bytes]`` uint8."""
+        buffer = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for cache, offset, size in self._layers():
+            self._rows(buffer, cache, offset, size).copy_(cache.index_select(1, index))
         return buffer
 
-    def restore(self, payload: torch.Tensor, block_id: int) -> None:
-        """Write a captured block (``block_bytes`` uint8) into pool block ``block_id``."""
-        offset = 0
+    def restore(self, payloads: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write captured blocks (rows of ``[len(block_ids), block_bytes]`` uint8,
+        each row contiguous) into pool blocks ``block_ids``."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for cache, offset, size in self._layers():
+            cache.index_copy_(1, index, self._rows(payloads, cache, offset, size))
+
+    def _layers(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(cache, byte offset in a block's bytes, bytes) per layer."""
+        layers, offset = [], 0
         for cache, size in zip(self.caches, self._sizes, strict=True):
-            block = cache[:, block_id]
-            block.copy_(payload[offset:offset + size].view(block.dtype).view(block.shape))
+            layers.append((cache, offset, size))
             offset += size
+        return layers
+
+    @staticmethod
+    def _rows(buffer: torch.Tensor, cache: torch.Tensor, offset: int, size: int) -> torch.Tensor:
+        """One layer's part of each row of ``buffer``, as ``[2, rows, *block]`` like ``cache[:, ids]``."""
+        part = buffer[:, offset:offset + size].view(cache.dtype)
+        return part.view(buffer.shape[0], 2, *cache.shape[2:]).transpose(0, 1)

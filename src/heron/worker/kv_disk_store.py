@@ -2,8 +2,9 @@
 files written and read by two background threads, so the step loop only
 copies blocks out of the pool.
 
-- ``apply`` (at the start of a step, before its forward pass): copies each
-  block to write into a buffer of its own and queues it; queues deletes after
+- ``apply`` (at the start of a step, before its forward pass): copies the
+  blocks to write out of the pool (together: a copy or two per layer, one
+  row per block) and queues each row; queues deletes after
   the writes (in one FIFO, so a delete never overtakes a write of the same
   block); queues the loads.
 - The writer writes ``<name>.<pid>.tmp`` then renames it over the block's file
@@ -11,8 +12,9 @@ copies blocks out of the pool.
   (another replica wrote them). A failed write (disk full) loses that block
   only: a later load of it fails and is handled by the load-failure policy.
 - The loader reads each block, from the writer's queue when not written yet,
-  else from its file, checks it (``DiskTierLayout.check``) and copies it into
-  its pool block; a block it cannot read is reported failed (a corrupt file is
+  else from its file, into a row of one buffer per batch of blocks, checks it
+  (``DiskTierLayout.check_parts``), and copies the batch into its pool blocks
+  together; a block it cannot read is reported failed (a corrupt file is
   removed). Pool blocks being loaded belong to a waiting request that no step
   reads, so the copies may overlap a forward pass.
 
@@ -34,13 +36,14 @@ import torch
 
 from heron.core.hashing import BlockHash
 from heron.core.kv_disk_index import DiskLoad, DiskOps
-from heron.core.kv_disk_layout import CorruptBlockFile, DiskTierLayout
+from heron.core.kv_disk_layout import HEADER_BYTES, CorruptBlockFile, DiskTierLayout
 from heron.worker.kv_block_codec import BlockCodec
 from heron.worker.kv_load_reports import LoadReports
 
 logger = logging.getLogger(__name__)
 
 _STOP = None
+_LOAD_BATCH_BLOCKS = 64  # blocks read into one buffer before they are copied into the pool
 
 
 class DiskKVStore:
@@ -77,13 +80,16 @@ class DiskKVStore:
 
     @torch.inference_mode()
     def apply(self, ops: DiskOps) -> None:
-        for block_id, block_hash in ops.writes:
-            buffer = self.codec.capture(block_id)
+        if ops.writes:
             with self._lock:
                 self._lock.wait_for(lambda: self._buffered_bytes < self.max_buffered_bytes)
-                self._buffered[block_hash] = buffer
-                self._buffered_bytes += buffer.numel()
-            self._writes.put(("write", block_hash, buffer))
+            rows = self.codec.capture([block_id for block_id, _ in ops.writes])
+            with self._lock:
+                for (_, block_hash), buffer in zip(ops.writes, rows, strict=True):
+                    self._buffered[block_hash] = buffer
+                    self._buffered_bytes += buffer.numel()
+            for (_, block_hash), buffer in zip(ops.writes, rows, strict=True):
+                self._writes.put(("write", block_hash, buffer))
         for block_hash in ops.deletes:
             self._writes.put(("delete", block_hash, None))
         if ops.loads:
@@ -143,26 +149,43 @@ class DiskKVStore:
 
     @torch.inference_mode()
     def _load_one(self, load: DiskLoad) -> None:
-        failed = [block_hash for block_hash, block_id in load.blocks if not self._load_block(block_hash, block_id)]
+        """Read the blocks into one buffer per batch, then copy each batch into the
+        pool with a copy per layer (few Python calls: the step loop keeps the GIL)."""
+        failed: list[BlockHash] = []
+        for start in range(0, len(load.blocks), _LOAD_BATCH_BLOCKS):
+            batch = load.blocks[start:start + _LOAD_BATCH_BLOCKS]
+            rows = torch.empty((len(batch), self.codec.block_bytes), dtype=torch.uint8)
+            good = [row for row, (block_hash, _) in enumerate(batch) if self._read_block(block_hash, rows[row])]
+            read = set(good)
+            failed += [block_hash for row, (block_hash, _) in enumerate(batch) if row not in read]
+            if good:
+                self.codec.restore(rows if len(good) == len(batch) else rows[good],
+                                        [batch[row][1] for row in good])
         self.reports.finished(load.request_id, failed)
 
-    def _load_block(self, block_hash: BlockHash, block_id: int) -> bool:
+    def _read_block(self, block_hash: BlockHash, row: torch.Tensor) -> bool:
+        """Fill ``row`` with the block's bytes (from the writer's queue when not
+        written yet, else from its file, checked); False when it cannot be had."""
         with self._lock:
             buffered = self._buffered.get(block_hash)
         if buffered is not None:
-            self.codec.restore(buffered, block_id)
+            row.copy_(buffered)
             return True
         path = self.layout.path_for(block_hash)
+        payload = row.numpy().data
         try:
-            data = path.read_bytes()
-            payload = self.layout.check(block_hash, data)
+            with open(path, "rb") as file:
+                header = file.read(HEADER_BYTES)
+                read = file.readinto(payload)
+                if read != len(payload) or file.read(1):
+                    raise CorruptBlockFile(f"not {self.layout.file_bytes} bytes long")
+            self.layout.check_parts(block_hash, header, payload)
         except FileNotFoundError:
             return False  # deleted by another replica sharing the directory
         except (OSError, CorruptBlockFile) as error:
             logger.warning("disk KV tier: %s unusable (%s); removed", path, error)
             path.unlink(missing_ok=True)
             return False
-        self.codec.restore(torch.frombuffer(bytearray(payload), dtype=torch.uint8), block_id)
         return True
 
 

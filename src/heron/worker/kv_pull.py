@@ -209,8 +209,9 @@ class RemoteKVLoader:
             blocks = frames[1:]
             if len(blocks) != pull.asked or any(len(block) != self.codec.block_bytes for block in blocks):
                 return f"{len(blocks)} blocks of {[len(b) for b in blocks[:3]]} bytes, not {pull.asked}"
-            for block, (_, block_id) in zip(blocks, pull.job.blocks[pull.done:pull.done + pull.asked], strict=True):
-                self.codec.restore(torch.frombuffer(block.buffer, dtype=torch.uint8), block_id)
+            rows = torch.stack([torch.frombuffer(block.buffer, dtype=torch.uint8) for block in blocks])
+            answered = pull.job.blocks[pull.done:pull.done + pull.asked]
+            self.codec.restore(rows, [block_id for _, block_id in answered])
             pull.done += pull.asked
             return None
         except Exception as error:  # noqa: BLE001 (a peer's answer can be anything)

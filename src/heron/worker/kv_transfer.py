@@ -134,7 +134,7 @@ class KVBlockServer:
                 return [msgpack.packb([False, f"{request_id!r} holds another prompt's blocks (their hashes differ)"])]
             self._reading = request_id  # a withdraw waits until the copy is done
         try:
-            blocks = [self.codec.capture(block_id).numpy() for block_id in block_ids[first:first + count]]
+            blocks = [row.numpy() for row in self.codec.capture(block_ids[first:first + count])]
         finally:
             with self._lock:
                 self._reading = None
