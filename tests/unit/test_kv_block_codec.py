@@ -1,12 +1,17 @@
 """Blocks as bytes and back (``worker/kv_block_codec.py``): each row holds a
 block's layers in order, for caches of mixed dtypes (a draft model's float32
-beside a float16 pool), and rows restore into the right blocks only."""
+beside a float16 pool), and rows restore into the right blocks only; a load
+the copy fails is reported failed rather than left waiting."""
 
 from __future__ import annotations
 
 import torch
 
+from heron.core.kv_disk_index import DiskLoad, DiskOps
+from heron.core.kv_disk_layout import DiskTierLayout
 from heron.worker.kv_block_codec import BlockCodec
+from heron.worker.kv_disk_store import DiskKVStore
+from heron.worker.kv_load_reports import LoadReports
 
 
 def caches() -> list[torch.Tensor]:
@@ -38,3 +43,30 @@ def test_many_blocks_restore_into_their_blocks_only():
             assert torch.equal(target_cache[:, target_id], source_cache[:, source_id])
         untouched = [block for block in range(9) if block not in target_ids]
         assert not target_cache[:, untouched].any()
+
+
+def test_a_load_that_breaks_reports_every_block_failed(tmp_path, monkeypatch):
+    """An unexpected error while copying a load into the pool (a bug, a device
+    mismatch) is reported as a failed load (the request recomputes), and the
+    loader thread lives on: nothing waits for ever."""
+    pool = caches()
+    codec = BlockCodec(pool)
+    layout = DiskTierLayout.create(tmp_path, b"f" * 16, codec.block_bytes)
+    reports = LoadReports()
+    store = DiskKVStore(layout, pool, reports)
+    store.apply(DiskOps(writes=[(1, b"a" * 32), (2, b"b" * 32)]))
+    assert store.flush()
+
+    def broken(payloads, block_ids):
+        raise RuntimeError("index_copy(): expected the same device")
+
+    monkeypatch.setattr(store.codec, "restore", broken)
+    store.apply(DiskOps(loads=[DiskLoad("r", [(b"a" * 32, 5), (b"b" * 32, 6)])]))
+    reports.wait(10)
+    assert reports.take() == [("r", [b"a" * 32, b"b" * 32])]
+    monkeypatch.undo()
+    store.apply(DiskOps(loads=[DiskLoad("s", [(b"a" * 32, 7)])]))
+    reports.wait(10)
+    assert reports.take() == [("s", [])]
+    assert torch.equal(pool[1][:, 7], pool[1][:, 1])
+    store.close()

@@ -27,17 +27,24 @@ class BlockCodec:
     def capture(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copies of the blocks, one row each: ``[len(block_ids), block_bytes]`` uint8."""
         buffer = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
-        index = torch.tensor(block_ids, dtype=torch.long)
+        indexes = self._indexes(block_ids)
         for cache, offset, size in self._layers():
-            self._rows(buffer, cache, offset, size).copy_(cache.index_select(1, index))
+            self._rows(buffer, cache, offset, size).copy_(cache.index_select(1, indexes[cache.device]))
         return buffer
 
     def restore(self, payloads: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Write captured blocks (rows of ``[len(block_ids), block_bytes]`` uint8,
-        each row contiguous) into pool blocks ``block_ids``."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        """Write captured blocks (rows of ``[len(block_ids), block_bytes]`` uint8 on
+        the host, each row contiguous) into pool blocks ``block_ids``."""
+        indexes = self._indexes(block_ids)
         for cache, offset, size in self._layers():
-            cache.index_copy_(1, index, self._rows(payloads, cache, offset, size))
+            rows = self._rows(payloads, cache, offset, size)
+            cache.index_copy_(1, indexes[cache.device], rows.to(cache.device))
+
+    def _indexes(self, block_ids: Sequence[int]) -> dict[torch.device, torch.Tensor]:
+        """The block ids as an index on each device the caches are on (a GPU
+        pool's index_select and index_copy_ take no index from the host)."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return {device: index.to(device) for device in {cache.device for cache in self.caches}}
 
     def _layers(self) -> list[tuple[torch.Tensor, int, int]]:
         """(cache, byte offset in a block's bytes, bytes) per layer."""

@@ -18,8 +18,10 @@ copies blocks out of the pool.
   removed). Pool blocks being loaded belong to a waiting request that no step
   reads, so the copies may overlap a forward pass.
 
-Buffered writes are bounded (``max_buffered_bytes``): past it, ``apply`` waits
-for the writer, so a slow disk slows the engine rather than filling memory.
+Buffered writes are bounded (``max_buffered_bytes``, checked before each batch
+of at most ``_WRITE_BATCH_BLOCKS`` blocks; a written row's bytes are freed with
+the last row of its batch): past it, ``apply`` waits for the writer, so a
+slow disk slows the engine rather than filling memory.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 _STOP = None
 _LOAD_BATCH_BLOCKS = 64  # blocks read into one buffer before they are copied into the pool
+# blocks captured together for writing: a row of a batch keeps the whole batch's
+# buffer alive, so at most this many blocks' bytes sit beyond the bound unseen
+_WRITE_BATCH_BLOCKS = 32
 
 
 class DiskKVStore:
@@ -80,15 +85,16 @@ class DiskKVStore:
 
     @torch.inference_mode()
     def apply(self, ops: DiskOps) -> None:
-        if ops.writes:
+        for start in range(0, len(ops.writes), _WRITE_BATCH_BLOCKS):
+            batch = ops.writes[start:start + _WRITE_BATCH_BLOCKS]
             with self._lock:
                 self._lock.wait_for(lambda: self._buffered_bytes < self.max_buffered_bytes)
-            rows = self.codec.capture([block_id for block_id, _ in ops.writes])
+            rows = self.codec.capture([block_id for block_id, _ in batch])
             with self._lock:
-                for (_, block_hash), buffer in zip(ops.writes, rows, strict=True):
+                for (_, block_hash), buffer in zip(batch, rows, strict=True):
                     self._buffered[block_hash] = buffer
                     self._buffered_bytes += buffer.numel()
-            for (_, block_hash), buffer in zip(ops.writes, rows, strict=True):
+            for (_, block_hash), buffer in zip(batch, rows, strict=True):
                 self._writes.put(("write", block_hash, buffer))
         for block_hash in ops.deletes:
             self._writes.put(("delete", block_hash, None))
@@ -152,15 +158,19 @@ class DiskKVStore:
         """Read the blocks into one buffer per batch, then copy each batch into the
         pool with a copy per layer (few Python calls: the step loop keeps the GIL)."""
         failed: list[BlockHash] = []
-        for start in range(0, len(load.blocks), _LOAD_BATCH_BLOCKS):
-            batch = load.blocks[start:start + _LOAD_BATCH_BLOCKS]
-            rows = torch.empty((len(batch), self.codec.block_bytes), dtype=torch.uint8)
-            good = [row for row, (block_hash, _) in enumerate(batch) if self._read_block(block_hash, rows[row])]
-            read = set(good)
-            failed += [block_hash for row, (block_hash, _) in enumerate(batch) if row not in read]
-            if good:
-                self.codec.restore(rows if len(good) == len(batch) else rows[good],
-                                        [batch[row][1] for row in good])
+        try:
+            for start in range(0, len(load.blocks), _LOAD_BATCH_BLOCKS):
+                batch = load.blocks[start:start + _LOAD_BATCH_BLOCKS]
+                rows = torch.empty((len(batch), self.codec.block_bytes), dtype=torch.uint8)
+                good = [row for row, (block_hash, _) in enumerate(batch) if self._read_block(block_hash, rows[row])]
+                read = set(good)
+                failed += [block_hash for row, (block_hash, _) in enumerate(batch) if row not in read]
+                if good:
+                    self.codec.restore(rows if len(good) == len(batch) else rows[good],
+                                       [batch[row][1] for row in good])
+        except Exception:  # a bug must not leave the request waiting: every block failed (recomputed)
+            logger.exception("disk KV tier: loading %s failed", load.request_id)
+            failed = [block_hash for block_hash, _ in load.blocks]
         self.reports.finished(load.request_id, failed)
 
     def _read_block(self, block_hash: BlockHash, row: torch.Tensor) -> bool:
