@@ -27,6 +27,21 @@ def state_file(tmp_path):
     return path
 
 
+def in_two_processes(target, state_file: str, *args) -> list:
+    """``target(state_file, index, *args, start, results)`` in two processes (API
+    servers 0 and 1) started together; what each put in ``results``."""
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Event(), context.Queue()
+    workers = [context.Process(target=target, args=(state_file, index, *args, start, results)) for index in (0, 1)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    outcomes = [results.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(30)
+    return outcomes
+
+
 def _take_many(path: str, index: int, attempts: int, start, results) -> None:
     state = SharedGatewayState(path, index)
     limiter = TokenBucketLimiter(rate=0.001, burst=50, shared=state)
@@ -43,15 +58,7 @@ def _take_many(path: str, index: int, attempts: int, start, results) -> None:
 
 
 def test_two_processes_share_one_bucket_per_key(state_file):
-    context = multiprocessing.get_context("spawn")
-    start, results = context.Event(), context.Queue()
-    workers = [context.Process(target=_take_many, args=(state_file, index, 40, start, results)) for index in (0, 1)]
-    for worker in workers:
-        worker.start()
-    start.set()
-    taken = [results.get(timeout=60) for _ in workers]
-    for worker in workers:
-        worker.join(30)
+    taken = in_two_processes(_take_many, state_file, 40)
     # 80 attempts against one burst of 50: a limiter per process would let 80 through
     assert sum(taken) == 50, taken
     assert all(count > 0 for count in taken), taken
@@ -118,16 +125,7 @@ def test_admissions_in_two_processes_never_overshoot_the_bound(state_file):
     """A check and the admission it allows are one step for the whole server:
     with the check alone shared, two processes that both see one free place
     both take it, and the next check sees more waiting than the bound."""
-    context = multiprocessing.get_context("spawn")
-    start, results = context.Event(), context.Queue()
-    workers = [context.Process(target=_admit_many, args=(state_file, index, 4, 0.5, start, results))
-               for index in (0, 1)]
-    for worker in workers:
-        worker.start()
-    start.set()
-    outcomes = [results.get(timeout=60) for _ in workers]
-    for worker in workers:
-        worker.join(30)
+    outcomes = in_two_processes(_admit_many, state_file, 4, 0.5)
     assert all(admitted > 0 for admitted, _ in outcomes), outcomes
     assert max(most_seen for _, most_seen in outcomes) <= 4, outcomes
 

@@ -290,36 +290,25 @@ def start_generation(
     this process or another API server, never interleave)."""
     with ctx.admitting() as waiting:
         check_waiting_bound(ctx, waiting)
-        return _add_requests(ctx, prompts, params, request_id, priority, cache_salt)
-
-
-def _add_requests(
-    ctx: ServingContext,
-    prompts: list[ProcessedPrompt],
-    params: list[SamplingParams],
-    request_id: str,
-    priority: int,
-    cache_salt: str | None,
-) -> list[AsyncIterator[RequestOutput]]:
-    arrival = time.monotonic()
-    streams: list[AsyncIterator[RequestOutput]] = []
-    try:
-        for index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
-            prompt_id = f"{request_id}-{index}"
-            stream = ctx.engine.generate(
-                prompt, prompt_params, prompt_id, priority=priority, cache_salt=cache_salt, arrival_time=arrival,
-            )
-            if ctx.log_requests:
-                log_prompt(prompt_id, prompt, prompt_params)
-                stream = logging_outputs(prompt_id, stream, prompt_params.output_kind)
-            streams.append(stream)
-    except (RuntimeError, ValueError) as exc:  # nothing streamed yet: a plain error response
-        discard_requests(ctx, request_id, len(streams))  # forget the prompts already accepted
-        error = engine_error(exc)
-        if error is None:
-            raise
-        raise error from exc
-    return streams
+        arrival = time.monotonic()
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
+                prompt_id = f"{request_id}-{index}"
+                stream = ctx.engine.generate(
+                    prompt, prompt_params, prompt_id, priority=priority, cache_salt=cache_salt, arrival_time=arrival,
+                )
+                if ctx.log_requests:
+                    log_prompt(prompt_id, prompt, prompt_params)
+                    stream = logging_outputs(prompt_id, stream, prompt_params.output_kind)
+                streams.append(stream)
+        except (RuntimeError, ValueError) as exc:  # nothing streamed yet: a plain error response
+            discard_requests(ctx, request_id, len(streams))  # forget the prompts already accepted
+            error = engine_error(exc)
+            if error is None:
+                raise
+            raise error from exc
+        return streams
 
 
 def discard_requests(ctx: ServingContext, request_id: str, num_prompts: int) -> None:
