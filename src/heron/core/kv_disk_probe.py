@@ -116,20 +116,23 @@ class DiskProbe:
             for block_hash in run:
                 answer: bool | None = None
                 if present and not self._stopping:
-                    try:
-                        present = answer = self.layout.path_for(block_hash).is_file()
-                    except OSError:  # an unreachable file server: a miss (recompute), never a crash
-                        present = answer = False
+                    present = answer = has_file(self.layout, block_hash)
                 with self._answered:
                     self._answers.append((block_hash, answer, asked))
                     self._answered.notify_all()
 
 
-def timed_is_file(layout: DiskTierLayout, block_hash: BlockHash) -> tuple[bool, float]:
-    """Whether ``block_hash`` has a file, and the seconds the ``stat`` took."""
-    started = time.perf_counter()
+def has_file(layout: DiskTierLayout, block_hash: BlockHash) -> bool:
+    """Whether ``block_hash`` has a file (an unreachable file server: no, so the
+    prefix is recomputed, never a crash)."""
     try:
-        present = layout.path_for(block_hash).is_file()
+        return layout.path_for(block_hash).is_file()
     except OSError:
-        present = False
+        return False
+
+
+def timed_is_file(layout: DiskTierLayout, block_hash: BlockHash) -> tuple[bool, float]:
+    """``has_file``, and the seconds the ``stat`` took."""
+    started = time.perf_counter()
+    present = has_file(layout, block_hash)
     return present, time.perf_counter() - started

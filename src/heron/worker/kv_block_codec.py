@@ -21,14 +21,20 @@ class BlockCodec:
         """``caches``: every attention layer's pool cache (the draft model's too),
         each ``[2, num_blocks, block_size, heads, head_dim]``."""
         self.caches = list(caches)
-        self._sizes = [cache[:, 0].numel() * cache.element_size() for cache in self.caches]
-        self.block_bytes = sum(self._sizes)
+        # (cache, byte offset of its part in a block's bytes, bytes of that part), per layer
+        self._layers: list[tuple[torch.Tensor, int, int]] = []
+        offset = 0
+        for cache in self.caches:
+            size = cache[:, 0].numel() * cache.element_size()
+            self._layers.append((cache, offset, size))
+            offset += size
+        self.block_bytes = offset
 
     def capture(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copies of the blocks, one row each: ``[len(block_ids), block_bytes]`` uint8."""
         buffer = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
         indexes = self._indexes(block_ids)
-        for cache, offset, size in self._layers():
+        for cache, offset, size in self._layers:
             self._rows(buffer, cache, offset, size).copy_(cache.index_select(1, indexes[cache.device]))
         return buffer
 
@@ -36,7 +42,7 @@ class BlockCodec:
         """Write captured blocks (rows of ``[len(block_ids), block_bytes]`` uint8 on
         the host, each row contiguous) into pool blocks ``block_ids``."""
         indexes = self._indexes(block_ids)
-        for cache, offset, size in self._layers():
+        for cache, offset, size in self._layers:
             rows = self._rows(payloads, cache, offset, size)
             cache.index_copy_(1, indexes[cache.device], rows.to(cache.device))
 
@@ -45,14 +51,6 @@ class BlockCodec:
         pool's index_select and index_copy_ take no index from the host)."""
         index = torch.tensor(block_ids, dtype=torch.long)
         return {device: index.to(device) for device in {cache.device for cache in self.caches}}
-
-    def _layers(self) -> list[tuple[torch.Tensor, int, int]]:
-        """(cache, byte offset in a block's bytes, bytes) per layer."""
-        layers, offset = [], 0
-        for cache, size in zip(self.caches, self._sizes, strict=True):
-            layers.append((cache, offset, size))
-            offset += size
-        return layers
 
     @staticmethod
     def _rows(buffer: torch.Tensor, cache: torch.Tensor, offset: int, size: int) -> torch.Tensor:
