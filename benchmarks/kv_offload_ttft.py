@@ -12,6 +12,9 @@ on the same directory, once per round. Block files are then in the OS page
 cache (written moments before): what a restart costs on a warm machine.
 
     python benchmarks/kv_offload_ttft.py --out benchmarks/results/kv-offload-cpu
+    # a GPU, the random-weight Llama-3.2-1B shape of gpu_bench.py (its tokenizer knows the words w3 ... wN)
+    python benchmarks/kv_offload_ttft.py --word-vocabulary 4000 --prefix-words 1500 \
+        --server-args "--model /tmp/llama-1b-random --dtype bfloat16 --enforce-eager --max-num-seqs 16"
 
 Prints a markdown table and writes results.json into --out.
 """
@@ -34,16 +37,23 @@ sys.path.insert(0, str(ROOT))
 
 from tests.e2e.server_process import ServerProcess  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct"
 WORDS = ("heron egret curlew godwit avocet plover dunlin knot sanderling redshank mudflat saltmarsh estuary tide "
          "channel creek reed shallows lagoon shingle dune spit roost feeds probes wades").split()
-MODES = {
-    "recompute (small pool)": ["--kv-cache-memory-bytes", "110MiB"],
-    "host tier (small pool + 1 GiB tier)": ["--kv-cache-memory-bytes", "110MiB", "--kv-offloading-size", "1"],
-    "disk tier (small pool + --kv-offloading-dir)": ["--kv-cache-memory-bytes", "110MiB",
-                                                      "--kv-offloading-dir", "{dir}"],
-    "warm pool (large pool)": ["--kv-cache-memory-bytes", "1GiB"],
-}
+
+
+def modes(pool: str, tier_gib: str, warm_pool: str) -> dict[str, list[str]]:
+    """Each mode's `heron serve` flags: a pool too small to keep the prefix
+    (``pool``) alone or with a tier in front, or one that keeps it (``warm_pool``)."""
+    return {
+        "recompute (small pool)": ["--kv-cache-memory-bytes", pool],
+        f"host tier (small pool + {tier_gib} GiB tier)": ["--kv-cache-memory-bytes", pool,
+                                                          "--kv-offloading-size", tier_gib],
+        "disk tier (small pool + --kv-offloading-dir)": ["--kv-cache-memory-bytes", pool,
+                                                          "--kv-offloading-dir", "{dir}"],
+        "warm pool (large pool)": ["--kv-cache-memory-bytes", warm_pool],
+    }
+
+
 RESTART_MODE = "first request after a restart (disk tier)"
 
 
@@ -51,8 +61,12 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+def served_model(base_url: str) -> str:
+    return httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
 def ttft(base_url: str, prompt: str) -> float:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    body = {"model": served_model(base_url), "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
     started = time.perf_counter()
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=300) as response:
         response.raise_for_status()
@@ -62,9 +76,10 @@ def ttft(base_url: str, prompt: str) -> float:
     raise RuntimeError("no token came back")
 
 
-def run_mode(flags: list[str], prefix_words: int, rounds: int) -> dict:
+def run_mode(flags: list[str], prefix_words: int, rounds: int, server_args: list[str]) -> dict:
     directory = tempfile.mkdtemp(prefix="heron-kv-disk-")
-    server = ServerProcess("--max-model-len", "2048", *[flag.replace("{dir}", directory) for flag in flags])
+    server = ServerProcess(*server_args,
+                           *[flag.replace("{dir}", directory) for flag in flags])
     rng = random.Random(5)
     prefix = text(rng, prefix_words)
     fillers = [text(rng, prefix_words) for _ in range(2)]
@@ -75,7 +90,8 @@ def run_mode(flags: list[str], prefix_words: int, rounds: int) -> dict:
             for filler in fillers:
                 ttft(server.base_url, filler + f" {round_index}")
             times.append(ttft(server.base_url, prefix + f" ending {round_index}"))
-        tokens = httpx.post(f"{server.base_url}/tokenize", json={"model": MODEL, "prompt": prefix},
+        tokens = httpx.post(f"{server.base_url}/tokenize", json={"model": served_model(server.base_url),
+                                                                 "prompt": prefix},
                             timeout=30).json().get("count")
         loaded = _metric(server, "heron:kv_offload_loaded_blocks_total")
         return {"ttft_p50_ms": 1000 * median(times), "ttft_all_ms": [1000 * t for t in times],
@@ -85,9 +101,9 @@ def run_mode(flags: list[str], prefix_words: int, rounds: int) -> dict:
         server.stop()
 
 
-def run_restarts(prefix_words: int, rounds: int) -> dict:
+def run_restarts(prefix_words: int, rounds: int, server_args: list[str]) -> dict:
     directory = tempfile.mkdtemp(prefix="heron-kv-disk-")
-    flags = ["--max-model-len", "2048", "--kv-offloading-dir", directory]
+    flags = [*server_args, "--kv-offloading-dir", directory]
     prefix = text(random.Random(5), prefix_words)
     first = ServerProcess(*flags)
     try:
@@ -116,12 +132,25 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--prefix-words", type=int, default=1100, help="about 1,500 tokens")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--server-args", default="", help="more `heron serve` flags for every server")
+    parser.add_argument("--max-model-len", default="2048")
+    parser.add_argument("--pool", default="110MiB", help="the small pool: one request fits, the prefix is pushed out")
+    parser.add_argument("--tier-size", default="1", help="GiB of host tier")
+    parser.add_argument("--warm-pool", default="1GiB", help="a pool that keeps the prefix")
+    parser.add_argument("--word-vocabulary", type=int, default=0,
+                        help="prompts of the words w3 ... wN (a word-level test tokenizer) instead of English")
     args = parser.parse_args()
+    if args.word_vocabulary:
+        global WORDS
+        WORDS = [f"w{i}" for i in range(3, args.word_vocabulary)]
+    server_args = ["--max-model-len", args.max_model_len, *args.server_args.split()]
+    flags = modes(args.pool, args.tier_size, args.warm_pool)
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-kv-offload-"))
     out.mkdir(parents=True, exist_ok=True)
-    rows = {mode: run_mode(flags, args.prefix_words, args.rounds) for mode, flags in MODES.items()}
-    rows[RESTART_MODE] = run_restarts(args.prefix_words, args.rounds)
-    (out / "results.json").write_text(json.dumps({"modes": rows, "flags": MODES,
+    rows = {mode: run_mode(mode_flags, args.prefix_words, args.rounds, server_args)
+            for mode, mode_flags in flags.items()}
+    rows[RESTART_MODE] = run_restarts(args.prefix_words, args.rounds, server_args)
+    (out / "results.json").write_text(json.dumps({"modes": rows, "flags": flags, "server_args": server_args,
                                                   "prefix_words": args.prefix_words}, indent=2))
     print("| mode | TTFT p50 | blocks loaded from the tier | prefix tokens |")
     print("|---|---|---|---|")

@@ -51,11 +51,14 @@ def counter(server: ServerProcess, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def bench_command(base_url: str, out: Path, name: str, args: list[str]) -> list[str]:
+    """`heron bench serve` against ``base_url``, its result saved as ``out/name.json``."""
+    return [sys.executable, "-m", "heron.entrypoints.cli", "bench", "serve", "--base-url", base_url,
+            "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json", "--disable-tqdm", *args]
+
+
 def bench(base_url: str, out: Path, name: str, args: list[str]) -> dict:
-    command = [sys.executable, "-m", "heron.entrypoints.cli", "bench", "serve", "--base-url", base_url,
-               "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json", "--disable-tqdm",
-               *args]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(bench_command(base_url, out, name, args), check=True, stdout=subprocess.DEVNULL)
     return json.loads((out / f"{name}.json").read_text())
 
 

@@ -75,8 +75,9 @@ class CacheConfig:
 
     The pool size comes from, in order of precedence: ``num_kv_blocks``, then
     ``kv_cache_memory_bytes``, then (CPU) ``kv_cache_memory_fraction`` of the memory
-    available after the weights are loaded, or (CUDA) what ``gpu_memory_utilization``
-    of the device leaves after the weights and a profiled worst-case step.
+    available after the weights are loaded (capped at what ``max_num_seqs`` requests
+    can use at once), or (CUDA) all that ``gpu_memory_utilization`` of the device
+    leaves after the weights and a profiled worst-case step.
     """
 
     block_size: int = 16

@@ -40,3 +40,33 @@ def byte_level_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|endoftext|>")
+
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    directory = str(tmp_path_factory.mktemp("tiny-llama-gpu"))
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         initializer_range=0.05, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    word_tokenizer(VOCAB).save_pretrained(directory)
+    return directory
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt, steps):
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]

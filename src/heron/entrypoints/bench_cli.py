@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from heron.engine.args import EngineArgs
@@ -212,6 +213,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     results = []
     for index, base_url in enumerate(base_urls):
         model = args.model or asyncio.run(fetch_model_name(base_url, args.api_key))
+        client_cpu_started = time.process_time()
         raw, duration = asyncio.run(run_load(
             base_url, args.endpoint, model, samples,
             request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -230,6 +232,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency,
             "goodput_slos_ms": goodput or None,
+            # this process's CPU over the run (all threads): where a client saturates a core
+            "client_cpu_s": time.process_time() - client_cpu_started,
         }
         result = summarize(raw, duration, goodput, percentiles, settings)
         print(format_report(result, percentiles))

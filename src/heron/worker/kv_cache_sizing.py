@@ -114,10 +114,16 @@ def determine_num_kv_blocks(
     gpu_budget_bytes: int | None = None,
 ) -> int:
     """Blocks for the configured budget: ``num_kv_blocks`` if given, else
-    ``kv_cache_memory_bytes``, else (GPU) the profiled budget or (CPU) a fraction of
-    available memory, capped at what ``max_num_seqs`` requests of ``max_model_len``
-    tokens could ever use. Fails with a clear message when the pool could not hold
-    even one full-length request."""
+    ``kv_cache_memory_bytes``, else (GPU) all of the profiled budget, else (CPU) a
+    fraction of available memory capped at what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens could use at once.
+
+    A budget the user or the GPU profile names is used whole: blocks past what the
+    running requests need keep finished prefixes in the prefix cache, the fastest
+    tier there is, so a slower offload tier only pays once the pool is full. Only
+    the CPU's default (a guess at a share of RAM that other processes also want)
+    is capped. Fails with a clear message when the pool could not hold even one
+    full-length request."""
     block_size = cache_config.block_size
     blocks_per_seq = cdiv(max_model_len, block_size)
     if cache_config.num_kv_blocks is not None:
@@ -125,15 +131,15 @@ def determine_num_kv_blocks(
         budget_source = "num_kv_blocks"
     else:
         if cache_config.kv_cache_memory_bytes is not None:
-            budget = cache_config.kv_cache_memory_bytes
-            budget_source = f"kv_cache_memory_bytes={budget}"
+            num_blocks = cache_config.kv_cache_memory_bytes // bytes_per_block
+            budget_source = f"kv_cache_memory_bytes={cache_config.kv_cache_memory_bytes}"
         elif gpu_budget_bytes is not None:
-            budget = gpu_budget_bytes
+            num_blocks = gpu_budget_bytes // bytes_per_block
             budget_source = f"gpu_memory_utilization={cache_config.gpu_memory_utilization}"
         else:
             budget = int(available_memory_bytes(device) * cache_config.kv_cache_memory_fraction)
+            num_blocks = min(budget // bytes_per_block, blocks_per_seq * max_num_seqs)
             budget_source = f"{cache_config.kv_cache_memory_fraction:.0%} of available memory"
-        num_blocks = min(budget // bytes_per_block, blocks_per_seq * max_num_seqs)
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV cache ({num_blocks} blocks of {block_size} tokens, from {budget_source}) "

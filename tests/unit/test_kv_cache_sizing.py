@@ -1,0 +1,60 @@
+"""How many blocks the KV pool gets: a named budget (bytes, or what the GPU
+profile leaves) is used whole; the CPU's share-of-RAM default is capped at what
+max_num_seqs requests could use at once; a pool that cannot hold one request is
+refused. And the host tier's copies on the CPU: runs of slots, round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heron.config import CacheConfig
+from heron.core.kv_offload import KVTransfers
+from heron.worker.kv_cache_sizing import determine_num_kv_blocks
+from heron.worker.kv_offload_store import HostKVStore, _runs
+
+BLOCK_BYTES = 1 << 20
+CPU = torch.device("cpu")
+
+
+def blocks(cache: CacheConfig, gpu_budget: int | None = None, max_model_len: int = 256, max_num_seqs: int = 2) -> int:
+    return determine_num_kv_blocks(cache, BLOCK_BYTES, CPU, max_model_len, max_num_seqs, gpu_budget)
+
+
+def test_a_gpu_budget_is_used_whole():
+    # 2 requests of 256 tokens need 32 blocks; the budget holds 3,000
+    assert blocks(CacheConfig(), gpu_budget=3000 * BLOCK_BYTES + 5) == 3000
+
+
+def test_named_bytes_are_used_whole():
+    assert blocks(CacheConfig(kv_cache_memory_bytes=500 * BLOCK_BYTES)) == 500
+
+
+def test_the_cpu_default_is_capped_at_what_the_running_requests_use():
+    assert blocks(CacheConfig(kv_cache_memory_fraction=1.0)) == 2 * 256 // 16
+
+
+def test_num_kv_blocks_wins_and_a_pool_too_small_is_refused():
+    assert blocks(CacheConfig(num_kv_blocks=40, kv_cache_memory_bytes=1 << 40)) == 40
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        blocks(CacheConfig(), gpu_budget=15 * BLOCK_BYTES)
+
+
+def test_slots_group_into_runs():
+    assert _runs([4, 5, 6, 9, 0, 1, 3]) == [(0, 4, 3), (3, 9, 1), (4, 0, 2), (6, 3, 1)]
+    assert _runs([]) == []
+
+
+def test_the_host_tier_round_trips_blocks_on_the_cpu():
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, 6, 4, 2, 8, generator=generator).to(dtype) for dtype in (torch.float32, torch.float16)]
+    originals = [cache.clone() for cache in caches]
+    store = HostKVStore(caches, num_slots=5)
+    store.apply(KVTransfers(saves=[(1, 3), (4, 4), (2, 0)]))
+    for cache in caches:
+        cache.zero_()
+    store.apply(KVTransfers(loads=[(3, 5), (4, 0), (0, 2)]))
+    for cache, original in zip(caches, originals):
+        assert torch.equal(cache[:, 5], original[:, 1]) and torch.equal(cache[:, 0], original[:, 4])
+        assert torch.equal(cache[:, 2], original[:, 2])
+        assert not cache[:, [1, 3, 4]].any()
