@@ -55,17 +55,19 @@ def api_server_pids(launcher: int, count: int) -> list[int]:
 
 def bench_clients(base_url: str, out: Path, name: str, workload: list[str], clients: int) -> dict:
     """``clients`` bench processes at once, each with its share of the
-    concurrency and prompts (``{concurrency}``/``{prompts}``/``{seed}`` in
-    ``workload`` are filled per client); their requests pooled."""
+    concurrency and prompts (``{seed}`` in ``workload`` is each client's own);
+    their requests pooled."""
     processes = []
     for index in range(clients):
-        args = [arg.format(index=index, seed=index + 1) for arg in workload]
+        args = [arg.replace("{seed}", str(index + 1)) for arg in workload]
         processes.append(subprocess.Popen(bench_command(base_url, out, f"{name}-client{index}", args),
                                           stdout=subprocess.DEVNULL))
     if any(process.wait() != 0 for process in processes):
         raise RuntimeError("a bench client failed")
     parts = [json.loads((out / f"{name}-client{index}.json").read_text()) for index in range(clients)]
-    duration = max(part["duration"] for part in parts)
+    # from the first client's start to the last one's end (they start apart by their imports)
+    duration = (max(part["started_at"] + part["duration"] for part in parts)
+                - min(part["started_at"] for part in parts))
     ttfts = [1000 * ttft for part in parts for ttft in part["ttfts"]]
     # a request's time per output token after its first (several tokens may share one streamed event)
     tpots = [1000 * sum(itl) / (tokens - 1) for part in parts

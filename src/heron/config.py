@@ -236,6 +236,12 @@ class KVEventsConfig:
                 raise ValueError(f"kv_events_config.{name} must be a ZMQ address such as tcp://*:5557, got {address!r}")
 
 
+# the names of heron's one P/D connector (blocks over TCP with ZMQ): the issue's and vLLM-style
+KV_CONNECTORS = ("tcp", "HeronConnector")
+# vLLM's device-to-device connectors, named in the error that refuses them
+GPU_KV_CONNECTORS = ("NixlConnector", "P2pNcclConnector", "MooncakeConnector")
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Prefill/decode disaggregation (worker/kv_transfer.py, kv_pull.py), with vLLM's keys: a
@@ -285,9 +291,11 @@ class KVTransferConfig:
         return KVTransferConfig(**value)
 
     def __post_init__(self) -> None:
-        if self.kv_connector != "HeronConnector":
-            raise ValueError(f"kv_transfer_config.kv_connector: heron has 'HeronConnector' (TCP over ZMQ), "
-                             f"not {self.kv_connector!r}")
+        if self.kv_connector not in KV_CONNECTORS:
+            later = (" (a GPU-to-GPU transport: not in heron yet; the block server and puller it would replace "
+                     "are in docs/architecture.md)" if self.kv_connector in GPU_KV_CONNECTORS else "")
+            raise ValueError(f"kv_transfer_config.kv_connector: heron has 'tcp' (alias 'HeronConnector': "
+                             f"blocks over TCP with ZMQ, between CPUs or GPUs), not {self.kv_connector!r}{later}")
         check_choice("kv_transfer_config.kv_role", self.kv_role, KVRole)
         if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
             raise ValueError("kv_transfer_config.kv_port must be a port number (0: any free one)")

@@ -151,3 +151,23 @@ def test_the_host_tier_round_trips_blocks(slots):
         for source, target in zip(sources, targets):
             assert torch.equal(cache[:, target], original[:, source])
         assert not cache[:, [0, 5, 6, 8]].any()
+
+
+def test_a_scattered_load_waits_for_the_saves_queued_before_it():
+    """One step saves a block into slot 10 (a run: queued, no wait) and loads
+    slot 10 among scattered slots (gathered by the host): the host must read
+    the saved block, not what the slot held, though the stream is still busy
+    with work queued ahead of the save."""
+    from heron.core.kv_offload import KVTransfers
+    from heron.worker.kv_offload_store import HostKVStore
+
+    caches = [torch.randn(2, 12, 16, 2, 64, generator=torch.Generator().manual_seed(1)).cuda()]
+    original = caches[0].clone()
+    store = HostKVStore(caches, num_slots=16)
+    for slot in range(16):
+        store.store[0][slot].fill_(-1.0)
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles ahead of the save's copies
+    store.apply(KVTransfers(saves=[(3, 10)], loads=[(10, 0), (1, 2), (5, 4), (7, 6), (12, 8)]))
+    torch.cuda.synchronize()
+    assert torch.equal(caches[0][:, 0], original[:, 3])
+    assert (caches[0][:, 2] == -1.0).all()

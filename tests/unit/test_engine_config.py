@@ -128,8 +128,12 @@ def test_kv_transfer_config_takes_vllm_keys_and_refuses_what_heron_lacks():
     config = KVTransferConfig.from_dict({"kv_connector": "HeronConnector", "kv_role": "kv_producer", "kv_port": 0})
     assert config is not None and config.produces and not config.consumes
     assert KVTransferConfig.from_dict(None) is None
-    with pytest.raises(ValueError, match="HeronConnector"):
+    tcp = KVTransferConfig.from_dict({"kv_connector": "tcp", "kv_role": "kv_consumer"})  # the name
+    assert tcp is not None and tcp.consumes
+    with pytest.raises(ValueError, match="GPU-to-GPU transport: not in heron yet"):
         KVTransferConfig.from_dict({"kv_connector": "NixlConnector"})
+    with pytest.raises(ValueError, match="heron has 'tcp'"):
+        KVTransferConfig.from_dict({"kv_connector": "SharedStorageConnector"})
     with pytest.raises(ValueError, match="unknown keys"):
         KVTransferConfig.from_dict({"kv_rank": 0})
     with pytest.raises(ValueError, match="kv_role"):

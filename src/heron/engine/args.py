@@ -136,7 +136,7 @@ class EngineArgs:
               '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'', parse=parse_json_object, metavar="JSON")
     kv_transfer_config: dict[str, Any] | None = _arg(
         None, 'prefill/decode disaggregation: this engine serves finished prefills to decode engines and/or '
-              'pulls them, e.g. \'{"kv_connector": "HeronConnector", "kv_role": "kv_both"}\'',
+              'pulls them, e.g. \'{"kv_connector": "tcp", "kv_role": "kv_both"}\'',
         parse=parse_json_object, metavar="JSON")
     data_parallel_size: int = _arg(
         1, "heron serve: engine-core processes behind the one API server, each request placed where its prefix "

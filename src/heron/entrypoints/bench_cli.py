@@ -213,7 +213,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     results = []
     for index, base_url in enumerate(base_urls):
         model = args.model or asyncio.run(fetch_model_name(base_url, args.api_key))
-        client_cpu_started = time.process_time()
+        client_cpu_started, started_at = time.process_time(), time.time()
         raw, duration = asyncio.run(run_load(
             base_url, args.endpoint, model, samples,
             request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -234,6 +234,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "goodput_slos_ms": goodput or None,
             # this process's CPU over the run (all threads): where a client saturates a core
             "client_cpu_s": time.process_time() - client_cpu_started,
+            "started_at": started_at,  # epoch seconds: runs of several clients line up by it
         }
         result = summarize(raw, duration, goodput, percentiles, settings)
         print(format_report(result, percentiles))
