@@ -116,6 +116,31 @@ def test_paged_attention_matches_scalar(scalar, variant, num_heads, num_kv_heads
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (16, 2, 128), (6, 2, 24), (64, 8, 64)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_paged_attention_of_chunk_tokens_matches_scalar(scalar, variant, num_heads, num_kv_heads, head_dim,
+                                                         cache_dtype):
+    """Query rows that are consecutive tokens of one request (a prefill chunk
+    over cached context, which the vector builds attend in groups that read each
+    block once) beside decode rows of other requests, in any build as in the
+    scalar one, with and without a sliding window."""
+    generator = torch.Generator().manual_seed(num_heads + head_dim)
+    num_blocks, block_size, max_blocks = 64, 16, 16
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(4)])
+    # request 0: a decode at 40; request 1: 19 chunk tokens at 181..199; request 2: a decode; request 3: 3 tokens
+    lengths = [[40], list(range(181, 200)), [7], [1, 2, 3]]
+    table_rows = torch.tensor([r for r, row in enumerate(lengths) for _ in row], dtype=torch.int64)
+    seq_lens = torch.tensor([n for row in lengths for n in row], dtype=torch.int64)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator) * 3
+    for window in (None, 20):
+        expected = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window,
+                                              library=scalar, table_rows=table_rows)
+        got = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window,
+                                         library=variant, table_rows=table_rows)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_float16_rounding_matches_torch(scalar, variant):
     """The float16 a KV cache gets from the native forward pass: round to nearest
     even, as torch's .half(), on every build (F16C in the vector ones, portable C in
