@@ -268,7 +268,7 @@ static inline __attribute__((always_inline)) void attend_task(
             float maximum = vec_max_of(best);
             for (; i < own_count; i++) maximum = s[i] > maximum ? s[i] : maximum;
             sums[row] = exp_and_sum(s, own_count, maximum);
-            for (i = own_count; i < count; i++) s[i] = 0.0f;
+            for (i = own_count; i < count; i++) s[i] = 0.0f; /* never read (the loops stop at a token's own end) */
         }
         memset(outputs + t * token_stride, 0, sizeof(float) * (size_t)(rows * head_dim));
     }
@@ -358,7 +358,8 @@ static int attend_task_vectors(int half, float *outputs, const float *queries, c
 
 /* the query rows in groups that share a task: [groups[g], groups[g + 1]) are consecutive tokens of one request
  * (the same block-table row, each one position after the last), at most max_tokens of them; returns the number
- * of groups, or -1 if out of memory. Rows of their own block-table row each (table_rows NULL) are groups of one. */
+ * of groups (`groups` holds num_seqs + 1 entries). Rows of their own block-table row each (table_rows NULL) are
+ * groups of one. */
 static int64_t group_rows(int64_t *groups, const int64_t *table_rows, const int64_t *seq_lens, int64_t num_seqs,
                           int64_t max_tokens) {
     int64_t num_groups = 0;
