@@ -56,7 +56,8 @@ def byte_llama(tmp_path_factory) -> str:
 def reference(word_llama):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(word_llama, dtype=torch.float32, attn_implementation="eager").to(DEVICE).eval()
+    return AutoModelForCausalLM.from_pretrained(word_llama, dtype=torch.float32,
+                                                attn_implementation="eager").to(DEVICE).eval()
 
 
 @torch.inference_mode()
@@ -97,7 +98,9 @@ def test_speculative_decoding_greedy_matches_transformers(word_llama, reference,
         speculative = {"method": "draft_model", "model": word_llama, "num_speculative_tokens": 3}
     prompts = looping_prompts(reference)
     expected = [reference_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
-    for situation in (dict(max_num_batched_tokens=24, num_kv_blocks=96), dict(num_kv_blocks=24, block_size=8, max_model_len=128)):
+    situations = (dict(max_num_batched_tokens=24, num_kv_blocks=96),
+                  dict(num_kv_blocks=24, block_size=8, max_model_len=128))
+    for situation in situations:
         llm = _llm(word_llama, speculative_config=speculative, **situation)
         for round_ in range(2):  # the second round starts from prefix-cache hits
             outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 def test_greedy_matches_transformers_fp32_on_cuda(tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager").cuda().eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+                                                     attn_implementation="eager").cuda().eval()
     batch = prompts([5, 17, 33, 70, 1, 128, 16, 40])
     expected = [reference_greedy(reference, p, 16) for p in batch]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -25,7 +26,8 @@ def test_greedy_matches_transformers_fp32_on_cuda(tiny_llama):
         dict(max_num_batched_tokens=32),  # chunked prefill mixed with decodes
         dict(num_kv_blocks=11, max_model_len=160),  # too small: preemption
     ):
-        llm = LLM(tiny_llama, dtype="float32", device="cuda", **{"max_model_len": 512, "num_kv_blocks": 256, **settings})
+        llm = LLM(tiny_llama, dtype="float32", device="cuda",
+                  **{"max_model_len": 512, "num_kv_blocks": 256, **settings})
         assert llm.engine.engine_core.model_runner.backend.name == "triton"
         outputs = llm.generate(batch, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected, settings
@@ -40,8 +42,8 @@ def test_greedy_matches_transformers_fp32_on_cuda(tiny_llama):
 def test_bf16_agrees_on_first_tokens(tiny_llama):
     batch = prompts([12, 40, 7, 25, 60], seed=2)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
-    fp32 = LLM(tiny_llama, dtype="float32", device="cuda", max_model_len=512, num_kv_blocks=64).generate(batch, params, use_tqdm=False)
-    bf16 = LLM(tiny_llama, dtype="bfloat16", device="cuda", max_model_len=512, num_kv_blocks=64).generate(batch, params, use_tqdm=False)
+    fp32, bf16 = (LLM(tiny_llama, dtype=dtype, device="cuda", max_model_len=512, num_kv_blocks=64)
+                  .generate(batch, params, use_tqdm=False) for dtype in ("float32", "bfloat16"))
     for a, b in zip(fp32, bf16):
         top_fp32 = sorted(a.outputs[0].logprobs[0].values(), key=lambda lp: lp.rank)
         top_bf16 = {tid: lp.logprob for tid, lp in b.outputs[0].logprobs[0].items()}
