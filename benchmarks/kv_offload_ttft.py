@@ -22,6 +22,7 @@ Prints a markdown table and writes results.json into --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -57,10 +58,11 @@ def modes(pool: str, tier_gib: str, warm_pool: str) -> dict[str, list[str]]:
 RESTART_MODE = "first request after a restart (disk tier)"
 
 
-def text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+def text(rng: random.Random, words: int, vocabulary: list[str]) -> str:
+    return " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
+@functools.cache
 def served_model(base_url: str) -> str:
     return httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -76,13 +78,12 @@ def ttft(base_url: str, prompt: str) -> float:
     raise RuntimeError("no token came back")
 
 
-def run_mode(flags: list[str], prefix_words: int, rounds: int, server_args: list[str]) -> dict:
+def run_mode(flags: list[str], prefix_words: int, rounds: int, server_args: list[str], vocabulary: list[str]) -> dict:
     directory = tempfile.mkdtemp(prefix="heron-kv-disk-")
-    server = ServerProcess(*server_args,
-                           *[flag.replace("{dir}", directory) for flag in flags])
+    server = ServerProcess(*server_args, *[flag.replace("{dir}", directory) for flag in flags])
     rng = random.Random(5)
-    prefix = text(rng, prefix_words)
-    fillers = [text(rng, prefix_words) for _ in range(2)]
+    prefix = text(rng, prefix_words, vocabulary)
+    fillers = [text(rng, prefix_words, vocabulary) for _ in range(2)]
     try:
         ttft(server.base_url, prefix + " first")
         times = []
@@ -101,10 +102,10 @@ def run_mode(flags: list[str], prefix_words: int, rounds: int, server_args: list
         server.stop()
 
 
-def run_restarts(prefix_words: int, rounds: int, server_args: list[str]) -> dict:
+def run_restarts(prefix_words: int, rounds: int, server_args: list[str], vocabulary: list[str]) -> dict:
     directory = tempfile.mkdtemp(prefix="heron-kv-disk-")
     flags = [*server_args, "--kv-offloading-dir", directory]
-    prefix = text(random.Random(5), prefix_words)
+    prefix = text(random.Random(5), prefix_words, vocabulary)
     first = ServerProcess(*flags)
     try:
         ttft(first.base_url, prefix + " first")
@@ -140,16 +141,14 @@ def main() -> None:
     parser.add_argument("--word-vocabulary", type=int, default=0,
                         help="prompts of the words w3 ... wN (a word-level test tokenizer) instead of English")
     args = parser.parse_args()
-    if args.word_vocabulary:
-        global WORDS
-        WORDS = [f"w{i}" for i in range(3, args.word_vocabulary)]
+    vocabulary = [f"w{i}" for i in range(3, args.word_vocabulary)] if args.word_vocabulary else WORDS
     server_args = ["--max-model-len", args.max_model_len, *args.server_args.split()]
     flags = modes(args.pool, args.tier_size, args.warm_pool)
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-kv-offload-"))
     out.mkdir(parents=True, exist_ok=True)
-    rows = {mode: run_mode(mode_flags, args.prefix_words, args.rounds, server_args)
+    rows = {mode: run_mode(mode_flags, args.prefix_words, args.rounds, server_args, vocabulary)
             for mode, mode_flags in flags.items()}
-    rows[RESTART_MODE] = run_restarts(args.prefix_words, args.rounds, server_args)
+    rows[RESTART_MODE] = run_restarts(args.prefix_words, args.rounds, server_args, vocabulary)
     (out / "results.json").write_text(json.dumps({"modes": rows, "flags": flags, "server_args": server_args,
                                                   "prefix_words": args.prefix_words}, indent=2))
     print("| mode | TTFT p50 | blocks loaded from the tier | prefix tokens |")

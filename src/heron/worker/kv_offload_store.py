@@ -23,14 +23,11 @@ step or an earlier one still queued behind a forward pass."""
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 
 from heron.core.kv_offload import KVTransfers
-
-logger = logging.getLogger(__name__)
 
 
 class HostKVStore:
@@ -40,13 +37,13 @@ class HostKVStore:
         is page-locked at once; a tier that cannot be is refused with the
         reason (rather than served with copies that each wait for the host)."""
         self.caches = caches
-        self.on_cuda = bool(caches) and caches[0].device.type == "cuda"
+        # on CUDA the tier is page-locked (or refused); on the CPU it is plain RAM
+        self.pinned = bool(caches) and caches[0].device.type == "cuda"
         shapes = [(num_slots, cache.shape[0], *cache.shape[2:]) for cache in caches]
         sizes = [torch.Size(shape).numel() * cache.element_size() for shape, cache in zip(shapes, caches, strict=True)]
         backing = torch.empty(sum(sizes), dtype=torch.uint8)
-        if self.on_cuda:
+        if self.pinned:
             _pin(self, backing, caches[0].device)
-        self.pinned = self.on_cuda
         self.store: list[torch.Tensor] = []
         offset = 0
         for shape, size, cache in zip(shapes, sizes, caches, strict=True):
@@ -68,7 +65,7 @@ class HostKVStore:
 
     def _save(self, block_ids: list[int], slots: list[int]) -> None:
         slot_index = torch.tensor(slots)
-        if not self.on_cuda:
+        if not self.pinned:
             block_index = torch.tensor(block_ids)
             for cache, store in zip(self.caches, self.store, strict=True):
                 store.index_copy_(0, slot_index, _gather(cache, block_index))
@@ -101,7 +98,7 @@ class HostKVStore:
 
     def _load(self, slots: list[int], block_ids: list[int]) -> None:
         slot_index = torch.tensor(slots)
-        if not self.on_cuda:
+        if not self.pinned:
             block_index = torch.tensor(block_ids)
             for cache, store in zip(self.caches, self.store, strict=True):
                 cache.index_copy_(1, block_index, store.index_select(0, slot_index).transpose(0, 1))

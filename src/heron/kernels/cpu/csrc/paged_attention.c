@@ -256,7 +256,7 @@ static inline __attribute__((always_inline)) void attend_task(
         }
         pos += chunk;
     }
-    /* softmax weights per query head of each token; zero weights past a token's own position */
+    /* softmax weights per query head of each token, over its own positions (nothing reads past them) */
     float sums[MAX_TASK_ROWS];
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t own_count = count - (tokens - 1 - t);
@@ -268,7 +268,6 @@ static inline __attribute__((always_inline)) void attend_task(
             float maximum = vec_max_of(best);
             for (; i < own_count; i++) maximum = s[i] > maximum ? s[i] : maximum;
             sums[row] = exp_and_sum(s, own_count, maximum);
-            for (i = own_count; i < count; i++) s[i] = 0.0f; /* never read (the loops stop at a token's own end) */
         }
         memset(outputs + t * token_stride, 0, sizeof(float) * (size_t)(rows * head_dim));
     }
@@ -328,8 +327,8 @@ static int vector_path_takes(int64_t head_dim) {
 #endif
 }
 
-/* the vector path for this head size: 1 if it ran the task, 0 if the head size is not one it takes */
-static int attend_task_vectors(int half, float *outputs, const float *queries, const void *cache, int64_t v_offset,
+/* the vector path, for a head size it takes (vector_path_takes) */
+static void attend_task_vectors(int half, float *outputs, const float *queries, const void *cache, int64_t v_offset,
                                const int64_t *blocks, int64_t start, int64_t length, int64_t tokens,
                                int64_t token_stride, int64_t heads, int64_t group, int64_t head_dim,
                                int64_t block_size, int64_t block_stride, int64_t slot_stride, int64_t first_head,
@@ -339,8 +338,7 @@ static int attend_task_vectors(int half, float *outputs, const float *queries, c
                                      first_head, scale, scores)
 #define ATTEND_EITHER(NV) \
     if (half) ATTEND(NV, 1); else ATTEND(NV, 0); \
-    return 1
-    if (head_dim % VEC_LANES != 0) return 0;
+    return
     switch (head_dim / VEC_LANES) {
         case 1: ATTEND_EITHER(1);
         case 2: ATTEND_EITHER(2);
@@ -349,7 +347,7 @@ static int attend_task_vectors(int half, float *outputs, const float *queries, c
 #if !defined(HERON_AVX512)
         case 16: ATTEND_EITHER(16);
 #endif
-        default: return 0;
+        default: break; /* unreachable: the caller asked vector_path_takes */
     }
 #undef ATTEND_EITHER
 #undef ATTEND
@@ -388,14 +386,15 @@ int heron_paged_attention_f32(
     const int half = kv_half != 0;
     int failed = 0;
 
-    /* a sliding window starts each token's keys elsewhere: one token a task there (and on the portable path) */
-    int64_t max_tokens = MAX_TASK_ROWS / num_heads < MAX_GROUP_TOKENS ? MAX_TASK_ROWS / num_heads : MAX_GROUP_TOKENS;
-    if (sliding_window > 0 || max_tokens < 1) max_tokens = 1;
 #if defined(HERON_AVX2)
-    if (!vector_path_takes(head_dim)) max_tokens = 1;
+    const int vector_path = vector_path_takes(head_dim);
 #else
-    max_tokens = 1;
+    const int vector_path = 0;
 #endif
+    /* a sliding window starts each token's keys elsewhere, and the portable path takes one token: one token a task
+     * there */
+    int64_t max_tokens = MAX_TASK_ROWS / num_heads < MAX_GROUP_TOKENS ? MAX_TASK_ROWS / num_heads : MAX_GROUP_TOKENS;
+    if (sliding_window > 0 || max_tokens < 1 || !vector_path) max_tokens = 1;
     int64_t *groups = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (groups == NULL) return -1;
     const int64_t num_groups = group_rows(groups, table_rows, seq_lens, num_seqs, max_tokens);
@@ -432,13 +431,14 @@ int heron_paged_attention_f32(
             const float *queries = q + first_row * token_stride + first_head * group * head_dim;
             float *outputs = out + first_row * token_stride + first_head * group * head_dim;
 #if defined(HERON_AVX2)
-            if (attend_task_vectors(half, outputs, queries, kv_cache, v_offset, blocks, start, length, tokens,
+            if (vector_path) {
+                attend_task_vectors(half, outputs, queries, kv_cache, v_offset, blocks, start, length, tokens,
                                     token_stride, heads_per_task, group, head_dim, block_size, block_stride,
-                                    slot_stride, first_head, scale, scores))
+                                    slot_stride, first_head, scale, scores);
                 continue;
+            }
 #endif
-            /* the portable reference (and any head size the vector path does not take): one token per task
-             * (max_tokens is 1 then) */
+            /* the portable reference (and any head size the vector path does not take): one token per task */
             float maxima[MAX_TASK_ROWS];
             for (int64_t row = 0; row < rows; row++) maxima[row] = -INFINITY;
             for (int64_t pos = start; pos < length; pos++) {
