@@ -33,8 +33,9 @@ class RouterProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        log = self.read_log()
         self.stop()
-        raise RuntimeError(f"heron router did not become ready:\n{self.read_log()}")
+        raise RuntimeError(f"heron router did not become ready:\n{log}")
 
     def replicas(self) -> dict[str, dict]:
         states = httpx.get(f"{self.base_url}/router/replicas", timeout=5).json()["replicas"]

@@ -9,7 +9,7 @@ import pytest
 
 from heron.core.hashing import prompt_block_hashes
 from heron.engine.input_processor import InputProcessor
-from heron.router.chat_render import DirectChatRenderer
+from heron.router.chat_render import ChatSkeletons, DirectChatRenderer, substitutes_content_only
 from heron.router.prompt_hashes import CHAT_PATH, PrefixHashMemo, PromptHasher
 
 SYSTEMS = ["You answer questions about estuary birds. " * 20, "You are terse.", "Ünïcode 🦩 and\ttabs  " * 9]
@@ -41,7 +41,8 @@ def _conversation(rng: random.Random) -> list[dict]:
 
 
 def test_the_router_hashes_what_the_replica_registers(hasher):
-    assert hasher._chat is not None and hasher._memo is not None  # the shortcuts are in use here
+    # the shortcuts are in use here
+    assert hasher._chat is not None and hasher._chat._skeletons is not None and hasher._memo is not None
     rng = random.Random(3)
     for _ in range(150):
         block_size = rng.choice([4, 16])
@@ -89,7 +90,8 @@ def test_a_template_that_refuses_some_conversations_is_still_taken_directly(hash
     renderer = DirectChatRenderer.create(processor)
     assert renderer is not None
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    assert renderer.render(messages, True) == processor.render_chat(messages) == "<user>Hi</s><assistant>Hello</s><assistant>"
+    expected = "<user>Hi</s><assistant>Hello</s><assistant>"
+    assert renderer.render(messages, True) == processor.render_chat(messages) == expected
     with pytest.raises(Exception, match="no system role"):
         renderer.render([{"role": "system", "content": "s"}, *messages], True)
     # a template that refuses every sample verifies nothing: not taken
@@ -104,3 +106,63 @@ def test_the_memo_is_bounded_and_starts_over(hasher):
         ids = hasher._segments.encode(text)
         assert memo.block_hashes(text, 16, None) == prompt_block_hashes(ids, 16)
         assert memo._tokens <= 200 + len(ids)
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, expected", [
+    (CHATML, True),
+    ("{% for m in messages %}[{{ m.role }}]{{ m.content ~ '|' }}{% endfor %}", True),
+    ("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}", False),
+    ("{% for m in messages %}{% if '</think>' in m['content'] %}x{% endif %}{{ m['content'] }}{% endfor %}", False),
+    ("{% set first = messages[0]['content'] %}{{ first }}", False),
+    ("{% for m in messages %}{{ m.get('content') }}{% endfor %}", False),
+    ("{% for m in messages %}{{ m.content if m.role == 'user' else '' }}{% endfor %}", False),
+    ("{% for m in messages %}{{ m.content.upper() }}{% endfor %}", False),
+    ("{{ messages[0].content + messages[0].content|length|string }}", False),
+    ("{% for m in", False),
+])
+def test_only_templates_that_write_content_out_as_it_is_get_skeletons(template, expected):
+    assert substitutes_content_only(template) is expected
+
+
+def test_skeletons_render_as_the_template_does_and_fall_back_where_they_cannot(hasher):
+    twice = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+             "{% if messages|length > 2 %}again: {{ messages[0]['content'] }}{% endif %}")
+    rng = random.Random(11)
+    for template in (CHATML, twice, hasher.processor.tokenizer.chat_template):
+        processor = _processor_with_template(hasher, template)
+        renderer = DirectChatRenderer.create(processor)
+        assert renderer is not None and renderer._skeletons is not None
+        for _ in range(60):
+            messages = _conversation(rng)
+            add_generation_prompt = rng.random() < 0.7
+            assert renderer.render(messages, add_generation_prompt) == processor.render_chat(
+                messages, add_generation_prompt=add_generation_prompt)
+    # a conversation of three, whose first content the template writes twice, has no skeleton
+    renderer = DirectChatRenderer.create(_processor_with_template(hasher, twice))
+    three = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert renderer.render(three, False) == "<user>a</s><assistant>b</s><user>c</s>again: a"
+    assert renderer._skeletons._shapes[(("user", "assistant", "user"), False)] is None
+    assert renderer.render(three[:1], False) == "<user>a</s>"
+    assert renderer._skeletons._shapes[(("user",), False)] is not None
+
+
+def test_a_shape_whose_markers_do_not_come_back_is_always_rendered():
+    calls = []
+
+    def render(messages, add_generation_prompt):
+        calls.append(messages)
+        return "".join(m["content"].strip() for m in messages)  # changes what it is given: no skeleton holds
+
+    skeletons = ChatSkeletons(render, max_shapes=2)
+    messages = [{"role": "user", "content": "  padded  "}]
+    assert skeletons.render(messages, True) == "padded"
+    assert skeletons._shapes[(("user",), True)] is None
+    calls.clear()
+    assert skeletons.render(messages, True) == "padded" and len(calls) == 1  # rendered, not learnt again
+    for roles in (("system",), ("assistant",), ("user", "user")):  # past max_shapes: starts over
+        skeletons.render([{"role": role, "content": "x"} for role in roles], False)
+        assert len(skeletons._shapes) <= 2

@@ -11,6 +11,14 @@ where a start-up self-check renders sample conversations identically both
 ways; anything else (content parts, tool calls, template arguments, another
 transformers) goes the long way. A wrong rendering here would only cost a
 cache match, never an answer: replicas render their own prompts.
+
+Most templates only substitute a message's content into the text (they test
+roles and positions, never content). For those, ``ChatSkeletons`` renders each
+conversation shape (its roles, in order, and whether a generation prompt is
+added) once with marker contents, keeps the text around the markers, and fills
+later conversations of that shape by joining strings: the template runs once
+per shape instead of once per request. A template that reads content any other
+way (a filter, a test, an assignment) gets no skeletons.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from heron.engine.input_processor import InputProcessor
 
@@ -35,9 +46,12 @@ _SAMPLES: tuple[tuple[tuple[tuple[str, str], ...], bool], ...] = (
 
 
 class DirectChatRenderer:
-    def __init__(self, template: Any, variables: dict[str, Any]) -> None:
+    def __init__(self, template: Any, variables: dict[str, Any], source: str | None = None) -> None:
+        """``source``: the template's text, to see whether conversations can be
+        filled into skeletons (None: every conversation runs the template)."""
         self._template = template
         self._variables = variables
+        self._skeletons = ChatSkeletons(self._render_plain) if source and substitutes_content_only(source) else None
 
     @staticmethod
     def create(processor: InputProcessor) -> DirectChatRenderer | None:
@@ -50,7 +64,7 @@ class DirectChatRenderer:
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
-            renderer = DirectChatRenderer(_compile_jinja_template(source), dict(tokenizer.special_tokens_map))
+            renderer = DirectChatRenderer(_compile_jinja_template(source), dict(tokenizer.special_tokens_map), source)
         except Exception as exc:  # noqa: BLE001 (an unusual template or transformers: the long way is always there)
             logger.info("no direct chat rendering (%s): the router takes apply_chat_template", exc)
             return None
@@ -81,8 +95,104 @@ class DirectChatRenderer:
                     or not isinstance(message["role"], str) or not isinstance(message["content"], str)):
                 return None
             plain.append({"role": message["role"], "content": message["content"]})
-        return str(self._template.render(messages=plain, tools=None, documents=None,
+        if self._skeletons is not None:
+            return self._skeletons.render(plain, add_generation_prompt)
+        return self._render_plain(plain, add_generation_prompt)
+
+    def _render_plain(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return str(self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self._variables))
+
+
+class ChatSkeletons:
+    """Conversations rendered by filling the text a template writes around
+    their contents, learnt once per shape from ``render`` (which must only
+    substitute contents: ``substitutes_content_only``). A shape is learnt from
+    marker contents and kept only if two different sets of markers (one with
+    spaces, newlines, quotes and braces) both come out exactly where the
+    skeleton puts them; otherwise that shape is always rendered."""
+
+    def __init__(self, render: Callable[[list[dict[str, str]], bool], str], max_shapes: int = 1024) -> None:
+        self._render = render
+        self.max_shapes = max_shapes
+        # (roles, add_generation_prompt) -> the text before each content and after the last, or None
+        self._shapes: dict[tuple[tuple[str, ...], bool], tuple[str, ...] | None] = {}
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        key = (tuple(message["role"] for message in messages), add_generation_prompt)
+        if key not in self._shapes:
+            if len(self._shapes) >= self.max_shapes:
+                self._shapes.clear()
+            self._shapes[key] = self._learn(key[0], add_generation_prompt)
+        skeleton = self._shapes[key]
+        if skeleton is None:
+            return self._render(messages, add_generation_prompt)
+        return _fill(skeleton, [message["content"] for message in messages])
+
+    def _learn(self, roles: tuple[str, ...], add_generation_prompt: bool) -> tuple[str, ...] | None:
+        markers = [f"\ue000{index}\ue001" for index in range(len(roles))]
+        awkward = [f" \n\t'\"{{{{ {index} }}}}\ue002 \n" for index in range(len(roles))]
+        try:
+            text = self._render(_messages(roles, markers), add_generation_prompt)
+            skeleton = _split_at(text, markers)
+            if skeleton is None or self._render(_messages(roles, awkward), add_generation_prompt) != _fill(
+                    skeleton, awkward):
+                return None
+        except Exception:  # noqa: BLE001 (a template refusing a shape refuses it every time: render then)
+            return None
+        return skeleton
+
+
+def substitutes_content_only(source: str) -> bool:
+    """Whether a chat template uses a message's content only by writing it out
+    (alone or joined with ``+`` / ``~`` into what it writes): then the text it
+    renders is the same around any content, and depends only on the roles and
+    positions of the messages (and the other variables, fixed here)."""
+    try:
+        template = ImmutableSandboxedEnvironment().parse(source)
+    except Exception:  # noqa: BLE001 (transformers compiled it; a parse that fails here means: no skeletons)
+        return False
+    return _content_only_written(template, written=False)
+
+
+def _content_only_written(node: nodes.Node, written: bool) -> bool:
+    """``written``: ``node`` is (part of a ``+`` / ``~`` join that is) an item written by an Output."""
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content":
+        return written and _content_only_written(node.node, written=False)
+    if isinstance(node, nodes.Getattr) and node.attr == "content":
+        return written and _content_only_written(node.node, written=False)
+    if isinstance(node, nodes.Const) and node.value == "content":
+        return False  # 'content' used some other way: message.get('content'), 'content' in message ...
+    if isinstance(node, nodes.Output):
+        return all(_content_only_written(child, written=True) for child in node.nodes)
+    joined = written and isinstance(node, (nodes.Add, nodes.Concat))
+    return all(_content_only_written(child, written=joined) for child in node.iter_child_nodes())
+
+
+def _messages(roles: tuple[str, ...], contents: list[str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in zip(roles, contents, strict=True)]
+
+
+def _split_at(text: str, markers: list[str]) -> tuple[str, ...] | None:
+    """The text before each marker and after the last, if each marker is in it once, in order."""
+    pieces = []
+    start = 0
+    for marker in markers:
+        found = text.find(marker, start)
+        if found < 0 or text.count(marker) != 1:
+            return None
+        pieces.append(text[start:found])
+        start = found + len(marker)
+    pieces.append(text[start:])
+    return tuple(pieces)
+
+
+def _fill(skeleton: tuple[str, ...], contents: list[str]) -> str:
+    parts = [skeleton[0]]
+    for content, after in zip(contents, skeleton[1:], strict=True):
+        parts.append(content)
+        parts.append(after)
+    return "".join(parts)
 
 
 def _or_none(render: Callable[[list[dict[str, str]], bool], str | None], messages: list[dict[str, str]],

@@ -28,7 +28,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import socket
@@ -224,7 +223,9 @@ class FrontConnection(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -333,10 +334,11 @@ def error_body(status: int, message: str, code: str | None = None) -> dict[str, 
 
 
 
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
+
+
 def _reason(status: int) -> str:
-    with contextlib.suppress(ValueError):
-        return HTTPStatus(status).phrase
-    return "Unknown"
+    return _REASONS.get(status, "Unknown")
 
 
 async def serve(handler: Handler, host: str, port: int) -> asyncio.Server:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
@@ -165,12 +166,22 @@ class UpstreamConnection(asyncio.Protocol):
                 future.exception()
 
 
+@dataclass(frozen=True, slots=True)
+class _Address:
+    host: str
+    port: int
+    tls: bool
+    path: str  # the URL's path, without a trailing slash: requests' paths go after it
+    host_header: str
+
+
 class UpstreamPool:
     """Idle kept-alive connections per replica URL."""
 
     def __init__(self, connect_timeout: float = 2.0) -> None:
         self.connect_timeout = connect_timeout
         self._idle: dict[str, list[UpstreamConnection]] = {}
+        self._addresses: dict[str, _Address] = {}  # a replica's URL read once, not per request
         self._ssl = ssl.create_default_context()
 
     async def request(self, base_url: str, method: str, target: str, headers: list[tuple[str, str]],
@@ -179,13 +190,13 @@ class UpstreamPool:
         and headers are in (``connection.head``); raises ``UpstreamFailed``
         when the replica gives none. The caller hands the connection back with
         ``release`` (or ``discard`` on any failure)."""
-        split = urlsplit(base_url)
-        host = split.hostname or "127.0.0.1"
-        lines = [f"{method} {split.path.rstrip('/')}{target} HTTP/1.1", f"host: {split.netloc}"]
+        address = self._address(base_url)
+        lines = [f"{method} {address.path}{target} HTTP/1.1", address.host_header]
         lines += [f"{name}: {value}" for name, value in headers]
         if body or method in ("POST", "PUT", "PATCH"):
             lines.append(f"content-length: {len(body)}")
-        raw = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        lines.append("\r\n")
+        raw = "\r\n".join(lines).encode("latin-1") + body
         head_only = method == "HEAD"
         connection = self._take_idle(base_url)
         if connection is not None:
@@ -201,8 +212,7 @@ class UpstreamPool:
             except BaseException:
                 connection.close()
                 raise
-        connection = await self._connect(host, split.port or (443 if split.scheme == "https" else 80),
-                                         split.scheme == "https")
+        connection = await self._connect(address.host, address.port, address.tls)
         try:
             connection.send(raw, head_only)
             await connection.head
@@ -210,6 +220,16 @@ class UpstreamPool:
             connection.close()
             raise
         return connection
+
+    def _address(self, base_url: str) -> _Address:
+        address = self._addresses.get(base_url)
+        if address is None:
+            split = urlsplit(base_url)
+            tls = split.scheme == "https"
+            address = self._addresses[base_url] = _Address(
+                host=split.hostname or "127.0.0.1", port=split.port or (443 if tls else 80), tls=tls,
+                path=split.path.rstrip("/"), host_header=f"host: {split.netloc}")
+        return address
 
     def release(self, base_url: str, connection: UpstreamConnection) -> None:
         if connection.reusable:
