@@ -35,6 +35,8 @@ chat: setup
 
 lint: setup
 	$(BIN)/ruff check src/heron tools
+	# benchmarks and tests: at least parse on the oldest Python heron supports
+	$(BIN)/ruff check --select E9 --target-version py311 benchmarks tests
 	$(BIN)/mypy
 
 test: lint

@@ -58,7 +58,7 @@ def main() -> None:
     block_ids = torch.randperm(args.pool_blocks, generator=generator)[:args.blocks].tolist()
     scattered = (torch.randperm(2 * args.blocks, generator=generator)[:args.blocks] * 2).tolist()
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
-          f"tier pinned: {getattr(store, "pinned", None)}, {args.blocks} blocks = {nbytes / 1e6:.1f} MB")
+          f"tier pinned: {getattr(store, 'pinned', None)}, {args.blocks} blocks = {nbytes / 1e6:.1f} MB")
     for name, slots in (("consecutive slots", list(range(args.blocks))), ("scattered slots", scattered)):
         save = timed(store, KVTransfers(saves=list(zip(block_ids, slots, strict=True))), device, args.repeats)
         load = timed(store, KVTransfers(loads=list(zip(slots, block_ids, strict=True))), device, args.repeats)

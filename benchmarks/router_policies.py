@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -119,30 +120,34 @@ def multi_turn_workload(conversations: int, turns: int, rate: float) -> Callable
     return run
 
 
-def router_latency(num_requests: int = 1000) -> dict:
+def router_latency(num_requests: int = 1000, router_nice: int | None = None) -> dict:
     """What the router adds to a request, straight and through the router in
-    alternation on kept-alive connections (so both see the same machine), as
-    the p50 of the paired differences: the proxy hop on a request the replica
-    answers at once (``GET /v1/models``); the time to the first streamed token
-    (the first event carrying text) of a two-token chat request (a ~1.3k-character system prompt: the router
-    renders the chat template, tokenizes and hashes it) and of a completions
-    request with the same text as its prompt; and the router's hashing and
-    choice per chat request (its ``heron_router_decision_seconds``)."""
+    alternation on kept-alive connections (so both see the same machine; which
+    goes first is drawn each time), as the p50 of the paired differences with
+    a bootstrap 95% interval: the proxy hop on a request the replica answers at
+    once (``GET /v1/models``, ``2 * num_requests`` pairs); the time to the first
+    streamed token (the first event carrying text) of a two-token chat request
+    (a ~1.3k-character system prompt: the router renders the chat template,
+    tokenizes and hashes it) and of a completions request with the same text as
+    its prompt (``num_requests`` pairs each); and the router's hashing and
+    choice per chat request (its ``heron_router_decision_seconds``). The router
+    probes at its default interval (1 s), as deployed; ``router_nice``: its
+    scheduling priority (below 0 needs root or CAP_SYS_NICE)."""
     replica = ServerProcess("--kv-events-config", KV_EVENTS)
     router = None
     try:
-        router = RouterProcess([replica.base_url])
+        router = RouterProcess([replica.base_url], "--probe-interval", "1")
+        if router_nice is not None:
+            os.setpriority(os.PRIO_PROCESS, router.process.pid, router_nice)
         with httpx.Client(timeout=10) as direct, httpx.Client(timeout=10) as routed:
-            hop = _paired(num_requests, direct, routed, replica.base_url, router.base_url,
+            hop = _paired(2 * num_requests, direct, routed, replica.base_url, router.base_url,
                           lambda client, base, _: _timed_get(client, f"{base}/v1/models"))
             before = _decision_totals(router)
-            chat = _paired(num_requests // 2, direct, routed, replica.base_url, router.base_url, _chat_ttft)
+            chat = _paired(num_requests, direct, routed, replica.base_url, router.base_url, _chat_ttft)
             total, count = (after - start for after, start in zip(_decision_totals(router), before, strict=True))
-            completion = _paired(num_requests // 2, direct, routed, replica.base_url, router.base_url,
+            completion = _paired(num_requests, direct, routed, replica.base_url, router.base_url,
                                  _completion_ttft)
-        return {"direct_p50_ms": hop["direct_p50_ms"], "routed_p50_ms": hop["routed_p50_ms"],
-                "proxy_hop_ms": hop["added_p50_ms"], "chat_ttft": chat, "completion_ttft": completion,
-                "decision_mean_ms": 1000 * total / count}
+        return {"hop": hop, "chat_ttft": chat, "completion_ttft": completion, "decision_mean_ms": 1000 * total / count}
     finally:
         if router is not None:
             router.stop()
@@ -152,12 +157,25 @@ def router_latency(num_requests: int = 1000) -> dict:
 def _paired(num_requests: int, direct: httpx.Client, routed: httpx.Client, direct_url: str, routed_url: str,
             timed: Callable[[httpx.Client, str, int], float]) -> dict:
     pairs = []
+    order = random.Random(0)
     for index in range(num_requests + 20):
-        times = [timed(direct, direct_url, index), timed(routed, routed_url, index)]
+        if order.random() < 0.5:
+            times = [timed(direct, direct_url, index), timed(routed, routed_url, index)]
+        else:
+            times = list(reversed([timed(routed, routed_url, index), timed(direct, direct_url, index)]))
         if index >= 20:  # warm-up
             pairs.append(times)
+    added = [r - d for d, r in pairs]
+    low, high = _median_interval(added)
     return {"direct_p50_ms": median(d for d, _ in pairs), "routed_p50_ms": median(r for _, r in pairs),
-            "added_p50_ms": median(r - d for d, r in pairs)}
+            "added_p50_ms": median(added), "added_p50_ci95_ms": [low, high], "pairs": len(pairs)}
+
+
+def _median_interval(values: list[float], resamples: int = 1000) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median of ``values``."""
+    rng = random.Random(1)
+    medians = sorted(median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def _timed_get(client: httpx.Client, url: str) -> float:
@@ -220,6 +238,10 @@ def main() -> None:
     parser.add_argument("--conversation-rate", type=float, default=0.4, help="conversations started per second")
     parser.add_argument("--workloads", default="shared_prefix,multi_turn")
     parser.add_argument("--latency-only", action="store_true", help="only the router's own added latency")
+    parser.add_argument("--latency-requests", type=int, default=1000,
+                        help="paired requests per kind in the added-latency measurement")
+    parser.add_argument("--router-nice", type=int, default=None,
+                        help="the router's nice value in the added-latency measurement (below 0: root only)")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-router-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -235,7 +257,7 @@ def main() -> None:
         # session pins a conversation: compared where there are conversations
         names = policies + (["session"] if name == "multi_turn" and "session" not in policies else [])
         results[name] = [run_policy(policy, workloads[name]) for policy in names]
-    latency = router_latency()
+    latency = router_latency(args.latency_requests, args.router_nice)
     (out / "results.json").write_text(json.dumps({
         "workloads": results, "router_latency": latency,
         "shared_prefix_args": shared, "multi_turn": {"conversations": args.conversations, "turns": args.turns,
@@ -249,13 +271,23 @@ def main() -> None:
             print(f"| {row['policy']} | {row['prefix_cache_hit_rate']:.1%} | {row['ttft_p50_ms']:.0f} ms | "
                   f"{row['ttft_p99_ms']:.0f} ms | {row['output_throughput']:.1f} | {row['completed']} | "
                   f"{row['requests_per_replica']} | {row['router_cpu_ms_per_output_token']:.2f} ms |")
-    print(f"\nrouter hop (GET /v1/models, p50 of paired differences): direct {latency['direct_p50_ms']:.2f} ms, "
-          f"routed {latency['routed_p50_ms']:.2f} ms (+{latency['proxy_hop_ms']:.2f} ms); hashing a chat request "
+    print_latency(latency)
+
+
+def print_latency(latency: dict) -> None:
+    hop = latency["hop"]
+    print(f"\nrouter hop (GET /v1/models, p50 of paired differences): direct {hop['direct_p50_ms']:.2f} ms, "
+          f"routed {hop['routed_p50_ms']:.2f} ms, added {_added(hop)}; hashing a chat request "
           f"and choosing: {latency['decision_mean_ms']:.2f} ms mean")
     for kind in ("chat_ttft", "completion_ttft"):
         row = latency[kind]
-        print(f"{kind} (streamed, one token): direct {row['direct_p50_ms']:.2f} ms, routed "
-              f"{row['routed_p50_ms']:.2f} ms, added {row['added_p50_ms']:.2f} ms (p50 of paired differences)")
+        print(f"{kind} (streamed, first token): direct {row['direct_p50_ms']:.2f} ms, routed "
+              f"{row['routed_p50_ms']:.2f} ms, added {_added(row)} (p50 of {row['pairs']} paired differences)")
+
+
+def _added(row: dict) -> str:
+    low, high = row["added_p50_ci95_ms"]
+    return f"{row['added_p50_ms']:+.2f} ms (95% interval {low:+.2f} to {high:+.2f})"
 
 
 if __name__ == "__main__":
