@@ -123,6 +123,21 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
     ("{% for m in messages %}{{ m.content.upper() }}{% endfor %}", False),
     ("{{ messages[0].content + messages[0].content|length|string }}", False),
     ("{% for m in", False),
+    ("{% for m in messages[1:] %}{{ m.content }}{% endfor %}{{ messages[-1]['role'] }}", True),
+    # what the review of the first version found: each of these changes or tests what it writes
+    ("<s>Today is {{ strftime_now('%d %b %Y') }}.{% for m in messages %}{{ m.content }}{% endfor %}", False),
+    ("{% for m in messages %}{% filter upper %}{{ m.content }}{% endfilter %}{% endfor %}", False),
+    ("{% for m in messages %}{% set c %}{{ m.content }}{% endset %}{% if '<' in c %}T{% endif %}{% endfor %}",
+     False),
+    ("{% macro body(m) %}{{ m.content }}{% endmacro %}{% for m in messages %}{{ body(m)|length }}{% endfor %}",
+     False),
+    ("{% macro w() %}{{ caller() }}{% endmacro %}{% for m in messages %}{% call w() %}{{ m.content }}{% endcall %}"
+     "{% endfor %}", False),
+    ("{% for m in messages %}{% for k, v in m.items() %}{{ v }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{% for k, v in m|dictsort %}{{ v }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{% for k in m %}{{ m[k] }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{{ m['con' ~ 'tent'] }}{% endfor %}", False),
+    ("{% if messages|tojson|length > 100 %}LONG{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}", False),
 ])
 def test_only_templates_that_write_content_out_as_it_is_get_skeletons(template, expected):
     assert substitutes_content_only(template) is expected
@@ -166,3 +181,32 @@ def test_a_shape_whose_markers_do_not_come_back_is_always_rendered():
     for roles in (("system",), ("assistant",), ("user", "user")):  # past max_shapes: starts over
         skeletons.render([{"role": role, "content": "x"} for role in roles], False)
         assert len(skeletons._shapes) <= 2
+
+
+def test_a_learnt_shape_is_filled_in_without_the_template():
+    calls = []
+
+    def render(messages, add_generation_prompt):
+        calls.append(len(messages))
+        text = "".join(f"<{m['role']}>{m['content']}</s>" for m in messages)
+        return text + ("<gen>" if add_generation_prompt else "")
+
+    skeletons = ChatSkeletons(render)
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert skeletons.render(first, True) == "<system>be brief</s><user>hi</s><gen>"
+    learnt = len(calls)  # the markers' renders
+    for text in ("another question", " spaced\n", "{{ braces }}", ""):
+        second = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+        assert skeletons.render(second, True) == render(second, True)
+    assert len(calls) == learnt + 4  # only the reference renders above: the skeleton ran none
+
+
+def test_templates_with_loop_controls_are_read_in_the_environment_they_were_compiled_in(hasher):
+    template = ("{% for m in messages %}{% if loop.index > 8 %}{% break %}{% endif %}"
+                "<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}")
+    assert not substitutes_content_only(template)  # a plain environment cannot parse {% break %}
+    processor = _processor_with_template(hasher, template)
+    renderer = DirectChatRenderer.create(processor)
+    assert renderer is not None and renderer._skeletons is not None
+    messages = [{"role": "user", "content": "Hi"}]
+    assert renderer.render(messages, False) == processor.render_chat(messages, add_generation_prompt=False)

@@ -17,8 +17,10 @@ roles and positions, never content). For those, ``ChatSkeletons`` renders each
 conversation shape (its roles, in order, and whether a generation prompt is
 added) once with marker contents, keeps the text around the markers, and fills
 later conversations of that shape by joining strings: the template runs once
-per shape instead of once per request. A template that reads content any other
-way (a filter, a test, an assignment) gets no skeletons.
+per shape instead of once per request. The templates allowed are a whitelist
+(``substitutes_content_only``): one that reads content any other way (a
+filter, a test, a captured block, a computed key) or calls anything whose
+value may change (``strftime_now``) gets no skeletons.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class DirectChatRenderer:
         filled into skeletons (None: every conversation runs the template)."""
         self._template = template
         self._variables = variables
-        self._skeletons = ChatSkeletons(self._render_plain) if source and substitutes_content_only(source) else None
+        self._skeletons = (ChatSkeletons(self._render_plain)
+                           if source and substitutes_content_only(source, getattr(template, "environment", None))
+                           else None)
 
     @staticmethod
     def create(processor: InputProcessor) -> DirectChatRenderer | None:
@@ -143,13 +147,25 @@ class ChatSkeletons:
         return skeleton
 
 
-def substitutes_content_only(source: str) -> bool:
+# nodes after which nothing the template writes can be trusted to be the content as it is: a
+# block that captures or filters what it writes, a macro (its output is a value), a call
+# (a method, a global such as strftime_now, whose value changes), an include or import
+_OPAQUE_NODES = (nodes.AssignBlock, nodes.FilterBlock, nodes.Macro, nodes.CallBlock, nodes.Call, nodes.Include,
+                 nodes.Import, nodes.FromImport, nodes.Extends, nodes.EvalContextModifier)
+_ALLOWED_CALLS = frozenset({"raise_exception"})  # refuses a conversation: learnt as such, rendered each time
+
+
+def substitutes_content_only(source: str, environment: Any = None) -> bool:
     """Whether a chat template uses a message's content only by writing it out
-    (alone or joined with ``+`` / ``~`` into what it writes): then the text it
-    renders is the same around any content, and depends only on the roles and
-    positions of the messages (and the other variables, fixed here)."""
+    (alone or joined with ``+`` / ``~`` into what it writes), and nothing that
+    changes between renders: then the text it renders is the same around any
+    content, and depends only on the roles and positions of the messages. A
+    whitelist: no filter but ``length``, no call but ``raise_exception``, no
+    block that captures what it writes, no key but a constant one.
+    ``environment``: the Jinja environment the template was compiled in (its
+    extensions: ``{% generation %}``, loop controls)."""
     try:
-        template = ImmutableSandboxedEnvironment().parse(source)
+        template = (environment or ImmutableSandboxedEnvironment()).parse(source)
     except Exception:  # noqa: BLE001 (transformers compiled it; a parse that fails here means: no skeletons)
         return False
     return _content_only_written(template, written=False)
@@ -157,16 +173,39 @@ def substitutes_content_only(source: str) -> bool:
 
 def _content_only_written(node: nodes.Node, written: bool) -> bool:
     """``written``: ``node`` is (part of a ``+`` / ``~`` join that is) an item written by an Output."""
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content":
-        return written and _content_only_written(node.node, written=False)
+    if isinstance(node, nodes.Getitem):
+        if isinstance(node.arg, nodes.Slice):
+            bounds = (node.arg.start, node.arg.stop, node.arg.step)
+            if not all(bound is None or _is_constant(bound) for bound in bounds):
+                return False
+        elif not _is_constant(node.arg):
+            return False  # a computed key may be 'content'
+        elif _constant(node.arg) == "content":
+            return written and _content_only_written(node.node, written=False)
     if isinstance(node, nodes.Getattr) and node.attr == "content":
         return written and _content_only_written(node.node, written=False)
     if isinstance(node, nodes.Const) and node.value == "content":
-        return False  # 'content' used some other way: message.get('content'), 'content' in message ...
+        return False  # 'content' used some other way: 'content' in message ...
+    if isinstance(node, nodes.Call):
+        if not (isinstance(node.node, nodes.Name) and node.node.name in _ALLOWED_CALLS):
+            return False
+    elif isinstance(node, _OPAQUE_NODES):
+        return False
+    if isinstance(node, nodes.Filter) and node.name not in ("length", "count"):
+        return False
     if isinstance(node, nodes.Output):
         return all(_content_only_written(child, written=True) for child in node.nodes)
     joined = written and isinstance(node, (nodes.Add, nodes.Concat))
     return all(_content_only_written(child, written=joined) for child in node.iter_child_nodes())
+
+
+def _is_constant(node: nodes.Node) -> bool:
+    """A constant, or a negative one (``messages[-1]``)."""
+    return isinstance(node.node if isinstance(node, nodes.Neg) else node, nodes.Const)
+
+
+def _constant(node: nodes.Node) -> Any:
+    return getattr(node.node if isinstance(node, nodes.Neg) else node, "value", None)
 
 
 def _messages(roles: tuple[str, ...], contents: list[str]) -> list[dict[str, str]]:
