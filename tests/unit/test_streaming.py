@@ -257,3 +257,25 @@ def test_closing_the_sse_stream_closes_its_chunks_at_once():
         assert body.cleaned_up  # before aclose() returned, not at garbage collection
 
     asyncio.run(run())
+
+
+def test_the_done_event_goes_with_the_end_of_the_body():
+    """[DONE] and the end of the chunked body go in one message (one write in
+    uvicorn); a chunk after a [DONE] (not OpenAI's shape, but a body may) is
+    still sent, in order."""
+
+    async def body(chunks: list[str]) -> AsyncGenerator[str, None]:
+        for chunk in chunks:
+            yield chunk
+
+    def run(chunks: list[str]) -> list[tuple[bytes, bool]]:
+        client = Client()
+        response = GuardedStreamingResponse(body(chunks), stall_timeout_s=STALL_S)
+        asyncio.run(response({"type": "http"}, client.receive, client.send))
+        return [(m["body"], m["more_body"]) for m in client.messages[1:]]
+
+    assert run(["data: 1\n\n", "data: 2\n\n" + SSE_DONE]) == [
+        (b"data: 1\n\n", True), (b"data: 2\n\n" + SSE_DONE.encode(), False)]
+    assert run(["data: 1\n\n"]) == [(b"data: 1\n\n", True), (b"", False)]
+    assert run([SSE_DONE, "data: late\n\n"]) == [(SSE_DONE.encode(), True), (b"data: late\n\n", True), (b"", False)]
+    assert run([SSE_DONE, SSE_DONE]) == [(SSE_DONE.encode(), True), (SSE_DONE.encode(), False)]
