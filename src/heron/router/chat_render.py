@@ -176,11 +176,11 @@ def _content_only_written(node: nodes.Node, written: bool) -> bool:
     if isinstance(node, nodes.Getitem):
         if isinstance(node.arg, nodes.Slice):
             bounds = (node.arg.start, node.arg.stop, node.arg.step)
-            if not all(bound is None or _is_constant(bound) for bound in bounds):
+            if not all(bound is None or _constant(bound) is not None for bound in bounds):
                 return False
-        elif not _is_constant(node.arg):
+        elif (key := _constant(node.arg)) is None:
             return False  # a computed key may be 'content'
-        elif _constant(node.arg) == "content":
+        elif key.value == "content":
             return written and _content_only_written(node.node, written=False)
     if isinstance(node, nodes.Getattr) and node.attr == "content":
         return written and _content_only_written(node.node, written=False)
@@ -199,13 +199,10 @@ def _content_only_written(node: nodes.Node, written: bool) -> bool:
     return all(_content_only_written(child, written=joined) for child in node.iter_child_nodes())
 
 
-def _is_constant(node: nodes.Node) -> bool:
-    """A constant, or a negative one (``messages[-1]``)."""
-    return isinstance(node.node if isinstance(node, nodes.Neg) else node, nodes.Const)
-
-
-def _constant(node: nodes.Node) -> Any:
-    return getattr(node.node if isinstance(node, nodes.Neg) else node, "value", None)
+def _constant(node: nodes.Node) -> nodes.Const | None:
+    """The constant ``node`` is, or negates (``messages[-1]``); None if it is not one."""
+    inner = node.node if isinstance(node, nodes.Neg) else node
+    return inner if isinstance(inner, nodes.Const) else None
 
 
 def _messages(roles: tuple[str, ...], contents: list[str]) -> list[dict[str, str]]:

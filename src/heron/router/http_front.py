@@ -223,9 +223,7 @@ class FrontConnection(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value)
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
+        self._count_head(len(name) + len(value))
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
