@@ -120,7 +120,8 @@ def multi_turn_workload(conversations: int, turns: int, rate: float) -> Callable
     return run
 
 
-def router_latency(num_requests: int = 1000, router_nice: int | None = None) -> dict:
+def router_latency(num_requests: int = 1000, router_nice: int | None = None,
+                   replica_threads: int | None = None) -> dict:
     """What the router adds to a request, straight and through the router in
     alternation on kept-alive connections (so both see the same machine; which
     goes first is drawn each time), as the p50 of the paired differences with
@@ -132,8 +133,11 @@ def router_latency(num_requests: int = 1000, router_nice: int | None = None) -> 
     its prompt (``num_requests`` pairs each); and the router's hashing and
     choice per chat request (its ``heron_router_decision_seconds``). The router
     probes at its default interval (1 s), as deployed; ``router_nice``: its
-    scheduling priority (below 0 needs root or CAP_SYS_NICE)."""
-    replica = ServerProcess("--kv-events-config", KV_EVENTS)
+    scheduling priority (below 0 needs root or CAP_SYS_NICE); ``replica_threads``:
+    the replica's OpenMP threads (default: torch's, one per core, so the router
+    and the client wait for a core while the replica computes)."""
+    env = {"OMP_NUM_THREADS": str(replica_threads)} if replica_threads else None
+    replica = ServerProcess("--kv-events-config", KV_EVENTS, env=env)
     router = None
     try:
         router = RouterProcess([replica.base_url], "--probe-interval", "1")
@@ -168,7 +172,8 @@ def _paired(num_requests: int, direct: httpx.Client, routed: httpx.Client, direc
     added = [r - d for d, r in pairs]
     low, high = _median_interval(added)
     return {"direct_p50_ms": median(d for d, _ in pairs), "routed_p50_ms": median(r for _, r in pairs),
-            "added_p50_ms": median(added), "added_p50_ci95_ms": [low, high], "pairs": len(pairs)}
+            "added_p50_ms": median(added), "added_p50_ci95_ms": [low, high], "pairs": len(pairs),
+            "added_ms": [round(value, 4) for value in added]}  # kept, so that runs can be pooled
 
 
 def _median_interval(values: list[float], resamples: int = 1000) -> tuple[float, float]:
@@ -242,6 +247,9 @@ def main() -> None:
                         help="paired requests per kind in the added-latency measurement")
     parser.add_argument("--router-nice", type=int, default=None,
                         help="the router's nice value in the added-latency measurement (below 0: root only)")
+    parser.add_argument("--replica-threads", type=int, default=None,
+                        help="the replica's OpenMP threads in the added-latency measurement (default: one per "
+                             "core; fewer leaves the router and the client a core, as two replicas split them)")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-router-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -257,9 +265,9 @@ def main() -> None:
         # session pins a conversation: compared where there are conversations
         names = policies + (["session"] if name == "multi_turn" and "session" not in policies else [])
         results[name] = [run_policy(policy, workloads[name]) for policy in names]
-    latency = router_latency(args.latency_requests, args.router_nice)
+    latency = router_latency(args.latency_requests, args.router_nice, args.replica_threads)
     (out / "results.json").write_text(json.dumps({
-        "workloads": results, "router_latency": latency,
+        "workloads": results, "router_latency": latency, "replica_threads": args.replica_threads,
         "shared_prefix_args": shared, "multi_turn": {"conversations": args.conversations, "turns": args.turns,
                                                      "conversation_rate": args.conversation_rate}}, indent=2))
     for name, rows in results.items():
