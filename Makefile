@@ -34,9 +34,7 @@ chat: setup
 	$(BIN)/heron chat
 
 lint: setup
-	$(BIN)/ruff check src/heron tools
-	# benchmarks and tests: at least parse on the oldest Python heron supports
-	$(BIN)/ruff check --select E9 --target-version py311 benchmarks tests
+	$(BIN)/ruff check src/heron tools benchmarks tests
 	$(BIN)/mypy
 
 test: lint

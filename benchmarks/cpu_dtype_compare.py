@@ -20,8 +20,8 @@ import json
 import time
 
 from heron import LLM, SamplingParams
-from heron.sampling_params import RequestOutputKind
 from heron.kernels.cpu.isa import cpu_summary
+from heron.sampling_params import RequestOutputKind
 
 
 def decode_time_per_token(llm: LLM, prompt: list[int], output_len: int) -> float:

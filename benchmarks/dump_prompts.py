@@ -22,4 +22,5 @@ args = parser.parse_args()
 samples = random_dataset(load_gguf_tokenizer(default_model_path()), args.num_prompts, args.input_len, args.output_len,
                          args.range_ratio, seed=args.seed, output_range_ratio=args.output_range_ratio)
 with open(args.out, "w") as handle:
-    json.dump([{"prompt": s.prompt, "prompt_len": s.prompt_len, "output_len": s.expected_output_len} for s in samples], handle)
+    json.dump([{"prompt": s.prompt, "prompt_len": s.prompt_len, "output_len": s.expected_output_len}
+               for s in samples], handle)

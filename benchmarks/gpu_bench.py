@@ -30,8 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from heron import LLM, SamplingParams  # noqa: E402
 from tests.gpu.conftest import word_tokenizer  # noqa: E402
+
+from heron import LLM, SamplingParams  # noqa: E402
 
 LLAMA_1B = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -132,11 +133,11 @@ def hf_throughput(directory: str, time_limit_s: float) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     prompts, outputs = throughput_workload()
-    useful = sum(outputs)
     results: dict = {}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
     errors = []
-    for implementation in ("paged|sdpa", "paged|flash_attention_2", "paged|eager") if hasattr(model, "generate_batch") else ():
+    implementations = ("paged|sdpa", "paged|flash_attention_2", "paged|eager")
+    for implementation in implementations if hasattr(model, "generate_batch") else ():
         try:
             paged = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=torch.bfloat16, attn_implementation=implementation).cuda().eval()
@@ -170,8 +171,8 @@ def hf_throughput(directory: str, time_limit_s: float) -> dict:
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
         new_tokens = max(outputs[i] for i in batch)
-        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
+        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         done_tokens += sum(outputs[i] for i in batch)
         if time.perf_counter() - started > time_limit_s:
             break

@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU: host phases vs device time.
 
-    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--max-num-seqs N] [--no-async-scheduling] [--kernels]
+    PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--max-num-seqs N] \\
+        [--no-async-scheduling] [--kernels]
 
 ``--kernels`` also lists the GPU kernels of a step (CUPTI sees inside CUDA
 graphs): how many run per step and which take the device's time.
@@ -12,8 +13,8 @@ import argparse
 import time
 
 import torch
-
 from benchmarks.gpu_bench import LLAMA_1B, build_model, random_prompts
+
 from heron import LLM, SamplingParams
 from heron.profiling import phase_times_ms
 

@@ -23,11 +23,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from tests.gpu.conftest import word_tokenizer  # noqa: E402
+from tests.model.conftest import build_tiny_model as save_tiny_model  # noqa: E402
+
 from heron import LLM, SamplingParams  # noqa: E402
 from heron.profiling import phase_times_ms  # noqa: E402
 from heron.sampling_params import RequestOutputKind  # noqa: E402
-from tests.gpu.conftest import word_tokenizer  # noqa: E402
-from tests.model.conftest import build_tiny_model as save_tiny_model  # noqa: E402
 
 # the tests' tiny Llama (64 wide), one layer, a 512-word vocabulary
 TINY = dict(model_type="llama", vocab_size=512, num_hidden_layers=1, max_position_embeddings=4096)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,10 +46,11 @@ def main() -> None:
         head_ms = dict.fromkeys(libraries, float("inf"))
         for _ in range(7):
             for isa, library in libraries.items():
-                linear_ms[isa] = best_ms(lambda: [q4_linear(x, layer.tiles, layer.scales, layer.mins, library=library)
-                                                  for layer, x in zip(layers, inputs)], linear_ms[isa])
-                head_ms[isa] = best_ms(lambda: q8_linear(head_input, head.tiles, head.scales, library=library),
-                                       head_ms[isa])
+                linear_ms[isa] = best_ms(lambda library=library, inputs=inputs: [
+                    q4_linear(x, layer.tiles, layer.scales, layer.mins, library=library)
+                    for layer, x in zip(layers, inputs)], linear_ms[isa])
+                head_ms[isa] = best_ms(lambda library=library, head_input=head_input: q8_linear(
+                    head_input, head.tiles, head.scales, library=library), head_ms[isa])
         print(f"{rows} | " + " | ".join(f"{linear_ms[isa]:.2f} / {head_ms[isa]:.2f}" for isa in libraries))
 
 

@@ -34,7 +34,7 @@ def main() -> None:
     for rows in (1, 4, 16, 32, 64):
         inputs = [torch.randn(rows, layer.in_features) for layer in layers]
 
-        def all_layers() -> None:
+        def all_layers(layers: list[Int4WeightOnlyLinear] = layers, inputs: list[torch.Tensor] = inputs) -> None:
             for layer, x in zip(layers, inputs):
                 if hasattr(layer, "tiles"):
                     q4_linear(x, layer.tiles, layer.scales, layer.mins)
@@ -44,7 +44,7 @@ def main() -> None:
                     layer(x)
 
         print(f"4-bit linears, 30 layers, {rows} rows: {best_ms(all_layers):.2f} ms")
-    del layers
+    del layers, all_layers  # all_layers holds the layers too, as a default
     weight = torch.randn(49152, 576) * 0.05
     heads = [Int8WeightOnlyLinear]
     try:
@@ -57,7 +57,8 @@ def main() -> None:
         head = cls(weight)
         for rows in (1, 4, 8, 16, 32, 64, 128):
             x = torch.randn(rows, 576)
-            print(f"LM head {cls.__name__}, {rows} rows: {best_ms(lambda: [head(x) for _ in range(5)]) / 5:.2f} ms")
+            ms = best_ms(lambda head=head, x=x: [head(x) for _ in range(5)]) / 5
+            print(f"LM head {cls.__name__}, {rows} rows: {ms:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from heron.step_outputs import EngineCoreOutput  # noqa: E402
+from tests.gpu.conftest import word_tokenizer  # noqa: E402
+
 from heron.engine.input_processor import ProcessedPrompt  # noqa: E402
 from heron.engine.output_processor import OutputProcessor  # noqa: E402
 from heron.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from tests.gpu.conftest import word_tokenizer  # noqa: E402
+from heron.step_outputs import EngineCoreOutput  # noqa: E402
 
 VOCAB = 128256  # the size of Llama 3's vocabulary (gpu_bench's model uses this word tokenizer)
 

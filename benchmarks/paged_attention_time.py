@@ -36,7 +36,8 @@ def main() -> None:
     num_blocks = args.batch * blocks_per_seq + 10
     dtype = getattr(torch, args.cache_dtype)
     caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype) for _ in range(30)]
-    block_table = torch.randperm(num_blocks)[: args.batch * blocks_per_seq].view(args.batch, blocks_per_seq).contiguous()
+    block_table = (torch.randperm(num_blocks)[: args.batch * blocks_per_seq]
+                   .view(args.batch, blocks_per_seq).contiguous())
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int64)
     table_rows = None
     if args.chunk:  # rows: the chunk's tokens, all in block-table row 0, one position apart

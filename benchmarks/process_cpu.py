@@ -86,14 +86,15 @@ class ProcessCpuSampler:
         start = busy[0] - 1
         if duration_s is not None:
             end_time = rows[busy[-1]][0]
-            start = max(start, next(i for i in range(len(rows)) if rows[i][0] >= end_time - duration_s - self.interval_s))
+            window_start = end_time - duration_s - self.interval_s
+            start = max(start, next(i for i in range(len(rows)) if rows[i][0] >= window_start))
         window = rows[start : busy[-1] + 1]
         if len(window) < 2:
             return {}
         per_second = max(1, round(1.0 / self.interval_s))
         result: dict[str, float] = {"cpu_window_s": window[-1][0] - window[0][0]}
         for name in self.pids:
-            def pct(a: int, b: int) -> float:
+            def pct(a: int, b: int, name: str = name) -> float:
                 (t0, v0), (t1, v1) = window[a], window[b]
                 return 100.0 * (v1[name] - v0[name]) / _TICKS_PER_S / max(t1 - t0, 1e-9)  # type: ignore[operator]
 

@@ -33,7 +33,8 @@ def test_bench_serve_reports_every_field(server, tmp_path, capsys):
     for field in VLLM_FIELDS:
         assert field in result, field
     assert result["completed"] == 12 and result["failed"] == 0
-    assert result["total_output_tokens"] == sum(result["output_lens"]) and 12 * 12 <= result["total_output_tokens"] <= 12 * 20
+    assert (result["total_output_tokens"] == sum(result["output_lens"])
+            and 12 * 12 <= result["total_output_tokens"] <= 12 * 20)
     assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"] < result["p99_e2el_ms"]
     assert 0 < result["median_tpot_ms"] < 10_000 and result["median_itl_ms"] > 0
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
@@ -69,8 +70,9 @@ def test_offline_throughput_and_latency_with_profile(tmp_path):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     common = ["--max-model-len", "256", "--num-kv-blocks", "64", "--disable-tqdm"]
     throughput = subprocess.run(
-        [sys.executable, "-m", "heron.entrypoints.cli", "bench", "throughput", "--num-prompts", "8", "--input-len", "32",
-         "--output-len", "8", "--output-json", str(tmp_path / "t.json"), "--profile", str(tmp_path / "trace"),
+        [sys.executable, "-m", "heron.entrypoints.cli", "bench", "throughput", "--num-prompts", "8",
+         "--input-len", "32", "--output-len", "8", "--output-json", str(tmp_path / "t.json"),
+         "--profile", str(tmp_path / "trace"),
          "--profile-steps", "3", *common], capture_output=True, text=True, env=env, timeout=300)
     assert throughput.returncode == 0, throughput.stderr
     assert "output tokens/s" in throughput.stdout

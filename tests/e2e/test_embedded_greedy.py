@@ -85,7 +85,8 @@ def test_shared_prefix_hits_the_prefix_cache_and_still_matches(reference_model, 
     assert [o.num_cached_tokens for o in rest] == [expected_hit] * 5
     assert stats.prefix_cache_hits == 5 * expected_hit
     for output in first + rest:
-        assert output.outputs[0].token_ids == reference_generate(reference_model, output.prompt_token_ids, MAX_NEW_TOKENS)
+        expected = reference_generate(reference_model, output.prompt_token_ids, MAX_NEW_TOKENS)
+        assert output.outputs[0].token_ids == expected
 
 
 def test_chat_answer_mentions_paris():

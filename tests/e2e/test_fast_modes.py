@@ -8,8 +8,8 @@ import os
 import pytest
 
 from heron import LLM, SamplingParams
-from heron.kernels.cpu.library import native_library
 from heron.benchmarks.quality import compare
+from heron.kernels.cpu.library import native_library
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def test_quantized_modes_keep_perplexity_and_agreement(fp32, method):
     assert result["top1_agreement"] > 0.9
     # (the chat answer's first token is a near-tie even in float32, "The" -1.88 vs "L" -1.97,
     # so it is no test of a mode; a plain continuation is decided)
-    [answer] = quantized.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    [answer] = quantized.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
+                                  use_tqdm=False)
     assert "Paris" in answer.outputs[0].text
 
 
@@ -59,7 +60,8 @@ def test_float32_is_unchanged_by_the_weight_cache(tmp_path, monkeypatch, fp32):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["Herons live on every continent except", "Memory is cut into small pages of"]
     expected = [o.outputs[0].token_ids for o in fp32.generate(prompts, params, use_tqdm=False)]
-    first = LLM(max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="none")  # dequantizes and writes the cache
+    # dequantizes and writes the cache
+    first = LLM(max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="none")
     [cached_file] = os.listdir(tmp_path / "weights")
     second = LLM(max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="none")  # reads the cache
     for llm in (first, second):

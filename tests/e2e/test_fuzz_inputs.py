@@ -56,7 +56,8 @@ def post(client: httpx.Client, path: str, body: dict[str, Any] | str, name: str)
                                headers={"content-type": "application/json"})
     else:
         # ensure_ascii keeps lone surrogates as \\udxxx escapes, which JSON allows
-        response = client.post(path, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"})
+        response = client.post(path, content=json.dumps(body, allow_nan=True),
+                               headers={"content-type": "application/json"})
     assert response.status_code < 500, (path, body if len(str(body)) < 2000 else "(long)", response.text)
     if response.status_code != 200:
         error = response.json()["error"]

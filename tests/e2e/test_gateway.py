@@ -140,7 +140,8 @@ def test_max_waiting_requests_rejects_the_overflow(bounded):
     async def run() -> list[int]:
         async with httpx.AsyncClient(timeout=300) as client:
             async def one(i: int) -> int:
-                body = {"model": MODEL, "prompt": f"Story {i}: " + "once upon a time " * 20, "max_tokens": 12, "ignore_eos": True}
+                body = {"model": MODEL, "prompt": f"Story {i}: " + "once upon a time " * 20, "max_tokens": 12,
+                        "ignore_eos": True}
                 response = await client.post(f"{bounded.base_url}/v1/completions", json=body)
                 if response.status_code == 429:
                     assert response.json()["error"]["code"] == "server_overloaded"

@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-
 from benchmarks import gpu_serve
 from benchmarks.host_overhead import build_tiny_model
 from benchmarks.process_cpu import ProcessCpuSampler, cpu_ticks
+
 from tests.e2e.server_process import free_port
 
 

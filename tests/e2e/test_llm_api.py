@@ -58,7 +58,8 @@ def test_n_samples_share_the_prompt_blocks(llm):
     llm.engine.engine_core.reset_prefix_cache()
     before = llm.engine.engine_core.scheduler.make_stats().prefix_cache_hits
     prompt = PROMPT + " " + PROMPT  # > 2 blocks
-    [out] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    [out] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # child seeds differ
     hits = llm.engine.engine_core.scheduler.make_stats().prefix_cache_hits - before
@@ -91,7 +92,8 @@ def test_stop_token_ids_and_eos(llm):
     first = free.outputs[0].token_ids.index(target)
     assert stopped.outputs[0].token_ids == free.outputs[0].token_ids[: first + 1]
     assert stopped.outputs[0].stop_reason == target
-    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64),
+                    use_tqdm=False)
     assert chat[0].outputs[0].token_ids[-1] == 2 and chat[0].outputs[0].finish_reason == "stop"
 
 
@@ -117,7 +119,8 @@ def test_logprobs_and_prompt_logprobs(llm):
 def test_penalties_and_bias_change_the_output(llm):
     base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     [plain] = llm.generate("List fruits: apple, apple, apple,", base, use_tqdm=False)
-    [penalized] = llm.generate("List fruits: apple, apple, apple,", base.clone(repetition_penalty=1.5, frequency_penalty=1.0), use_tqdm=False)
+    [penalized] = llm.generate("List fruits: apple, apple, apple,",
+                               base.clone(repetition_penalty=1.5, frequency_penalty=1.0), use_tqdm=False)
     assert penalized.outputs[0].token_ids != plain.outputs[0].token_ids
     banned = plain.outputs[0].token_ids[0]
     [biased] = llm.generate("List fruits: apple, apple, apple,", base.clone(logit_bias={banned: -100}), use_tqdm=False)
@@ -189,6 +192,7 @@ def test_engine_abort_frees_blocks(llm):
     engine.add_request("abort-me", prompt, SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.engine_core.scheduler.kv_cache_manager.num_free_blocks < engine.engine_core.scheduler.kv_cache_manager.num_blocks
+    kv_cache_manager = engine.engine_core.scheduler.kv_cache_manager
+    assert kv_cache_manager.num_free_blocks < kv_cache_manager.num_blocks
     engine.abort_request("abort-me")
     assert_idle(llm)

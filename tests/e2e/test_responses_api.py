@@ -25,7 +25,8 @@ def test_a_text_answer_is_stored_continued_and_deleted(default_client):
     first = default_client.responses.create(model=MODEL, input="What is the capital of France?",
                                     instructions="Answer in one sentence.", max_output_tokens=40, temperature=0)
     assert first.status == "completed" and first.id.startswith("resp_") and "Paris" in first.output_text
-    assert first.usage.input_tokens > 0 and first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens
+    assert (first.usage.input_tokens > 0
+            and first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens)
     [item] = first.output
     assert item.type == "message" and item.role == "assistant" and item.status == "completed"
     # the follow-up sees the first turn: "And of Germany?" only makes sense after it
@@ -38,7 +39,8 @@ def test_a_text_answer_is_stored_continued_and_deleted(default_client):
     with pytest.raises(NotFoundError):
         default_client.responses.retrieve(first.id)
     with pytest.raises(BadRequestError) as info:
-        default_client.responses.create(model=MODEL, input="And Italy?", previous_response_id=first.id, max_output_tokens=4)
+        default_client.responses.create(model=MODEL, input="And Italy?", previous_response_id=first.id,
+                                        max_output_tokens=4)
     assert info.value.body["param"] == "previous_response_id"
 
 

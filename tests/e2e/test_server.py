@@ -65,7 +65,8 @@ def test_usage_counts_equal_the_tokenizer(server, client, embedded_tokenizer):
 
 
 def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
-    kwargs = dict(model=MODEL, messages=QUESTION + [{"role": "assistant", "content": "It is"}, {"role": "user", "content": "Tell me more."}],
+    kwargs = dict(model=MODEL, messages=QUESTION + [{"role": "assistant", "content": "It is"},
+                                                    {"role": "user", "content": "Tell me more."}],
                   temperature=0.9, seed=1234, max_tokens=48)
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     again = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -92,13 +93,15 @@ def test_completions_n2_logprobs_and_echo(client):
         assert "".join(lp.tokens) == choice.text
         assert all(len(top) >= 2 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
     assert response.usage.completion_tokens == 4 * 6
-    echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, echo=True, logprobs=1)
+    echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, echo=True,
+                                     logprobs=1)
     assert echo.choices[0].text.startswith("Hello there")
     assert echo.choices[0].logprobs.token_logprobs[0] is None
 
 
 def test_chat_logprobs_shape(client):
-    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3)
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens
     for item in content:
@@ -136,10 +139,13 @@ def test_concurrent_requests_are_all_answered(server, embedded_tokenizer):
         async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as aclient:
             async def one(i: int):
                 if i % 2:
-                    return await aclient.completions.create(model=MODEL, prompt=f"Fact number {i}:", max_tokens=8 + i % 5,
-                                                            temperature=0, extra_body={"ignore_eos": True})
-                return await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Say {i}"}],
-                                                             max_tokens=8 + i % 5, temperature=0, extra_body={"ignore_eos": True})
+                    return await aclient.completions.create(model=MODEL, prompt=f"Fact number {i}:",
+                                                            max_tokens=8 + i % 5, temperature=0,
+                                                            extra_body={"ignore_eos": True})
+                return await aclient.chat.completions.create(model=MODEL,
+                                                             messages=[{"role": "user", "content": f"Say {i}"}],
+                                                             max_tokens=8 + i % 5, temperature=0,
+                                                             extra_body={"ignore_eos": True})
             return await asyncio.gather(*[one(i) for i in range(40)])
 
     responses = asyncio.run(run())
@@ -299,7 +305,8 @@ def test_server_processes_freeze_their_start_up_objects(server):
 
 
 def test_malformed_json_and_unknown_route(server):
-    response = httpx.post(f"{server.base_url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(f"{server.base_url}/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
     assert response.status_code == 400 and "error" in response.json()
     response = httpx.get(f"{server.base_url}/v1/nothing-here")
     assert response.status_code == 404 and "error" in response.json()
@@ -309,7 +316,8 @@ def test_metrics_move_with_requests(server, client):
     before_success = server.metric("heron:request_success_total")
     before_tokens = server.metric("heron:generation_tokens_total")
     before_ttft = server.metric("heron:time_to_first_token_seconds_count")
-    client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=10, temperature=0,
+                              extra_body={"ignore_eos": True})
     assert server.metric("heron:request_success_total") == before_success + 1
     assert server.metric("heron:generation_tokens_total") == before_tokens + 10
     assert server.metric("heron:time_to_first_token_seconds_count") == before_ttft + 1

@@ -47,7 +47,8 @@ def llm():
 
 def test_every_output_validates_across_prompts_and_seeds(llm):
     params = [
-        SamplingParams(max_tokens=160, temperature=1.0, top_p=0.95, seed=seed, structured_outputs=StructuredOutputsParams(json=PERSON))
+        SamplingParams(max_tokens=160, temperature=1.0, top_p=0.95, seed=seed,
+                       structured_outputs=StructuredOutputsParams(json=PERSON))
         for seed in range(4)
     ]
     prompts = [prompt for prompt in PROMPTS for _ in params]

@@ -25,7 +25,8 @@ WEATHER = {
 TIME = {"type": "object", "properties": {"timezone": {"type": "string", "minLength": 2, "maxLength": 12}},
         "required": ["timezone"]}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
+    {"type": "function",
+     "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
@@ -81,8 +82,9 @@ def test_a_named_function_is_called_with_valid_arguments(default_client, seed):
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_calls_arrive_as_openai_deltas(default_client, tool_choice):
-    stream = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-                                            max_tokens=120, temperature=0, stream=True)
+    stream = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                                    tool_choice=tool_choice, max_tokens=120, temperature=0,
+                                                    stream=True)
     calls, content, reasons = merge_streamed(stream)
     assert content == "" and reasons in (["tool_calls"], ["length"]) and calls
     for entry in calls.values():
@@ -94,8 +96,8 @@ def test_streamed_calls_arrive_as_openai_deltas(default_client, tool_choice):
 
 def test_none_and_auto_answer_in_text_when_the_model_writes_no_call(default_client):
     for tool_choice in ("none", "auto"):
-        answer = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-                                                max_tokens=24, temperature=0)
+        answer = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                                        tool_choice=tool_choice, max_tokens=24, temperature=0)
         message = answer.choices[0].message
         if message.tool_calls:  # auto: the model may call, and then validly
             assert tool_choice == "auto"
@@ -113,12 +115,14 @@ def test_a_conversation_with_a_call_and_its_result_round_trips(default_server, d
             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
-    answer = default_client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=24, temperature=0)
+    answer = default_client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=24,
+                                                    temperature=0)
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
     # the model saw the tools, its call and the result
     tokens = httpx.post(f"{default_server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
     prompt = httpx.post(f"{default_server.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in prompt
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+            '\n</tool_call>') in prompt
     assert "<tool_response>\n18 degrees and sunny\n</tool_response>" in prompt
 
 
@@ -153,7 +157,8 @@ def test_a_chat_template_that_takes_tools_renders_them_itself(tmp_path):
     try:
         tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": QUESTION, "tools": TOOLS}).json()["tokens"]
         prompt = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
-        assert prompt.startswith("<|im_start|>system\nTOOLS: get_weather get_time<|im_end|>") and "<tools>" not in prompt
+        assert (prompt.startswith("<|im_start|>system\nTOOLS: get_weather get_time<|im_end|>")
+                and "<tools>" not in prompt)
         answer = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused").chat.completions.create(
             model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
             max_tokens=80, temperature=0)

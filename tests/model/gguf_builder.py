@@ -44,7 +44,8 @@ def encode(array: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
 
 def llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's Q/K row order (interleaved rotary pairs)."""
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    head_rows = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, head_rows, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q]) -> None:

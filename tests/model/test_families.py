@@ -9,7 +9,14 @@ import torch
 
 from heron import LLM, SamplingParams
 from heron.models.registry import select_implementation
-from tests.model.conftest import FALLBACK_FAMILIES, FAMILIES, load_reference, random_prompts, reference_greedy, reference_logprobs
+from tests.model.conftest import (
+    FALLBACK_FAMILIES,
+    FAMILIES,
+    load_reference,
+    random_prompts,
+    reference_greedy,
+    reference_logprobs,
+)
 
 PROMPT_LENGTHS = [5, 17, 33, 40, 1]
 NEW_TOKENS = 12
@@ -39,7 +46,8 @@ def check_against_reference(directory: str, expected_impl: str) -> None:
             assert got == pytest.approx(top_values.tolist(), abs=2e-4)
 
     # greedy: all prompts at once, chunked and mixed with decodes
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == reference_greedy(reference, prompt, NEW_TOKENS)
     llm.engine.engine_core.scheduler.kv_cache_manager.check_integrity()

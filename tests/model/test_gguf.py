@@ -165,8 +165,10 @@ def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(output))
     prompts = random_prompts([9], seed=4)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    original = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params, use_tqdm=False)
-    converted = LLM(output, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params, use_tqdm=False)
+    original = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params,
+                                                                                              use_tqdm=False)
+    converted = LLM(output, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params,
+                                                                                           use_tqdm=False)
     assert converted[0].outputs[0].token_ids == original[0].outputs[0].token_ids
 
 
@@ -202,9 +204,12 @@ def test_quantization_auto_follows_the_files_linear_types(tmp_path, embedded_tok
     config = EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config()
     assert config.model.quantization == expected
     assert config.model.dtype == torch.float32
-    assert EngineArgs(model=path, device="cpu", dtype="bfloat16", max_model_len=64).create_engine_config().model.quantization == "none"
-    assert EngineArgs(model=path, device="cpu", quantization="none", max_model_len=64).create_engine_config().model.quantization == "none"
-    assert EngineArgs(model=directory, device="cpu", max_model_len=64).create_engine_config().model.quantization == "none"  # not a GGUF
+    bf16 = EngineArgs(model=path, device="cpu", dtype="bfloat16", max_model_len=64).create_engine_config().model
+    assert bf16.quantization == "none"
+    no_quant = EngineArgs(model=path, device="cpu", quantization="none", max_model_len=64).create_engine_config().model
+    assert no_quant.quantization == "none"
+    not_gguf = EngineArgs(model=directory, device="cpu", max_model_len=64).create_engine_config().model
+    assert not_gguf.quantization == "none"  # not a GGUF
     monkeypatch.setattr(resolve, "cpu_has_native_bf16", lambda: True)
     native_bf16 = EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config().model
     assert native_bf16.quantization == expected  # a low-bit file stays low-bit, on float32

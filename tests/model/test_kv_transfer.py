@@ -17,7 +17,6 @@ import zmq
 from heron import LLM, SamplingParams
 from heron.engine.input_processor import ProcessedPrompt
 from heron.worker import kv_pull
-
 from tests.model.conftest import load_reference, random_prompts, reference_greedy
 
 NEW_TOKENS = 8

@@ -102,7 +102,8 @@ def test_sampled_next_tokens_follow_the_same_distribution(tiny_model_dir, method
     reference = load_reference(directory)
     prompt = looping_prompts(reference)[1]
     num_samples = 1500
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True) for seed in range(num_samples)]
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+              for seed in range(num_samples)]
     kwargs = dict(dtype="float32", max_model_len=128, num_kv_blocks=256, max_num_seqs=256)
     plain = LLM(directory, **kwargs).generate([prompt] * num_samples, params, use_tqdm=False)
     # the target as its own (greedy) draft: its drafts sit in the top-k, so some

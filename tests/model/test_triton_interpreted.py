@@ -35,9 +35,8 @@ NEW_TOKENS = 10
 )
 def test_triton_backend_greedy_matches_transformers(tiny_model_dir, family, settings, monkeypatch):
     # on CUDA every norm and SiLU goes through the fused kernels too: do so here
-    from heron.models.layers import triton_ops
-
     from heron.attention import triton_backend
+    from heron.models.layers import triton_ops
 
     for module in ("heron.models.layers.norm", "heron.models.llama"):
         monkeypatch.setattr(f"{module}.fused_kernels_for", lambda x: triton_ops)

@@ -45,7 +45,8 @@ def test_bad_flags_fail_fast_and_leave_no_engine_core(tmp_path):
     before = engine_cores()
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", "0", "--model", str(tmp_path / "missing.gguf")],
+        [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", "0",
+         "--model", str(tmp_path / "missing.gguf")],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2, result.stderr

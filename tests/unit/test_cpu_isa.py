@@ -66,7 +66,8 @@ def test_scalar_build_is_portable(scalar):
 def test_int4_linear_is_bit_identical_to_scalar(scalar, variant, shape):
     generator = torch.Generator().manual_seed(shape[0])
     layer = Int4WeightOnlyLinear(torch.randn(*shape, generator=generator) * 0.05)
-    for rows in (1, 3, 4, 5, 6, 7, 70):  # single tiles up to 5 rows in AVX-512 builds, then pairs; groups of 4, panels of 64
+    # single tiles up to 5 rows in AVX-512 builds, then pairs; groups of 4, panels of 64
+    for rows in (1, 3, 4, 5, 6, 7, 70):
         x = torch.randn(rows, shape[1], generator=generator)
         x[0, :16] = 0.0  # an all-zero half block
         x[-1, 3] = 30.0  # an outlier
@@ -111,7 +112,8 @@ def test_paged_attention_matches_scalar(scalar, variant, num_heads, num_kv_heads
     block_table = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(num_seqs)])
     query = torch.randn(num_seqs, num_heads, head_dim, generator=generator) * 3  # peaked softmax
     for window in (None, 20):
-        expected = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window, library=scalar)
+        expected = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window,
+                                              library=scalar)
         got = ops.paged_decode_attention(query, cache, block_table, seq_lens, head_dim**-0.5, window, library=variant)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

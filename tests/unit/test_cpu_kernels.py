@@ -31,7 +31,8 @@ def test_native_decode_matches_torch(num_heads, num_kv_heads, head_dim, window, 
         decode_token_index=torch.arange(num_seqs), decode_block_table=block_table,
         decode_block_ids=block_table.flatten(), decode_seq_lens=seq_lens, all_decode=True,
     )
-    expected = TorchAttentionBackend._decode_with_torch(spec, query, cache, metadata)  # (a float16 cache read as float32)
+    # (a float16 cache read as float32)
+    expected = TorchAttentionBackend._decode_with_torch(spec, query, cache, metadata)
     got = cpu_kernels.paged_decode_attention(query, cache, block_table, seq_lens, spec.scale, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from heron.benchmarks.datasets import prefix_repetition_dataset, random_dataset, sharegpt_dataset
-from heron.benchmarks.metrics import compute_metrics, parse_goodput
 from heron.benchmarks.endpoint_client import RequestResult
+from heron.benchmarks.metrics import compute_metrics, parse_goodput
 
 
 def test_random_prompts_have_exact_token_lengths(embedded_tokenizer):
@@ -35,7 +35,8 @@ def test_random_prefix_and_prefix_repetition_share_prefixes(embedded_tokenizer):
     samples = random_dataset(embedded_tokenizer, 5, 20, 8, prefix_len=40, seed=1)
     prefix_tokens = [embedded_tokenizer.encode(s.prompt, add_special_tokens=False)[:40] for s in samples]
     assert all(p == prefix_tokens[0] for p in prefix_tokens)
-    assert all(len(embedded_tokenizer.encode(s.prompt, add_special_tokens=False)) == s.prompt_len == 60 for s in samples)
+    assert all(len(embedded_tokenizer.encode(s.prompt, add_special_tokens=False)) == s.prompt_len == 60
+               for s in samples)
     repeated = prefix_repetition_dataset(embedded_tokenizer, num_prompts=12, prefix_len=64, suffix_len=16,
                                          num_prefixes=3, output_len=10, seed=2)
     heads = {tuple(embedded_tokenizer.encode(s.prompt, add_special_tokens=False)[:64]) for s in repeated}
@@ -53,7 +54,8 @@ def test_sharegpt_file(tmp_path, embedded_tokenizer):
     path.write_text(json.dumps(data))
     samples = sharegpt_dataset(embedded_tokenizer, str(path), num_prompts=4)
     assert len(samples) == 4 and all(s.prompt.startswith("Question") for s in samples)
-    expected = len(embedded_tokenizer.encode("Because of Rayleigh scattering of sunlight in air.", add_special_tokens=False))
+    expected = len(embedded_tokenizer.encode("Because of Rayleigh scattering of sunlight in air.",
+                                             add_special_tokens=False))
     assert all(s.expected_output_len == expected for s in samples)
     with pytest.raises(ValueError, match="only 5 usable"):
         sharegpt_dataset(embedded_tokenizer, str(path), num_prompts=9)

@@ -66,7 +66,8 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
 
 def test_byte_fallback_tokens_wait_for_the_whole_character(detokenizer_class):
     tok = byte_fallback_tokenizer()
-    ids = [tok.convert_tokens_to_ids(t) for t in ["▁a", "<0xC3>", "<0xA9>", "▁b", "<0xF0>", "<0x9F>", "<0xA6>", "<0x9C>", "c"]]
+    ids = [tok.convert_tokens_to_ids(t)
+           for t in ["▁a", "<0xC3>", "<0xA9>", "▁b", "<0xF0>", "<0x9F>", "<0xA6>", "<0x9C>", "c"]]
     pieces = stream(tok, [], ids)
     assert "".join(pieces) == tok.decode(ids) == "aé b🦜c"
     assert not any(p.endswith("\ufffd") for p in pieces)

@@ -9,10 +9,10 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from heron.step_outputs import SchedulerStats
 from heron.metrics.logging_stats import LoggingStatLogger
 from heron.metrics.prometheus import EXPORTED_METRICS, PrometheusStatLogger
 from heron.metrics.stats import IterationStats, RequestTimes
+from heron.step_outputs import SchedulerStats
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,8 @@ def test_exporter_records_everything_it_declares():
                                  kv_disk_bytes=9300),
                   one_finished_iteration())
     text = logger.render().decode()
-    values = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    values = {s.name + str(sorted(s.labels.items())): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["heron:num_requests_running[('model_name', 'm')]"] == 2
     assert values["heron:kv_cache_usage_perc[('model_name', 'm')]"] == 0.25
     assert values["heron:prefix_cache_hits_total[('model_name', 'm')]"] == 40
@@ -66,7 +67,8 @@ def test_exporter_records_everything_it_declares():
     assert values["heron:inter_token_latency_seconds_count[('model_name', 'm')]"] == 1
     assert abs(values["heron:request_queue_time_seconds_sum[('model_name', 'm')]"] - 0.1) < 1e-9
     logger.set_compute_path({"device": "cpu", "cpu_isa": "avx2", "decode": "native (one C call per step)"})
-    assert 'heron:compute_path_info{cpu_isa="avx2",decode="native (one C call per step)",device="cpu",model_name="m"} 1.0' in logger.render().decode()
+    assert ('heron:compute_path_info{cpu_isa="avx2",decode="native (one C call per step)",device="cpu",'
+            'model_name="m"} 1.0') in logger.render().decode()
     names = sample_names(logger)
     for metric in EXPORTED_METRICS:
         assert any(name.startswith(metric) for name in names), metric
@@ -91,8 +93,10 @@ def test_periodic_log_line():
 
 def test_periodic_log_line_reports_spec_acceptance():
     logger = LoggingStatLogger(interval_s=10.0)
-    logger.record(SchedulerStats(num_running_reqs=1, spec_num_drafts=4, spec_num_draft_tokens=16, spec_num_accepted_tokens=10), None)
-    logger.record(SchedulerStats(num_running_reqs=1, spec_num_drafts=8, spec_num_draft_tokens=32, spec_num_accepted_tokens=20), None)
+    logger.record(SchedulerStats(num_running_reqs=1, spec_num_drafts=4, spec_num_draft_tokens=16,
+                                 spec_num_accepted_tokens=10), None)
+    logger.record(SchedulerStats(num_running_reqs=1, spec_num_drafts=8, spec_num_draft_tokens=32,
+                                 spec_num_accepted_tokens=20), None)
     line = logger.maybe_log(now=logger._window_start + 10.0)
     assert line is not None
     assert "Spec acceptance rate: 62.5%" in line and "Mean acceptance length: 3.50" in line
@@ -112,8 +116,9 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     missing = sorted(name for name in queried if name not in exported)
     assert not missing, f"dashboard queries metrics heron does not export: {missing}"
     # the dashboard covers latency, throughput, KV usage, queue, cache hit rate and preemptions
-    for needed in ("heron:time_to_first_token_seconds_bucket", "heron:generation_tokens_total", "heron:kv_cache_usage_perc",
-                   "heron:num_requests_waiting", "heron:prefix_cache_hits_total", "heron:num_preemptions_total"):
+    for needed in ("heron:time_to_first_token_seconds_bucket", "heron:generation_tokens_total",
+                   "heron:kv_cache_usage_perc", "heron:num_requests_waiting", "heron:prefix_cache_hits_total",
+                   "heron:num_preemptions_total"):
         assert needed in queried
 
 

@@ -2,13 +2,12 @@
 
 import pytest
 
-from heron.step_outputs import EngineCoreOutput
 from heron.engine.input_processor import ProcessedPrompt
 from heron.engine.output_processor import _TEXT_BATCH as TEXT_BATCH
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.stop_strings import StopStringMatcher
 from heron.sampling_params import RequestOutputKind, SamplingParams
-from heron.step_outputs import TokenLogprobs
+from heron.step_outputs import EngineCoreOutput, TokenLogprobs
 
 
 def test_stop_string_matcher_finds_the_earliest_match_in_new_text():
@@ -64,7 +63,8 @@ def test_final_only_gathers_n_samples_in_index_order(embedded_tokenizer):
     second = processor.process_outputs([EngineCoreOutput("p#0", tok.encode(" hello"), finish_reason="length")])
     [output] = second.request_outputs
     assert output.request_id == "p" and output.finished
-    assert [(c.index, c.text, c.finish_reason) for c in output.outputs] == [(0, " hello", "length"), (1, " world", "stop")]
+    assert [(c.index, c.text, c.finish_reason) for c in output.outputs] == [(0, " hello", "length"),
+                                                                           (1, " world", "stop")]
     assert not processor.has_unfinished_requests()
 
 
@@ -117,7 +117,8 @@ def test_final_only_text_detokenized_at_the_end_equals_the_streamed_text(embedde
         texts: dict[str, str] = {"delta": ""}
         for index, ids in enumerate(steps):
             finish = "length" if index == len(steps) - 1 else None
-            outputs = [EngineCoreOutput(rid, ids, finish_reason=finish) for rid in ("final#0", "final#1", "delta", "cumulative")]
+            outputs = [EngineCoreOutput(rid, ids, finish_reason=finish)
+                       for rid in ("final#0", "final#1", "delta", "cumulative")]
             for output in processor.process_outputs(outputs).request_outputs:
                 if output.request_id == "delta":
                     texts["delta"] += output.outputs[0].text
@@ -142,7 +143,8 @@ def test_final_only_with_stop_strings_or_logprobs_still_works(embedded_tokenizer
     processor.add_request("s", ProcessedPrompt("q", tok.encode("q")), stop)
     assert not processor.requests["s"].text_at_end  # stop strings are matched per step
     results = feed(processor, tok, "s", ["The answer", " is 42", " and more"])
-    assert results[1].request_outputs[0].outputs[0].text == "The answer is " and results[1].request_ids_to_abort == ["s"]
+    assert (results[1].request_outputs[0].outputs[0].text == "The answer is "
+            and results[1].request_ids_to_abort == ["s"])
     params = SamplingParams(logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY)
     processor.add_request("l", ProcessedPrompt(None, [1]), params)
     assert processor.requests["l"].text_at_end

@@ -143,7 +143,7 @@ class EventfulReplica:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]:d}"  # type: ignore[union-attr]
 
     def restart(self) -> None:
         self.publisher.shutdown()

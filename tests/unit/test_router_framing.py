@@ -46,7 +46,7 @@ class RawReplica:
                 writer.close()
 
         self.server = await asyncio.start_server(connection, "127.0.0.1", 0)
-        self.url = "http://127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]:d}"
 
     async def stop(self) -> None:
         assert self.server is not None

@@ -6,9 +6,8 @@ from __future__ import annotations
 from heron.config import CacheConfig, SchedulerConfig
 from heron.core.scheduler import Scheduler
 from heron.core.scheduler_output import SchedulerOutput
-from heron.step_outputs import EngineCoreOutputs
 from heron.request import Request, RequestStatus
-from heron.step_outputs import ModelRunnerOutput
+from heron.step_outputs import EngineCoreOutputs, ModelRunnerOutput
 from tests.helpers import make_request
 
 

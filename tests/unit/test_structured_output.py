@@ -21,7 +21,8 @@ def test_exactly_one_constraint_and_keys():
     with pytest.raises(SamplingParamError, match="choice"):
         StructuredOutputsParams(choice=[])
     schema = {"type": "object", "properties": {"b": {}, "a": {}}}
-    assert StructuredOutputsParams(json=schema).key() == ("json", '{"type": "object", "properties": {"b": {}, "a": {}}}')
+    assert StructuredOutputsParams(json=schema).key() == ("json",
+                                                          '{"type": "object", "properties": {"b": {}, "a": {}}}')
     assert StructuredOutputsParams(choice=["x", "y"]).key() == ("choice", '["x", "y"]')
     assert StructuredOutputsParams(json_object=True).key() == ("json_object", "")
     params = SamplingParams(structured_outputs={"regex": "[0-9]+"})

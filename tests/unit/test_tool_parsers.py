@@ -128,7 +128,8 @@ def test_a_template_without_tools_gets_them_written_into_the_conversation():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
     ]
     written = write_tools_in(messages, tools)

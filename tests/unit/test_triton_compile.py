@@ -1,8 +1,9 @@
 """heron's Triton kernels compile for a Hopper GPU (sm_90) on a machine without
 one: Triton lowers them to PTX and assembles a cubin with its bundled ptxas.
 The interpreter (test_triton_kernels.py) checks what they compute; this checks
-what only a real compile sees (constructs the compiler rejects). It runs in a subprocess because the test process runs Triton in
-interpreter mode, where kernels cannot be compiled."""
+what only a real compile sees (constructs the compiler rejects). It runs in a
+subprocess because the test process runs Triton in interpreter mode, where
+kernels cannot be compiled."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def main() -> None:
                                    HAS_RESIDUAL=has_residual, BLOCK=block)
         for heads, kv_heads, head_dim, qk_norm in ((32, 8, 64, False), (40, 8, 128, True), (9, 3, 80, False)):
             compile_for_hopper(triton_ops._rotate_and_store_kernel, dtype, 1, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
-                               HEAD_DIM=head_dim, HALF_PADDED=1 << (head_dim // 2 - 1).bit_length(), HAS_QK_NORM=qk_norm)
+                               HEAD_DIM=head_dim, HALF_PADDED=1 << (head_dim // 2 - 1).bit_length(),
+                               HAS_QK_NORM=qk_norm)
         compile_for_hopper(triton_ops._silu_and_mul_kernel, dtype, triton_ops._warps_for(1024), BLOCK=1024)
         # (group, head dim, query tokens per program, splits, window): prefill tiles, and
         # decode tiles (16 // group tokens) with and without split-KV

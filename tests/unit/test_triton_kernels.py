@@ -47,7 +47,8 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
         ulp = torch.finfo(dtype).eps  # relative spacing of 1.0; at most one ulp of any value
         torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=ulp * 1e-2)
         mismatched = int((got != expected).sum())
-        assert mismatched <= max(1, got.numel() // 200), f"{mismatched} of {got.numel()} elements differ from the torch path"
+        assert mismatched <= max(1, got.numel() // 200), (
+            f"{mismatched} of {got.numel()} elements differ from the torch path")
 
 
 def random(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -125,7 +126,8 @@ def test_rotate_and_store_takes_no_tokens():
     kv_cache = torch.zeros((2, 2, 16, 2, 64), device=DEVICE)
     empty = torch.empty((0, 4 * 64 + 2 * 2 * 64), device=DEVICE)
     tables = torch.empty((0, 1, 64), device=DEVICE)
-    query = triton_ops.rotate_and_store(empty, tables, tables, kv_cache, torch.empty(0, dtype=torch.int64, device=DEVICE), 4, 2, 64)
+    slots = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    query = triton_ops.rotate_and_store(empty, tables, tables, kv_cache, slots, 4, 2, 64)
     assert query.shape == (0, 4, 64) and not kv_cache.any()
 
 
