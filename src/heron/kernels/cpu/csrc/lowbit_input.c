@@ -8,11 +8,12 @@
  * llama.cpp's 32 halve the inputs an outlier coarsens: on the embedded model
  * perplexity 32.90 vs 33.13 with 32 (float inputs: 32.95).
  *
- * Layouts (contiguous): x [rows, k] float, k a multiple of 32; see lowbit_input.h.
+ * Layouts (contiguous): x [rows, k] float, k a multiple of 32; the output's in lowbit_input.h.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "lowbit_input.h"
 #include "simd.h"
@@ -37,9 +38,9 @@ static inline int sum8(__m256i s) {
 }
 #endif
 
-/* x [rows, k] -> p [rows, k] int8; per 32-block: e [rows, nb, 8] (the low half's
- * scale four times, then the high half's) and
- * s [rows, nb] (the block's rounded sum, e0 * sum p[0:16] + e1 * sum p[16:32]) */
+/* one block of 32 inputs x -> p[0:32] int8, e[0:8] (the low half's scale four
+ * times, then the high half's) and s (the block's rounded sum, e0 * sum p[0:16] +
+ * e1 * sum p[16:32]) */
 static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
     float block_sum = 0.0f;
     for (int half = 0; half < 2; half++) {
@@ -82,27 +83,39 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
     *s = block_sum;
 }
 
-static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *p, float *e, float *s) {
-    const int64_t nb = k / 32;
+static void quantize_rows(const float *x, int64_t rows, int64_t k, quantized_input *in) {
+    const int64_t nb = k / 32, groups = (rows + INPUT_GROUP_ROWS - 1) / INPUT_GROUP_ROWS;
+    if (rows % INPUT_GROUP_ROWS != 0) { /* the last group's missing rows read as zeros */
+        memset(in->p + (groups - 1) * nb * INPUT_BLOCK_BYTES, 0, (size_t)(nb * INPUT_BLOCK_BYTES));
+        memset(in->e + (groups - 1) * nb * 8, 0, sizeof(float) * (size_t)(nb * 8));
+        memset(in->s + (groups - 1) * nb * 4, 0, sizeof(float) * (size_t)(nb * 4));
+    }
 #pragma omp parallel for schedule(static) if (rows * k >= 8192)
     for (int64_t i = 0; i < rows * nb; i++) {
-        const int64_t r = i / nb, b = i % nb;
-        quantize_block(x + r * k + b * 32, p + r * k + b * 32, e + i * 8, s + i);
+        const int64_t r = i / nb, b = i % nb, row = r % INPUT_GROUP_ROWS;
+        const int64_t block = (r / INPUT_GROUP_ROWS) * nb + b;
+        int8_t p[32];
+        float e[8];
+        quantize_block(x + r * k + b * 32, p, e, in->s + block * 4 + row);
+        int8_t *out = in->p + block * INPUT_BLOCK_BYTES + row * 4;
+        for (int j = 0; j < 8; j++) memcpy(out + (j / 4) * 64 + (j % 4) * 16, p + 4 * j, 4);
+        in->e[block * 8 + row] = e[0];
+        in->e[block * 8 + 4 + row] = e[4];
     }
 }
 
 void heron_release_input(quantized_input *in) { free(in->p), free(in->e), free(in->s); }
 
 int heron_quantize_input(const float *x, int64_t rows, int64_t k, quantized_input *in) {
-    const int64_t nb = k / 32;
-    in->p = malloc((size_t)(rows * k));
-    in->e = malloc(sizeof(float) * (size_t)(rows * nb * 8));
-    in->s = malloc(sizeof(float) * (size_t)(rows * nb));
+    const int64_t nb = k / 32, groups = (rows + INPUT_GROUP_ROWS - 1) / INPUT_GROUP_ROWS;
+    in->p = malloc((size_t)(groups * nb * INPUT_BLOCK_BYTES));
+    in->e = malloc(sizeof(float) * (size_t)(groups * nb * 8));
+    in->s = malloc(sizeof(float) * (size_t)(groups * nb * 4));
     if (!in->p || !in->e || !in->s) {
         heron_release_input(in);
         return -2;
     }
-    quantize_rows(x, rows, k, in->p, in->e, in->s);
+    quantize_rows(x, rows, k, in);
     return 0;
 }
 
