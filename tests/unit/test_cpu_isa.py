@@ -66,8 +66,9 @@ def test_scalar_build_is_portable(scalar):
 def test_int4_linear_is_bit_identical_to_scalar(scalar, variant, shape):
     generator = torch.Generator().manual_seed(shape[0])
     layer = Int4WeightOnlyLinear(torch.randn(*shape, generator=generator) * 0.05)
-    # single tiles up to 5 rows in AVX-512 builds, then pairs; groups of 4, panels of 64
-    for rows in (1, 3, 4, 5, 6, 7, 70):
+    # single tiles up to 5 rows in AVX-512 builds, then pairs; groups of 4 (each remainder after a whole group,
+    # on both paths), panels of 64
+    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 65, 70):
         x = torch.randn(rows, shape[1], generator=generator)
         x[0, :16] = 0.0  # an all-zero half block
         x[-1, 3] = 30.0  # an outlier
@@ -83,7 +84,7 @@ def test_int8_linear_is_bit_identical_to_scalar(scalar, variant, shape):
     weight[1] *= 40  # per-column scales
     weight[2, :5] = 0.0  # zero weights: the sign trick must give 0
     layer = Int8WeightInt8InputLinear(weight)
-    for rows in (1, 2, 5, 66):
+    for rows in (1, 2, 3, 5, 7, 9, 66, 67):  # as above: every remainder of a group of 4 on both paths
         x = torch.randn(rows, shape[1], generator=generator)
         x[0, 7] = -50.0
         expected = ops.q8_linear(x, layer.tiles, layer.scales, library=scalar)

@@ -85,7 +85,7 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
 
 static void quantize_rows(const float *x, int64_t rows, int64_t k, quantized_input *in) {
     const int64_t nb = k / 32, groups = (rows + INPUT_GROUP_ROWS - 1) / INPUT_GROUP_ROWS;
-    if (rows % INPUT_GROUP_ROWS != 0) { /* the last group's missing rows read as zeros */
+    if (rows % INPUT_GROUP_ROWS != 0) { /* the last group's missing rows: never read, zeroed to be defined */
         memset(in->p + (groups - 1) * nb * INPUT_BLOCK_BYTES, 0, (size_t)(nb * INPUT_BLOCK_BYTES));
         memset(in->e + (groups - 1) * nb * 8, 0, sizeof(float) * (size_t)(nb * 8));
         memset(in->s + (groups - 1) * nb * 4, 0, sizeof(float) * (size_t)(nb * 4));

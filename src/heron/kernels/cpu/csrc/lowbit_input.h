@@ -13,7 +13,7 @@
  *     (h the half of the block, j its group of 4 inputs);
  *   e [groups, nb, 8]: the half's scale at 4 h + r;
  *   s [groups, nb, 4]: at r, the rounded block's sum e0 * sum p[0:16] + e1 * sum p[16:32].
- * A last group of fewer rows is padded with zeros. */
+ * A last group of fewer rows is padded with zeros (no kernel reads them). */
 #define INPUT_GROUP_ROWS 4
 #define INPUT_BLOCK_BYTES 128 /* a group's bytes per block of 32 inputs */
 
