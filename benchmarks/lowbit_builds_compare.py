@@ -12,19 +12,16 @@ row counts. One process, so the machine's process-to-process noise cancels out.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from heron.kernels.cpu.isa import ISAS, compile_flags
-from heron.kernels.cpu.library import _BASE_FLAGS, SOURCES, _compiler, _declare, load_library
+from heron.kernels.cpu.isa import ISAS
+from heron.kernels.cpu.library import load_library
 from heron.kernels.cpu.ops import q4_linear, q8_linear
 from heron.models.quantization import Int4WeightOnlyLinear, Int8WeightInt8InputLinear
 
@@ -35,16 +32,6 @@ def timed_ms(function: Callable[[], Any]) -> float:
     started = time.perf_counter()
     function()
     return (time.perf_counter() - started) * 1000
-
-
-def build_from(src: str, isa: str, scratch: str) -> ctypes.CDLL:
-    """The kernels of another tree (``src``: its ``src`` folder) built for ``isa`` with this tree's flags."""
-    csrc = os.path.join(src, "heron", "kernels", "cpu", "csrc")
-    target = os.path.join(scratch, f"libheron_cpu_{isa}.so")
-    command = [_compiler() or "cc", *_BASE_FLAGS, *compile_flags(isa), "-I", csrc,
-               *(os.path.join(csrc, name) for name in SOURCES), "-o", target, "-lm"]
-    subprocess.run(command, check=True)
-    return _declare(ctypes.CDLL(target))
 
 
 def summary(times: list[float]) -> str:
@@ -59,9 +46,9 @@ def main() -> None:
     parser.add_argument("--base-src", default=None, help="another tree's src folder: its builds too, as ISA@base")
     args = parser.parse_args()
     libraries = {isa: load_library(isa) for isa in args.isa}
-    scratch = tempfile.mkdtemp(prefix="heron-builds-")
-    if args.base_src:
-        libraries.update({f"{isa}@base": build_from(args.base_src, isa, scratch) for isa in args.isa})
+    if args.base_src:  # the other tree's kernel sources, built with this tree's flags
+        csrc = os.path.join(args.base_src, "heron", "kernels", "cpu", "csrc")
+        libraries.update({f"{isa}@base": load_library(isa, source_dir=csrc) for isa in args.isa})
     torch.manual_seed(0)
     layers = [Int4WeightOnlyLinear(torch.randn(n, k) * 0.05) for n, k in SHAPES]
     head = Int8WeightInt8InputLinear(torch.randn(49152, 576) * 0.05)

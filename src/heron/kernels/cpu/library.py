@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from importlib import resources
+from pathlib import Path
 
 from heron import envs
 from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_isa
@@ -44,9 +45,10 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str, flags: list[str]) -> str:
-    """The path of the library built with ``flags``, compiling it unless cached."""
-    package = resources.files("heron.kernels.cpu").joinpath("csrc")
+def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> str:
+    """The path of the library built with ``flags`` from ``source_dir`` (default:
+    this package's ``csrc``), compiling it unless cached (keyed by the sources too)."""
+    package = resources.files("heron.kernels.cpu").joinpath("csrc") if source_dir is None else Path(source_dir)
     files = [package.joinpath(name) for name in SOURCES + HEADERS]
     digest = hashlib.sha256()
     for file in files:
@@ -96,9 +98,11 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 @functools.cache
-def load_library(isa: CpuIsa, emulate_with: str | None = None) -> ctypes.CDLL:
+def load_library(isa: CpuIsa, emulate_with: str | None = None, source_dir: str | None = None) -> ctypes.CDLL:
     """The kernels built for ``isa``. ``emulate_with``: the include directory of
     SIMDe, to build the AVX-512 code for a CPU without it (tests only: slow).
+    ``source_dir``: another tree's ``csrc`` to build instead of this package's
+    (benchmarks compare two versions of the kernels in one process).
     Raises KernelBuildError when the compiler fails, RuntimeError without one."""
     compiler = _compiler()
     if compiler is None:
@@ -108,7 +112,7 @@ def load_library(isa: CpuIsa, emulate_with: str | None = None) -> ctypes.CDLL:
     else:
         level = {"avx512": 1, "avx512_vnni": 2}[isa]
         flags = [*_BASE_FLAGS, *compile_flags("avx2"), f"-DHERON_EMULATE_AVX512={level}", "-isystem", emulate_with]
-    return _declare(ctypes.CDLL(_build(compiler, flags)))
+    return _declare(ctypes.CDLL(_build(compiler, flags, source_dir)))
 
 
 @functools.lru_cache(maxsize=1)

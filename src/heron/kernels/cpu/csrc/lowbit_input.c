@@ -38,9 +38,8 @@ static inline int sum8(__m256i s) {
 }
 #endif
 
-/* one block of 32 inputs x -> p[0:32] int8, e[0:8] (the low half's scale four
- * times, then the high half's) and s (the block's rounded sum, e0 * sum p[0:16] +
- * e1 * sum p[16:32]) */
+/* one block of 32 inputs x -> p[0:32] int8, e[0:2] (each half's scale) and s (the
+ * block's rounded sum, e0 * sum p[0:16] + e1 * sum p[16:32]) */
 static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
     float block_sum = 0.0f;
     for (int half = 0; half < 2; half++) {
@@ -77,7 +76,7 @@ static void quantize_block(const float *x, int8_t *p, float *e, float *s) {
         }
 #endif
         const float scale = amax / 127.0f;
-        for (int lane = 0; lane < 4; lane++) e[half * 4 + lane] = scale;
+        e[half] = scale;
         block_sum += scale * (float)total;
     }
     *s = block_sum;
@@ -87,20 +86,19 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, quantized_inp
     const int64_t nb = k / 32, groups = (rows + INPUT_GROUP_ROWS - 1) / INPUT_GROUP_ROWS;
     if (rows % INPUT_GROUP_ROWS != 0) { /* the last group's missing rows: never read, zeroed to be defined */
         memset(in->p + (groups - 1) * nb * INPUT_BLOCK_BYTES, 0, (size_t)(nb * INPUT_BLOCK_BYTES));
-        memset(in->e + (groups - 1) * nb * 8, 0, sizeof(float) * (size_t)(nb * 8));
-        memset(in->s + (groups - 1) * nb * 4, 0, sizeof(float) * (size_t)(nb * 4));
+        memset(in->e + (groups - 1) * nb * INPUT_BLOCK_SCALES, 0, sizeof(float) * (size_t)(nb * INPUT_BLOCK_SCALES));
+        memset(in->s + (groups - 1) * nb * INPUT_GROUP_ROWS, 0, sizeof(float) * (size_t)(nb * INPUT_GROUP_ROWS));
     }
 #pragma omp parallel for schedule(static) if (rows * k >= 8192)
     for (int64_t i = 0; i < rows * nb; i++) {
         const int64_t r = i / nb, b = i % nb, row = r % INPUT_GROUP_ROWS;
         const int64_t block = (r / INPUT_GROUP_ROWS) * nb + b;
         int8_t p[32];
-        float e[8];
-        quantize_block(x + r * k + b * 32, p, e, in->s + block * 4 + row);
+        float e[2];
+        quantize_block(x + r * k + b * 32, p, e, in->s + block * INPUT_GROUP_ROWS + row);
         int8_t *out = in->p + block * INPUT_BLOCK_BYTES + row * 4;
         for (int j = 0; j < 8; j++) memcpy(out + (j / 4) * 64 + (j % 4) * 16, p + 4 * j, 4);
-        in->e[block * 8 + row] = e[0];
-        in->e[block * 8 + 4 + row] = e[4];
+        for (int half = 0; half < 2; half++) in->e[block * INPUT_BLOCK_SCALES + half * INPUT_GROUP_ROWS + row] = e[half];
     }
 }
 
@@ -109,8 +107,8 @@ void heron_release_input(quantized_input *in) { free(in->p), free(in->e), free(i
 int heron_quantize_input(const float *x, int64_t rows, int64_t k, quantized_input *in) {
     const int64_t nb = k / 32, groups = (rows + INPUT_GROUP_ROWS - 1) / INPUT_GROUP_ROWS;
     in->p = malloc((size_t)(groups * nb * INPUT_BLOCK_BYTES));
-    in->e = malloc(sizeof(float) * (size_t)(groups * nb * 8));
-    in->s = malloc(sizeof(float) * (size_t)(groups * nb * 4));
+    in->e = malloc(sizeof(float) * (size_t)(groups * nb * INPUT_BLOCK_SCALES));
+    in->s = malloc(sizeof(float) * (size_t)(groups * nb * INPUT_GROUP_ROWS));
     if (!in->p || !in->e || !in->s) {
         heron_release_input(in);
         return -2;
@@ -128,10 +126,10 @@ int heron_round_q8_f32(const float *x, int64_t rows, int64_t k, float *out) {
     for (int64_t i = 0; i < rows * nb; i++) {
         const int64_t r = i / nb, b = i % nb;
         int8_t p[32];
-        float e[8], s;
+        float e[2], s;
         quantize_block(x + r * k + b * 32, p, e, &s);
         float *o = out + r * k + b * 32;
-        for (int j = 0; j < 32; j++) o[j] = (float)p[j] * e[j < ACT_BLOCK ? 0 : 4];
+        for (int j = 0; j < 32; j++) o[j] = (float)p[j] * e[j / ACT_BLOCK];
     }
     return 0;
 }

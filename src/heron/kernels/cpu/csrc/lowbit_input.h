@@ -22,21 +22,34 @@ typedef struct {
     float *e, *s;
 } quantized_input;
 
+#define INPUT_BLOCK_SCALES 8 /* a group's scales per block: two halves x INPUT_GROUP_ROWS rows */
+
+/* the inputs, scales and sums of row r's group from its first block on (a kernel steps them a block at a time) */
+static inline const int8_t *group_inputs(const quantized_input *in, int64_t r, int64_t nb) {
+    return in->p + (r / INPUT_GROUP_ROWS) * nb * INPUT_BLOCK_BYTES;
+}
+static inline const float *group_scales(const quantized_input *in, int64_t r, int64_t nb) {
+    return in->e + (r / INPUT_GROUP_ROWS) * nb * INPUT_BLOCK_SCALES;
+}
+static inline const float *group_sums(const quantized_input *in, int64_t r, int64_t nb) {
+    return in->s + (r / INPUT_GROUP_ROWS) * nb * INPUT_GROUP_ROWS;
+}
+
 /* row r's input i */
 static inline int8_t input_value(const quantized_input *in, int64_t r, int64_t nb, int64_t i) {
-    const int64_t block = (r / INPUT_GROUP_ROWS) * nb + i / 32, within = i % 32;
-    return in->p[block * INPUT_BLOCK_BYTES + (within / 16) * 64 + ((within % 16) / 4) * 16 +
-                 (r % INPUT_GROUP_ROWS) * 4 + within % 4];
+    const int64_t within = i % 32;
+    return group_inputs(in, r, nb)[(i / 32) * INPUT_BLOCK_BYTES + (within / 16) * 64 + ((within % 16) / 4) * 16 +
+                                   (r % INPUT_GROUP_ROWS) * 4 + within % 4];
 }
 
 /* row r's scale of half h of block b */
 static inline float input_scale(const quantized_input *in, int64_t r, int64_t nb, int64_t b, int h) {
-    return in->e[((r / INPUT_GROUP_ROWS) * nb + b) * 8 + h * 4 + r % INPUT_GROUP_ROWS];
+    return group_scales(in, r, nb)[b * INPUT_BLOCK_SCALES + h * INPUT_GROUP_ROWS + r % INPUT_GROUP_ROWS];
 }
 
 /* row r's rounded sum of block b */
 static inline float input_sum(const quantized_input *in, int64_t r, int64_t nb, int64_t b) {
-    return in->s[((r / INPUT_GROUP_ROWS) * nb + b) * 4 + r % INPUT_GROUP_ROWS];
+    return group_sums(in, r, nb)[b * INPUT_GROUP_ROWS + r % INPUT_GROUP_ROWS];
 }
 
 /* 0, or -2 when out of memory (nothing left allocated); k a multiple of 32 */

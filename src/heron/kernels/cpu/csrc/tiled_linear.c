@@ -107,11 +107,11 @@ static inline __attribute__((always_inline)) void q4_tile_rows(int rm, const uin
     const int64_t nb = k / 32;
     const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
     /* the row group's inputs, one block after another (lowbit_input.h; r0 is a multiple of TILE_ROWS) */
-    const int8_t *pq = in->p + (r0 / TILE_ROWS) * nb * INPUT_BLOCK_BYTES;
-    const float *eq = in->e + (r0 / TILE_ROWS) * nb * 8, *sq = in->s + (r0 / TILE_ROWS) * nb * 4;
+    const int8_t *pq = group_inputs(in, r0, nb);
+    const float *eq = group_scales(in, r0, nb), *sq = group_sums(in, r0, nb);
     __m256 acc[TILE_ROWS], scaled[TILE_ROWS];
     for (int r = 0; r < rm; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, pq += INPUT_BLOCK_BYTES, eq += 8, sq += 4) {
+    for (int64_t b = 0; b < nb; b++, pq += INPUT_BLOCK_BYTES, eq += INPUT_BLOCK_SCALES, sq += INPUT_GROUP_ROWS) {
         for (int half = 0; half < 2; half++) {
             const uint8_t *w = tile + b * TILE_BLOCK_BYTES + half * 64;
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)w);
@@ -218,11 +218,11 @@ static inline __attribute__((always_inline)) void q4_pair_rows(int rm, const uin
     const uint8_t *tile2 = tile + nb * TILE_BLOCK_BYTES;
     const float *d2 = d + nb * TILE_COLS, *m2 = m + nb * TILE_COLS;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const int8_t *pq = in->p + (r0 / TILE_ROWS) * nb * INPUT_BLOCK_BYTES; /* as in q4_tile_rows */
-    const float *eq = in->e + (r0 / TILE_ROWS) * nb * 8, *sq = in->s + (r0 / TILE_ROWS) * nb * 4;
+    const int8_t *pq = group_inputs(in, r0, nb); /* as in q4_tile_rows */
+    const float *eq = group_scales(in, r0, nb), *sq = group_sums(in, r0, nb);
     __m512 acc[TILE_ROWS], scaled[TILE_ROWS];
     for (int r = 0; r < rm; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, pq += INPUT_BLOCK_BYTES, eq += 8, sq += 4) {
+    for (int64_t b = 0; b < nb; b++, pq += INPUT_BLOCK_BYTES, eq += INPUT_BLOCK_SCALES, sq += INPUT_GROUP_ROWS) {
         for (int half = 0; half < 2; half++) {
             const int64_t offset = b * TILE_BLOCK_BYTES + half * 64;
             const __m512i v0 = load_tile_pair(tile + offset, tile2 + offset);
@@ -321,11 +321,11 @@ static inline __attribute__((always_inline)) void q8_tile_rows(int rm, const int
                                                                float *y, int64_t n_out) {
     const __m256i ones = _mm256_set1_epi16(1);
     /* the row group's inputs (lowbit_input.h): a half block of 16 is 64 bytes, its scales 4 floats */
-    const int8_t *pq = in->p + (r0 / TILE_ROWS) * (k / 32) * INPUT_BLOCK_BYTES;
-    const float *eq = in->e + (r0 / TILE_ROWS) * (k / 32) * 8;
+    const int8_t *pq = group_inputs(in, r0, k / 32);
+    const float *eq = group_scales(in, r0, k / 32);
     __m256 acc[TILE_ROWS];
     for (int r = 0; r < rm; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t h = 0; h < k / 16; h++, pq += 64, eq += 4) { /* input blocks of 16: one scale each */
+    for (int64_t h = 0; h < k / 16; h++, pq += INPUT_BLOCK_BYTES / 2, eq += INPUT_GROUP_ROWS) { /* input blocks of 16: one scale each */
         __m256i part[TILE_ROWS];
         for (int r = 0; r < rm; r++) part[r] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
@@ -367,15 +367,15 @@ static inline __attribute__((always_inline)) void q8_pair_rows(int rm, const int
                                                                const quantized_input *in, int64_t r0, int64_t k,
                                                                float *y, int64_t n_out) {
     const int8_t *tile2 = tile + k * TILE_COLS;
-    const int8_t *pq = in->p + (r0 / TILE_ROWS) * (k / 32) * INPUT_BLOCK_BYTES; /* as in q8_tile_rows */
-    const float *eq = in->e + (r0 / TILE_ROWS) * (k / 32) * 8;
+    const int8_t *pq = group_inputs(in, r0, k / 32); /* as in q8_tile_rows */
+    const float *eq = group_scales(in, r0, k / 32);
     const __m512i zero = _mm512_setzero_si512();
 #if !defined(HERON_AVX512_VNNI)
     const __m512i ones = _mm512_set1_epi16(1);
 #endif
     __m512 acc[TILE_ROWS];
     for (int r = 0; r < rm; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t h = 0; h < k / 16; h++, pq += 64, eq += 4) {
+    for (int64_t h = 0; h < k / 16; h++, pq += INPUT_BLOCK_BYTES / 2, eq += INPUT_GROUP_ROWS) {
         __m512i part[TILE_ROWS];
         for (int r = 0; r < rm; r++) part[r] = zero;
         for (int g = 0; g < 4; g++) {
