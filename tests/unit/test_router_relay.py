@@ -65,6 +65,9 @@ class FakeReplica:
                 await response.write(b"data: first\n\n")
                 await self.release.wait()
                 await response.write(b"data: second\n\ndata: [DONE]\n\n")
+            elif mode == "late":  # the head at once, the first event only once the test says so
+                await self.release.wait()
+                await response.write(b"data: first\n\ndata: [DONE]\n\n")
             elif mode == "cut":  # the replica dies mid-stream
                 await response.write(b"data: first\n\n")
                 assert request.transport is not None
@@ -196,6 +199,21 @@ def test_a_stream_is_passed_through_as_it_comes():
             assert await anext(lines) == "data: first"  # before the replica sends the rest
             fakes[0].release.set()
             assert [line async for line in lines if line] == ["data: second", "data: [DONE]"]
+
+    run_with_router(test)
+
+
+def test_a_streams_head_is_passed_on_before_its_first_event():
+    """A replica sends a stream's head before its first token: the client gets it
+    then too, and reads it while the replica computes, not on the way to the token."""
+    async def test(url: str, fakes: list[FakeReplica], __: RouterServer) -> None:
+        release_later = asyncio.get_running_loop().call_later(3.0, fakes[0].release.set)
+        async with httpx.AsyncClient(base_url=url) as client, \
+                client.stream("POST", "/v1/completions", json={"mode": "late"}) as response:
+            assert response.status_code == 200 and not fakes[0].release.is_set()
+            release_later.cancel()
+            fakes[0].release.set()
+            assert [line async for line in response.aiter_lines() if line] == ["data: first", "data: [DONE]"]
 
     run_with_router(test)
 
