@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -121,7 +122,8 @@ def multi_turn_workload(conversations: int, turns: int, rate: float) -> Callable
 
 
 def router_latency(num_requests: int = 1000, router_nice: int | None = None,
-                   replica_threads: int | None = None) -> dict:
+                   replica_threads: int | None = None, replica_args: tuple[str, ...] = (),
+                   router_args: tuple[str, ...] = ()) -> dict:
     """What the router adds to a request, straight and through the router in
     alternation on kept-alive connections (so both see the same machine; which
     goes first is drawn each time), as the p50 of the paired differences with
@@ -135,23 +137,29 @@ def router_latency(num_requests: int = 1000, router_nice: int | None = None,
     probes at its default interval (1 s), as deployed; ``router_nice``: its
     scheduling priority (below 0 needs root or CAP_SYS_NICE); ``replica_threads``:
     the replica's OpenMP threads (default: torch's, one per core, so the router
-    and the client wait for a core while the replica computes)."""
+    and the client wait for a core while the replica computes); ``replica_args``:
+    more `heron serve` arguments (another model, a GPU replica's settings; the
+    model needs a chat template); ``router_args``: more `heron router` arguments
+    (its --model, when the replica's is not the embedded one)."""
     env = {"OMP_NUM_THREADS": str(replica_threads)} if replica_threads else None
-    replica = ServerProcess("--kv-events-config", KV_EVENTS, env=env)
+    replica = ServerProcess("--kv-events-config", KV_EVENTS, *replica_args, env=env)
     router = None
     try:
-        router = RouterProcess([replica.base_url], "--probe-interval", "1")
+        router = RouterProcess([replica.base_url], "--probe-interval", "1", *router_args)
         if router_nice is not None:
             os.setpriority(os.PRIO_PROCESS, router.process.pid, router_nice)
         with httpx.Client(timeout=10) as direct, httpx.Client(timeout=10) as routed:
+            model = direct.get(f"{replica.base_url}/v1/models").json()["data"][0]["id"]
             hop = _paired(2 * num_requests, direct, routed, replica.base_url, router.base_url,
                           lambda client, base, _: _timed_get(client, f"{base}/v1/models"))
             before = _decision_totals(router)
-            chat = _paired(num_requests, direct, routed, replica.base_url, router.base_url, _chat_ttft)
+            chat = _paired(num_requests, direct, routed, replica.base_url, router.base_url,
+                           lambda client, base, index: _chat_ttft(client, base, index, model))
             total, count = (after - start for after, start in zip(_decision_totals(router), before, strict=True))
             completion = _paired(num_requests, direct, routed, replica.base_url, router.base_url,
-                                 _completion_ttft)
-        return {"hop": hop, "chat_ttft": chat, "completion_ttft": completion, "decision_mean_ms": 1000 * total / count}
+                                 lambda client, base, index: _completion_ttft(client, base, index, model))
+        return {"hop": hop, "chat_ttft": chat, "completion_ttft": completion, "decision_mean_ms": 1000 * total / count,
+                "model": model, "replica_args": list(replica_args)}
     finally:
         if router is not None:
             router.stop()
@@ -192,15 +200,15 @@ def _timed_get(client: httpx.Client, url: str) -> float:
 SYSTEM = "You answer questions about estuary birds. " * 30
 
 
-def _chat_ttft(client: httpx.Client, base: str, index: int) -> float:
-    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
+def _chat_ttft(client: httpx.Client, base: str, index: int, model: str) -> float:
+    body = {"model": model, "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
             "messages": [{"role": "system", "content": SYSTEM},
                          {"role": "user", "content": f"Which bird waits in the shallows? ({index % 7})"}]}
     return _first_event_ms(client, f"{base}/v1/chat/completions", body)
 
 
-def _completion_ttft(client: httpx.Client, base: str, index: int) -> float:
-    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
+def _completion_ttft(client: httpx.Client, base: str, index: int, model: str) -> float:
+    body = {"model": model, "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
             "prompt": f"{SYSTEM}Which bird waits in the shallows? ({index % 7})"}
     return _first_event_ms(client, f"{base}/v1/completions", body)
 
@@ -250,6 +258,11 @@ def main() -> None:
     parser.add_argument("--replica-threads", type=int, default=None,
                         help="the replica's OpenMP threads in the added-latency measurement (default: one per "
                              "core; fewer leaves the router and the client a core, as two replicas split them)")
+    parser.add_argument("--replica-args", default="",
+                        help="more `heron serve` arguments for the replica of the added-latency measurement, one "
+                             "string (e.g. \"--model DIR --dtype bfloat16\" for a GPU replica)")
+    parser.add_argument("--router-args", default="",
+                        help="more `heron router` arguments there, one string (e.g. \"--model DIR\")")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="heron-router-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +278,8 @@ def main() -> None:
         # session pins a conversation: compared where there are conversations
         names = policies + (["session"] if name == "multi_turn" and "session" not in policies else [])
         results[name] = [run_policy(policy, workloads[name]) for policy in names]
-    latency = router_latency(args.latency_requests, args.router_nice, args.replica_threads)
+    latency = router_latency(args.latency_requests, args.router_nice, args.replica_threads,
+                             tuple(shlex.split(args.replica_args)), tuple(shlex.split(args.router_args)))
     (out / "results.json").write_text(json.dumps({
         "workloads": results, "router_latency": latency, "replica_threads": args.replica_threads,
         "shared_prefix_args": shared, "multi_turn": {"conversations": args.conversations, "turns": args.turns,
