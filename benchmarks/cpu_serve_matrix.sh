@@ -3,12 +3,13 @@
 # ignore_eos, random English-word prompts of 100-400 tokens, 64-128 output tokens,
 # at concurrency 1, 8 and 32, against every server given as NAME=URL.
 #   benchmarks/cpu_serve_matrix.sh OUTDIR heron=http://127.0.0.1:8000 vllm=http://127.0.0.1:8100
+# CONCURRENCIES="1" runs only some of them.
 set -euo pipefail
 out=$1; shift
 mkdir -p "$out"
 urls=(); labels=()
 for pair in "$@"; do labels+=(--label "${pair%%=*}"); urls+=(--base-url "${pair#*=}"); done
-for conc in 1 8 32; do
+for conc in ${CONCURRENCIES:-1 8 32}; do
   case $conc in 1) n=16;; 8) n=48;; 32) n=96;; esac
   heron bench serve "${urls[@]}" "${labels[@]}" --dataset-name random --num-prompts $n \
     --random-input-len 250 --random-range-ratio 0.6 --random-output-len 96 --random-output-range-ratio 0.33 \
