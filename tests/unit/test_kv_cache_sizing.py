@@ -1,16 +1,20 @@
 """How many blocks the KV pool gets: a named budget (bytes, or what the GPU
 profile leaves) is used whole; the CPU's share-of-RAM default is capped at what
 max_num_seqs requests could use at once; a pool that cannot hold one request is
-refused. And the host tier's copies on the CPU: runs of slots, round trips."""
+refused. A CPU pool is zeroed, writable memory in 4 KiB pages. And the host
+tier's copies on the CPU: runs of slots, round trips."""
 
 from __future__ import annotations
+
+import gc
+import sys
 
 import pytest
 import torch
 
 from heron.config import CacheConfig
 from heron.core.kv_offload import KVTransfers
-from heron.worker.kv_cache_sizing import determine_num_kv_blocks
+from heron.worker.kv_cache_sizing import determine_num_kv_blocks, zeroed
 from heron.worker.kv_offload_store import HostKVStore, _runs
 
 BLOCK_BYTES = 1 << 20
@@ -38,6 +42,30 @@ def test_num_kv_blocks_wins_and_a_pool_too_small_is_refused():
     assert blocks(CacheConfig(num_kv_blocks=40, kv_cache_memory_bytes=1 << 40)) == 40
     with pytest.raises(ValueError, match="cannot hold one request"):
         blocks(CacheConfig(), gpu_budget=15 * BLOCK_BYTES)
+
+
+def test_a_cpu_pool_is_zeroed_writable_memory_in_small_pages():
+    cache = zeroed((2, 64, 16, 8, 64), torch.float16, CPU)  # 16 MiB, K then V
+    assert cache.shape == (2, 64, 16, 8, 64) and cache.dtype == torch.float16 and not cache.any()
+    gc.collect()  # the tensor alone holds its memory
+    cache.fill_(1.5)  # every page touched
+    cache[1, 63] = 0.25
+    assert cache[0].eq(1.5).all() and cache[1, :63].eq(1.5).all() and cache[1, 63].eq(0.25).all()
+    if sys.platform == "linux":  # no transparent huge pages, whatever the system's default
+        start = cache.data_ptr()
+        with open("/proc/self/smaps") as smaps:
+            region = None
+            for line in smaps:
+                fields = line.split()
+                if "-" in fields[0] and len(fields) >= 5:
+                    low, high = (int(bound, 16) for bound in fields[0].split("-"))
+                    region = low <= start < high
+                elif region and fields[0] == "AnonHugePages:":
+                    assert fields[1] == "0", line
+                    break
+            else:
+                pytest.fail("the pool's mapping is not in /proc/self/smaps")
+    assert zeroed((0, 4), torch.float32, CPU).shape == (0, 4)
 
 
 def test_slots_group_into_runs():
