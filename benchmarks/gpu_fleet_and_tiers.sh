@@ -8,18 +8,8 @@
 #      random-weight Llama-3.2-1B shape (bf16), four bench client processes;
 #   3. TTFT of a 3,500-token prefix the pool cannot keep: recompute, pinned host
 #      tier, disk tier, warm pool, and a restarted server's first request.
-# Results go to $OUT (device.txt, pytest.txt, api-servers.json, kv-offload.json).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; lscpu | grep -E 'Model name|^CPU\(s\)'; } > "$OUT/device.txt" 2>&1
-cat "$OUT/device.txt"
-
-step() { echo "=== $1 ($(date +%T))"; }
+# Results go to $OUT (device.txt, lscpu.txt, pytest.txt, api-servers.json, kv-offload.json).
+source "$(dirname "$0")/gpu_session_setup.sh"
 
 step "GPU tests"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kv_tiers_cuda.py tests/gpu/test_kv_block_codec_cuda.py \

@@ -9,18 +9,7 @@
 #      two runs of benchmarks/router_policies.py --latency-only, to be pooled.
 # `--router-only` skips the tests; RUNS (default 2) and REQUESTS (default 1000) size the
 # latency runs. Results go to $OUT (device.txt, lscpu.txt, pytest.txt, router-latency-*.json).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"; lscpu | grep -E 'Model name|^CPU\(s\)'; } > "$OUT/device.txt" 2>&1
-lscpu > "$OUT/lscpu.txt" 2>&1
-cat "$OUT/device.txt"
-
-step() { echo "=== $1 ($(date +%T))"; }
+source "$(dirname "$0")/gpu_session_setup.sh"
 
 step "GPU tests"
 [ "${1:-}" = "--router-only" ] || timeout 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py \
