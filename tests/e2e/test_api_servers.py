@@ -137,7 +137,12 @@ def test_a_dead_api_server_stops_the_whole_server_and_sigint_stops_it_cleanly():
     assert "exited with code -9: stopping the others" in server.read_log()
     server.stop()
 
-    server = start()
+    # started as a background job of a script starts it (SIGINT ignored, inherited): SIGINT still stops it
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server = start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     family = list(descendants(server.process.pid))
     server.process.send_signal(signal.SIGINT)
     try:

@@ -72,7 +72,9 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
         raise ValueError("--api-server-count > 1 needs SO_REUSEPORT (Linux, macOS or BSD)")
     workdir = tempfile.mkdtemp(prefix="heron-api-")
     servers: list[subprocess.Popen[bytes]] = []
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # both signals stop it, also where SIGINT came in ignored (a background job of a
+    # script, `nohup`): Python then leaves it ignored, and `kill -INT` did nothing
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     port_holder: socket.socket | None = None
     try:
         port_holder = bind_shared_port(args.host, args.port)
@@ -94,7 +96,8 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
     except (_Stop, KeyboardInterrupt):
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         _stop_all(servers, started)
         if port_holder is not None:
             port_holder.close()
