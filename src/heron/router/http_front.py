@@ -64,10 +64,10 @@ class ResponseWriter:
     ``write``..., ``end``); streamed with chunked framing unless its length is
     given. What is written is held until ``flush`` or ``end``, so a relay sends
     what one read from its source brought in one system call (the status line
-    goes out with the first body bytes unless flushed before them). Flow control: while the client's
-    socket buffer is full, ``on_pause`` is called (and ``on_resume`` when it
-    drains) so a relay can stop reading its source instead of buffering
-    without bound."""
+    goes out with the first body bytes, unless flushed before them). Flow
+    control: while the client's socket buffer is full, ``on_pause`` is called
+    (and ``on_resume`` when it drains) so a relay can stop reading its source
+    instead of buffering without bound."""
 
     def __init__(self, transport: asyncio.Transport, keep_alive: bool, head_only: bool,
                  http10: bool = False) -> None:

@@ -58,9 +58,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     is used. Not transparent huge pages (numpy asks for them for large arrays):
     a huge page's first touch lands on a request's path and zeroes 2 MiB at once
     (with compaction, where memory is fragmented). On a 2-core Zen 3 VM, a
-    306-token prefill over never-used blocks spent 30-34 ms of system time in
-    those faults against 9-10 ms with 4 KiB pages (BENCHMARKS.md); over blocks
-    used before, both take about 1 ms."""
+    306-token prefill over never-used blocks spent 29-31 ms of system time in
+    those faults against 7.5-8 ms with 4 KiB pages (BENCHMARKS.md, "The KV
+    pool's first touch"); over blocks used before, both take 1-2 ms."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element_size = torch.empty((), dtype=dtype).element_size()
