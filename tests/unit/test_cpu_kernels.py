@@ -171,6 +171,23 @@ def test_int4_packing_in_c_equals_the_torch_formula(shape):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("shape", [(40, 64), (13, 96), (1, 32), (9, 4)])
+def test_int8_packing_in_c_equals_the_torch_formula(shape):
+    """The int8 layers' (and the LM head's) packing in C gives the torch
+    formula's tiles and scales bit for bit: padding rows, an all-zero row (the
+    1e-8 floor), a row's largest magnitude negative and ties after scaling."""
+    from heron.models.quantization import quantize_q8_tiles_torch
+
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1])) * 0.1
+    weight[0] = 0.0
+    if shape[0] > 2:
+        weight[1, 0] = -3.0
+        weight[2] = torch.linspace(-1, 1, shape[1])
+    packed = cpu_kernels.pack_q8_tiles(weight)
+    for got, expected in zip(packed, quantize_q8_tiles_torch(weight)):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_int4_holds_gguf_4bit_blocks_exactly(qtype):
     """Weights dequantized from Q4_0 or Q4_1 blocks come back bit for bit: each

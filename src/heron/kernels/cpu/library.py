@@ -89,6 +89,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     pack = library.heron_pack_q4_tiles
     pack.restype = ctypes.c_int
     pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 3]
+    pack8 = library.heron_pack_q8_tiles
+    pack8.restype = ctypes.c_int
+    pack8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 2]
     halves = library.heron_store_halves_f32
     halves.restype = ctypes.c_int
     halves.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]

@@ -137,3 +137,19 @@ def pack_q4_tiles(
     if library.heron_pack_q4_tiles(weight.data_ptr(), n, k, tiles.data_ptr(), scales.data_ptr(), mins.data_ptr()) != 0:
         raise ValueError(f"int4 packing needs a multiple of 32 inputs, got {k}")
     return tiles, scales, mins
+
+
+def pack_q8_tiles(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [n, k] float32 in the int8 layers' column tiles (one scale per
+    output row): tiles [ceil(n / 8), k / 4, 8, 4] int8 (a tile's 8 columns x 4
+    inputs per group) and scales [ceil(n / 8) * 8] float32 (see csrc/quantize_weights.c)."""
+    library = library or native_library()
+    assert library is not None
+    weight = weight.detach().float().contiguous()
+    n, k = weight.shape
+    num_tiles = cdiv(n, 8)
+    tiles = torch.empty(num_tiles, k // 4, 8, 4, dtype=torch.int8)
+    scales = torch.empty(num_tiles * 8, dtype=torch.float32)
+    if library.heron_pack_q8_tiles(weight.data_ptr(), n, k, tiles.data_ptr(), scales.data_ptr()) != 0:
+        raise ValueError(f"int8 packing needs a multiple of 4 inputs, got {k}")
+    return tiles, scales
