@@ -67,3 +67,33 @@ def test_float32_is_unchanged_by_the_weight_cache(tmp_path, monkeypatch, fp32):
     for llm in (first, second):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert cached_file.endswith(".safetensors")
+
+
+def test_int4_is_unchanged_by_the_packed_layer_cache(tmp_path, monkeypatch):
+    """The first int4 start writes its packed layers (models/packed_cache.py), the
+    next builds the model from them: the same layers, the same tokens and
+    logprobs; a damaged file is built and written again, never trusted."""
+    from heron.models.quantization import Int4WeightOnlyLinear, Int8WeightInt8InputLinear
+
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = ["Herons live on every continent except", "Memory is cut into small pages of " * 4]
+
+    def run() -> tuple[list, LLM]:
+        llm = LLM(max_model_len=256, num_kv_blocks=64, quantization="int4")
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params,
+                                                                                      use_tqdm=False)], llm
+
+    expected, first = run()  # packs and writes the cache
+    [packed_file] = [name for name in os.listdir(tmp_path / "weights") if name.endswith(".int4.safetensors")]
+    path = tmp_path / "weights" / packed_file
+    size = path.stat().st_size
+    got, second = run()  # builds from it
+    assert got == expected
+    model = second.engine.engine_core.model_runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
+    assert isinstance(model.lm_head, Int8WeightInt8InputLinear)
+    assert model.native_decoder is not None
+    path.write_bytes(path.read_bytes()[: size // 2])  # a damaged file
+    got, _ = run()
+    assert got == expected and path.stat().st_size == size  # rebuilt and written again

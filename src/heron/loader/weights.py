@@ -3,14 +3,13 @@
 Tensors are produced one at a time (safetensors files are memory-mapped; GGUF
 tensors are dequantized one by one). A GGUF file's dequantized tensors are also
 written once to ``~/.cache/heron/weights`` (keyed by the file's path, size and
-modification time), so later starts memory-map them instead of dequantizing
-again; set ``HERON_DISABLE_WEIGHT_CACHE=1`` to skip the cache.
+modification time; ``file_cache.py``), so later starts memory-map them instead
+of dequantizing again; set ``HERON_DISABLE_WEIGHT_CACHE=1`` to skip the cache.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -18,8 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from heron import envs
 from heron.config import ModelConfig
+from heron.loader.file_cache import entry_path, save_entry
 
 logger = logging.getLogger(__name__)
 _CACHE_FORMAT = "1"  # bump when the GGUF -> HF tensor mapping changes
@@ -55,19 +54,11 @@ def _iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, checkpoint.get_tensor(name)
 
 
-def _gguf_cache_path(path: str) -> str | None:
-    if envs.is_set(envs.HERON_DISABLE_WEIGHT_CACHE):
-        return None
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{_CACHE_FORMAT}|{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return os.path.join(envs.cache_dir("weights"), key.hexdigest()[:20] + ".safetensors")
-
-
 def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from heron.loader.gguf_file import GGUFFile
     from heron.loader.gguf_model import iterate_gguf_weights
 
-    cache_path = _gguf_cache_path(model_config.model)
+    cache_path = entry_path("float", [model_config.model], _CACHE_FORMAT)
     if cache_path is not None and os.path.isfile(cache_path):
         yield from _iterate_safetensors(cache_path)
         return
@@ -76,16 +67,4 @@ def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch
         tensors[name] = tensor
         yield name, tensor
     if cache_path is not None:
-        _write_cache(cache_path, tensors)
-
-
-def _write_cache(cache_path: str, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    try:
-        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-        partial = f"{cache_path}.{os.getpid()}.partial"
-        save_file(tensors, partial)
-        os.replace(partial, cache_path)  # atomic: readers never see half a file
-    except OSError as exc:
-        logger.warning("could not cache dequantized weights at %s: %s", cache_path, exc)
+        save_entry(cache_path, tensors, [model_config.model])

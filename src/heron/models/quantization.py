@@ -115,6 +115,21 @@ class _Int8InputLinear(nn.Module):
     bias: torch.Tensor | None
     _native: bool
     _dequantized: torch.Tensor | None
+    PACKED: tuple[str, ...] = ()  # the tensors that hold a subclass's weights (models/packed_cache.py)
+
+    @classmethod
+    def from_packed(cls, packed: dict[str, torch.Tensor], in_features: int, out_features: int,
+                    bias: torch.Tensor | None) -> _Int8InputLinear:
+        """The layer whose ``PACKED`` tensors are ``packed`` (as a layer built from
+        float weights holds them), without its float weights: what a cached
+        low-bit model is loaded from."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        for name in cls.PACKED:
+            setattr(layer, name, packed[name])
+        layer.in_features, layer.out_features, layer.bias = in_features, out_features, bias
+        layer._use_native_kernel()
+        return layer
 
     def _use_native_kernel(self) -> None:
         """Call at the end of ``__init__``: picks the kernel, or keeps the
@@ -169,6 +184,8 @@ class Int4WeightOnlyLinear(_Int8InputLinear):
     and ``mins`` [n / 8, k / 32, 8] float32, with ``n`` padded to a multiple of 8.
     Without the native library the float32 GEMM on the dequantized weights and
     the same rounded inputs computes the same function."""
+
+    PACKED = ("tiles", "scales", "mins")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -307,6 +324,8 @@ class Int8WeightInt8InputLinear(_Int8InputLinear):
     (integer dot products, a quarter of float32's bytes). The weights are kept in
     the kernel's column tiles: ``tiles`` [n / 8, k / 4, 8, 4] int8 (8 columns x 4
     inputs a vector), ``scales`` [n] float32, with ``n`` padded to a multiple of 8."""
+
+    PACKED = ("tiles", "scales")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 from collections.abc import Iterator
 
 import torch
@@ -45,7 +46,27 @@ def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
         logger.info("running %s through transformers' modeling code", model_config.architecture)
         return quantize_model(TransformersCausalLM(model_config, device), model_config.quantization, device)
     from heron.loader.weights import iterate_weights
+    from heron.models.packed_cache import load_packed, packed_cache_path, save_packed
 
+    cache_path = packed_cache_path(model_config) if device.type == "cpu" else None
+    model = _instantiate(model_config, device)
+    if cache_path is not None and os.path.isfile(cache_path):
+        if load_packed(model, cache_path):
+            logger.info("low-bit layers loaded from %s", cache_path)
+            return _with_native_decoder(model.eval(), model_config.quantization)
+        model = _instantiate(model_config, device)  # a fresh one: loading may have replaced some layers
+    model.load_weights(
+        (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config)
+    )
+    model = quantize_model(model.eval(), model_config.quantization, device)
+    if cache_path is not None:
+        save_packed(model, cache_path, model_config)
+    return _with_native_decoder(model, model_config.quantization)
+
+
+def _instantiate(model_config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+    """The native model on ``device`` in its dtype, its weights not yet loaded
+    (uninitialized memory), its buffers (rotary tables) built."""
     architecture = native_architecture(model_config)
     assert architecture is not None  # select_implementation chose "native"
     module_name, class_name = NATIVE_ARCHITECTURES[architecture]
@@ -57,12 +78,12 @@ def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
         init_buffers = getattr(module, "init_buffers", None)
         if callable(init_buffers):
             init_buffers()
-    model.load_weights(
-        (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config)
-    )
-    model = quantize_model(model.eval(), model_config.quantization, device)
-    if model_config.quantization != "none" and isinstance(model, LlamaForCausalLM):
-        _attach_native_decoder(model, model_config.quantization)
+    return model
+
+
+def _with_native_decoder(model: LlamaForCausalLM, method: str) -> LlamaForCausalLM:
+    if method != "none" and isinstance(model, LlamaForCausalLM):
+        _attach_native_decoder(model, method)
     return model
 
 
