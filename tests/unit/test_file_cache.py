@@ -33,11 +33,26 @@ def test_a_write_removes_the_entries_no_start_can_read(tmp_path, monkeypatch):
     with open(partial, "wb") as handle:
         handle.write(b"")
     gone.unlink()
-    os.utime(checkpoint, ns=(1, 1))  # the checkpoint changed: a new version
+    os.utime(checkpoint, ns=(1, 1))  # the checkpoint changed: a new version; the one before is kept
     second = _entry(str(checkpoint))
     assert second != first
-    assert sorted(os.listdir(directory)) == sorted(os.path.basename(p) for p in (second, packed, kept, partial))
+    listed = sorted(os.listdir(directory))
+    assert listed == sorted(os.path.basename(p) for p in (first, second, packed, kept, partial))
     assert not os.path.exists(orphan)
+    os.utime(checkpoint, ns=(2, 2))  # and again: only the newest older version stays
+    third = _entry(str(checkpoint))
+    assert not os.path.exists(first) and os.path.exists(second) and os.path.exists(third)
+
+
+def test_two_versions_written_in_turns_both_stay(tmp_path, monkeypatch):
+    """Two heron trees started in turns (a comparison) with different packing
+    code: neither removes the other's entry, so neither rebuilds at every start."""
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "model.gguf"
+    checkpoint.write_bytes(b"weights")
+    one, two = _entry(str(checkpoint), "tree one", "int4"), _entry(str(checkpoint), "tree two", "int4")
+    assert _entry(str(checkpoint), "tree one", "int4") == one
+    assert os.path.exists(one) and os.path.exists(two)
 
 
 def test_the_cache_can_be_switched_off(tmp_path, monkeypatch):

@@ -5,13 +5,15 @@ tensors (``loader/weights.py``) and a low-bit model's packed layers
 
 An entry is named ``SOURCE-VERSION.KIND.safetensors``: SOURCE a hash of the
 checkpoint's paths, VERSION a hash of everything the contents depend on (file
-sizes and modification times, formats, code). Each write removes what can no
-longer be read: the entries of the same checkpoint and kind with another
-VERSION (the file changed, or heron's packing did), entries whose checkpoint is
-gone (a deleted download, a test's temporary file) and files named before this
-scheme. Without that, every reinstall of the embedded model left 0.5 GB behind
-(a development machine here had gathered 6.4 GB). Writes are atomic: readers
-never see half a file.
+sizes and modification times, formats, code). Each write removes what no start
+is likely to read: of the same checkpoint and kind, every other VERSION but the
+newest (the file changed, or heron's packing did; one older version is kept so
+that two heron trees run in turns, as a comparison does, do not rebuild each
+other's entry at every start), entries whose checkpoint is gone (a deleted
+download, a test's temporary file) and files named before this scheme.
+Without that, every reinstall of the embedded model left 0.5 GB behind (a
+development machine here had gathered 6.4 GB). Writes are atomic: readers never
+see half a file.
 """
 
 from __future__ import annotations
@@ -64,23 +66,33 @@ def save_entry(path: str, tensors: dict[str, torch.Tensor], sources: list[str],
 
 
 def prune(kept: str) -> None:
-    """Remove the entries beside ``kept`` that no start can read any more."""
+    """Remove the entries beside ``kept`` that no start is likely to read."""
     directory, name = os.path.split(kept)
     match = _ENTRY.match(name)
     assert match is not None, name
+    stale, versions = [], []
     for other in os.listdir(directory):
         if other == name or not other.endswith(".safetensors"):
             continue
         found = _ENTRY.match(other)
-        stale = (found is None  # named before this scheme
-                 or (found.group(1) == match.group(1) and found.group(3) == match.group(3))  # an older version
-                 or not _sources_exist(os.path.join(directory, other)))
-        if stale:
-            try:
-                os.remove(os.path.join(directory, other))
-                logger.info("removed the stale weight cache entry %s", other)
-            except OSError:
-                pass  # another process removed it first, or cannot: left for the next write
+        if found is None or not _sources_exist(os.path.join(directory, other)):  # the old naming; checkpoint gone
+            stale.append(other)
+        elif found.group(1) == match.group(1) and found.group(3) == match.group(3):  # another version
+            versions.append(other)
+    versions.sort(key=lambda other: _modified(os.path.join(directory, other)))
+    for other in stale + versions[:-1]:  # all but the newest other version
+        try:
+            os.remove(os.path.join(directory, other))
+            logger.info("removed the stale weight cache entry %s", other)
+        except OSError:
+            pass  # another process removed it first, or cannot: left for the next write
+
+
+def _modified(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _sources_exist(path: str) -> bool:
