@@ -8,8 +8,8 @@ weights are loaded into the linear layers and nothing is packed again (on the
 embedded model, 0.9 s of a 1.15 s model build on a Zen 3). The file is keyed by
 the checkpoint's files (path, size, modification time), the method, the dtype and
 the packing code itself (``quantization.py`` and ``quantize_weights.c``), so a
-change to any of them builds and writes it anew, replacing the old entry
-(``loader/file_cache.py``). ``HERON_DISABLE_WEIGHT_CACHE=1``
+change to any of them builds and writes a new entry (``loader/file_cache.py``
+keeps the one before it and removes older ones). ``HERON_DISABLE_WEIGHT_CACHE=1``
 skips it, as it skips the cache of dequantized GGUF weights. A file that cannot
 be read, or does not fit the model, is rebuilt (a warning says why); the cache
 is an optimisation, never a source of truth.
