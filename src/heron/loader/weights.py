@@ -38,11 +38,18 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
+def checkpoint_files(model_config: ModelConfig) -> list[str]:
+    """The files the model's weights come from: its GGUF file, or its safetensors files."""
+    if model_config.source_format == "gguf":
+        return [model_config.model]
+    return safetensors_files(model_config.model)
+
+
 def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.source_format == "gguf":
         yield from _iterate_gguf_cached(model_config)
         return
-    for path in safetensors_files(model_config.model):
+    for path in checkpoint_files(model_config):
         yield from _iterate_safetensors(path)
 
 
@@ -58,7 +65,7 @@ def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch
     from heron.loader.gguf_file import GGUFFile
     from heron.loader.gguf_model import iterate_gguf_weights
 
-    cache_path = entry_path("float", [model_config.model], _CACHE_FORMAT)
+    cache_path = entry_path("float", checkpoint_files(model_config), _CACHE_FORMAT)
     if cache_path is not None and os.path.isfile(cache_path):
         yield from _iterate_safetensors(cache_path)
         return
@@ -67,4 +74,4 @@ def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch
         tensors[name] = tensor
         yield name, tensor
     if cache_path is not None:
-        save_entry(cache_path, tensors, [model_config.model])
+        save_entry(cache_path, tensors, checkpoint_files(model_config))

@@ -27,7 +27,7 @@ from torch import nn
 
 from heron.config import ModelConfig
 from heron.loader.file_cache import entry_path, save_entry
-from heron.loader.weights import safetensors_files
+from heron.loader.weights import checkpoint_files
 from heron.models import quantization
 
 logger = logging.getLogger(__name__)
@@ -49,13 +49,7 @@ def packed_cache_path(model_config: ModelConfig) -> str | None:
     for source in _PACKING_SOURCES:
         with open(source, "rb") as handle:
             version += "|" + hashlib.sha256(handle.read()).hexdigest()
-    return entry_path(model_config.quantization, _sources(model_config), version)
-
-
-def _sources(model_config: ModelConfig) -> list[str]:
-    if model_config.source_format == "gguf":
-        return [model_config.model]
-    return safetensors_files(model_config.model)
+    return entry_path(model_config.quantization, checkpoint_files(model_config), version)
 
 
 def save_packed(model: nn.Module, path: str, model_config: ModelConfig) -> None:
@@ -76,7 +70,7 @@ def save_packed(model: nn.Module, path: str, model_config: ModelConfig) -> None:
                            module.bias is not None])
     for name, param in model.named_parameters():
         tensors[name] = param.data
-    save_entry(path, tensors, _sources(model_config), {"layers": json.dumps(layers)})
+    save_entry(path, tensors, checkpoint_files(model_config), {"layers": json.dumps(layers)})
 
 
 def load_packed(model: nn.Module, path: str) -> bool:
