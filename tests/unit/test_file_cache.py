@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -42,6 +45,28 @@ def test_a_write_removes_the_entries_no_start_can_read(tmp_path, monkeypatch):
     os.utime(checkpoint, ns=(2, 2))  # and again: only the newest older version stays
     third = _entry(str(checkpoint))
     assert not os.path.exists(first) and os.path.exists(second) and os.path.exists(third)
+
+
+def test_a_write_removes_partial_files_whose_writer_died(tmp_path, monkeypatch):
+    """A start killed while writing an entry leaves its partial file (0.5 GB for the
+    embedded model's float weights); the next write removes it once it is old and
+    its writer is gone, and leaves every write that may still be under way."""
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "model.gguf"
+    checkpoint.write_bytes(b"weights")
+    directory = os.path.dirname(_entry(str(checkpoint)))
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(finished.stdout)  # a pid no process has any more
+    hour_ago = time.time() - 3600
+    cases = {"abandoned": (dead, hour_ago), "writer alive": (os.getpid(), hour_ago), "just begun": (dead, time.time())}
+    for label, (pid, modified) in cases.items():
+        path = os.path.join(directory, f"{label.replace(' ', '-')}.safetensors.{pid}.partial")
+        with open(path, "wb") as handle:
+            handle.write(b"half")
+        os.utime(path, (modified, modified))
+    _entry(str(checkpoint), "v2")
+    left = sorted(name for name in os.listdir(directory) if name.endswith(".partial"))
+    assert left == sorted([f"just-begun.safetensors.{dead}.partial", f"writer-alive.safetensors.{os.getpid()}.partial"])
 
 
 def test_two_versions_written_in_turns_both_stay(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@ is likely to read: of the same checkpoint and kind, every other VERSION but the
 newest (the file changed, or heron's packing did; one older version is kept so
 that two heron trees run in turns, as a comparison does, do not rebuild each
 other's entry at every start), entries whose checkpoint is gone (a deleted
-download, a test's temporary file) and files named before this scheme.
+download, a test's temporary file), files named before this scheme, and partial
+files whose writer died (killed mid-write: up to 0.5 GB each).
 Without that, every reinstall of the embedded model left 0.5 GB behind (a
 development machine here had gathered 6.4 GB). Writes are atomic: readers never
 see half a file.
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import re
+import time
 
 import torch
 
@@ -30,6 +32,10 @@ from heron import envs
 
 logger = logging.getLogger(__name__)
 _ENTRY = re.compile(r"^([0-9a-f]{12})-([0-9a-f]{16})\.([a-z0-9]+)\.safetensors$")
+_PARTIAL = re.compile(r"\.safetensors\.(\d+)\.partial$")  # save_entry's file while it writes, with its pid
+# a partial file untouched this long, whose writer is not a live process here, was abandoned (a write takes
+# seconds; the age also spares a writer on another machine sharing the directory, whose pid means nothing here)
+ABANDONED_AFTER_S = 600.0
 
 
 def entry_path(kind: str, sources: list[str], version: str) -> str | None:
@@ -72,6 +78,9 @@ def prune(kept: str) -> None:
     assert match is not None, name
     stale, versions = [], []
     for other in os.listdir(directory):
+        if _abandoned(os.path.join(directory, other)):
+            stale.append(other)
+            continue
         if other == name or not other.endswith(".safetensors"):
             continue
         found = _ENTRY.match(other)
@@ -86,6 +95,28 @@ def prune(kept: str) -> None:
             logger.info("removed the stale weight cache entry %s", other)
         except OSError:
             pass  # another process removed it first, or cannot: left for the next write
+
+
+def _abandoned(path: str) -> bool:
+    """A partial file left by a writer that died."""
+    found = _PARTIAL.search(path)
+    if found is None:
+        return False
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except OSError:
+        return False
+    return age >= ABANDONED_AFTER_S and not _process_alive(int(found.group(1)))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _modified(path: str) -> int:
