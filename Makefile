@@ -28,7 +28,7 @@ run: setup
 	$(BIN)/heron serve
 
 generate: setup
-	$(BIN)/heron generate "What is the capital of France?"
+	$(BIN)/heron generate --chat "What is the capital of France?"
 
 chat: setup
 	$(BIN)/heron chat
