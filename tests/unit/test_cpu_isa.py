@@ -9,6 +9,7 @@ summation-order rounding (rtol and atol 1e-5)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 
 import pytest
@@ -203,3 +204,21 @@ def test_flags_name_each_build():
     assert "-mavx512vnni" in cpu_isa.COMPILE_FLAGS["avx512_vnni"]
     assert not any("avx" in flag for flag in cpu_isa.COMPILE_FLAGS["scalar"])
     assert all("native" not in flag for flags in cpu_isa.COMPILE_FLAGS.values() for flag in flags)
+
+
+def test_a_cache_that_cannot_be_written_still_gives_a_library(tmp_path, monkeypatch, caplog):
+    """A read-only home (a locked-down container) must not stop heron: the build
+    goes to a directory of this process's own, with a warning that says so."""
+    from heron.kernels.cpu.library import _compiler
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HERON_CACHE_DIR", str(blocker / "cache"))
+    flags = [*_BASE_FLAGS, *cpu_isa.compile_flags("scalar")]
+    with caplog.at_level("WARNING", logger="heron.kernels.cpu.library"):
+        path = _build(_compiler(), flags)
+    assert not path.startswith(str(blocker)) and os.path.exists(path)
+    assert "cannot write the kernel cache" in caplog.text and "HERON_CACHE_DIR" in caplog.text
+    library = ctypes.CDLL(path)
+    library.heron_kernel_isa.restype = ctypes.c_char_p
+    assert library.heron_kernel_isa() == b"scalar"

@@ -84,3 +84,16 @@ def test_the_cache_can_be_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("HERON_DISABLE_WEIGHT_CACHE", "1")
     (tmp_path / "model.gguf").write_bytes(b"weights")
     assert entry_path("float", [str(tmp_path / "model.gguf")], "v1") is None
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HERON_CACHE_DIR", str(blocker / "cache"))
+    checkpoint = tmp_path / "model.gguf"
+    checkpoint.write_bytes(b"weights")
+    path = entry_path("float", [str(checkpoint)], "v1")
+    assert path is not None
+    with caplog.at_level("WARNING", logger="heron.loader.file_cache"):
+        save_entry(path, {"w": torch.arange(4.0)}, [str(checkpoint)])  # no exception
+    assert not os.path.exists(path) and "HERON_CACHE_DIR" in caplog.text

@@ -66,7 +66,9 @@ def save_entry(path: str, tensors: dict[str, torch.Tensor], sources: list[str],
         save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, partial, metadata=described)
         os.replace(partial, path)
     except OSError as exc:
-        logger.warning("could not write the weight cache entry %s: %s", path, exc)
+        logger.warning("could not write the weight cache entry %s: %s (the next start builds it again; "
+                       "HERON_CACHE_DIR names another directory, HERON_DISABLE_WEIGHT_CACHE=1 skips the cache)",
+                       path, exc)
         return
     prune(path)
 

@@ -11,6 +11,7 @@ kernels are unavailable and callers fall back to torch ops; set
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -47,7 +48,9 @@ def _compiler() -> str | None:
 
 def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> str:
     """The path of the library built with ``flags`` from ``source_dir`` (default:
-    this package's ``csrc``), compiling it unless cached (keyed by the sources too)."""
+    this package's ``csrc``), compiling it unless cached (keyed by the sources too).
+    Where the cache cannot be written (a read-only home in a container), the
+    library is built into a temporary directory for this process, with a warning."""
     package = resources.files("heron.kernels.cpu").joinpath("csrc") if source_dir is None else Path(source_dir)
     files = [package.joinpath(name) for name in SOURCES + HEADERS]
     digest = hashlib.sha256()
@@ -58,7 +61,6 @@ def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> st
     target = os.path.join(target_dir, "libheron_cpu.so")
     if os.path.exists(target):
         return target
-    os.makedirs(target_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         for file in files:
             with open(os.path.join(scratch, file.name), "wb") as handle:
@@ -68,8 +70,24 @@ def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> st
         result = subprocess.run([compiler, *flags, *sources, "-o", partial, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(result.stderr[-2000:])
-        os.replace(partial, target)  # atomic: concurrent builders never see half a file
+        try:
+            os.makedirs(target_dir, exist_ok=True)
+            os.replace(partial, target)  # atomic: concurrent builders never see half a file
+        except OSError as exc:
+            target = os.path.join(_private_dir(), f"{digest.hexdigest()[:16]}.so")
+            os.replace(partial, target)
+            logger.warning("cannot write the kernel cache (%s); this build is kept in %s until the process exits "
+                           "(set HERON_CACHE_DIR to a writable directory to keep builds between starts)", exc, target)
     return target
+
+
+@functools.cache
+def _private_dir() -> str:
+    """A directory for this process's kernel builds when the cache cannot be
+    written, removed at exit."""
+    directory = tempfile.mkdtemp(prefix="heron-kernels-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
