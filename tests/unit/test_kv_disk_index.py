@@ -151,6 +151,13 @@ def test_the_bound_evicts_least_recently_used_unpinned_blocks(layout):
     assert not index.holds(block_hash(0)) and index.stats.load_failures == 1
 
 
+def test_a_directory_that_cannot_be_made_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="--kv-offloading-dir .*cannot create"):
+        DiskTierLayout.create(blocker / "tier", b"f" * 16, PAYLOAD)
+
+
 def test_a_tier_too_small_for_one_block_is_refused(layout):
     with pytest.raises(ValueError, match="holds no block"):
         DiskIndex(layout, layout.file_bytes - 1)

@@ -57,7 +57,10 @@ class DiskTierLayout:
     @classmethod
     def create(cls, directory: str | os.PathLike[str], fingerprint: bytes, payload_bytes: int) -> DiskTierLayout:
         root = Path(directory) / fingerprint.hex()
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a user's path: say which option, not a traceback
+            raise ValueError(f"--kv-offloading-dir {directory}: cannot create {root}: {exc.strerror or exc}") from exc
         return cls(root, fingerprint, payload_bytes)
 
     @property
