@@ -206,7 +206,7 @@ class EngineCoreClient:
         owned = self._owned
         if owned is not None and owned.exit_code() is None:
             try:
-                self.input_socket.send(pack(MessageKind.SHUTDOWN, None), flags=zmq.NOBLOCK)
+                _settle(self.input_socket.send(pack(MessageKind.SHUTDOWN, None), flags=zmq.NOBLOCK))
                 owned.wait(timeout)
             except zmq.ZMQError:
                 pass
@@ -215,6 +215,20 @@ class EngineCoreClient:
         self.context.term()
         if owned is not None:
             owned.stop(timeout)
+
+
+def _settle(sent: object) -> None:
+    """Mark an asyncio socket's send future as seen. A NOBLOCK send that finds no
+    peer (an engine core not yet connected, or gone) fails into the future rather
+    than raising, and asyncio would log its never-read error as a traceback; the
+    caller stops the process anyway."""
+    if not isinstance(sent, asyncio.Future):
+        return
+    if sent.done():
+        if not sent.cancelled():
+            sent.exception()
+    else:
+        sent.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def _process_running(pid: int) -> bool:
