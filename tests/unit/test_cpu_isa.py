@@ -200,6 +200,25 @@ def test_forcing_an_isa(monkeypatch):
             cpu_isa.selected_isa()
 
 
+def test_a_bad_isa_is_not_blamed_on_the_packed_cache(tmp_path, monkeypatch, caplog):
+    """An HERON_CPU_ISA the machine cannot run is the user's error: said as such,
+    before the packed-layer cache, which used to call its entry damaged first."""
+    from torch import nn
+
+    from heron.kernels.cpu.library import native_library
+    from heron.models.packed_cache import load_packed
+
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "sse9")
+    native_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(ValueError, match="HERON_CPU_ISA='sse9'"):
+            load_packed(nn.Linear(32, 8), str(tmp_path / "entry.safetensors"))
+    finally:
+        monkeypatch.delenv(cpu_isa.ISA_ENV)
+        native_library.cache_clear()
+    assert "ignoring the cached packed layers" not in caplog.text
+
+
 def test_flags_name_each_build():
     assert "-mavx512vnni" in cpu_isa.COMPILE_FLAGS["avx512_vnni"]
     assert not any("avx" in flag for flag in cpu_isa.COMPILE_FLAGS["scalar"])

@@ -79,6 +79,9 @@ def load_packed(model: nn.Module, path: str) -> bool:
     file cannot be read or does not fit (the caller then builds the slow way)."""
     from safetensors import safe_open
 
+    from heron.kernels.cpu.library import native_library
+
+    native_library()  # a HERON_CPU_ISA this CPU cannot run is the user's error, raised as such, not a damaged file
     try:
         with safe_open(path, framework="pt") as cached:
             layers = json.loads((cached.metadata() or {})["layers"])
