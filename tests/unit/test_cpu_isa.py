@@ -241,3 +241,27 @@ def test_a_cache_that_cannot_be_written_still_gives_a_library(tmp_path, monkeypa
     library = ctypes.CDLL(path)
     library.heron_kernel_isa.restype = ctypes.c_char_p
     assert library.heron_kernel_isa() == b"scalar"
+
+
+def test_a_scratch_directory_on_another_file_system_still_fills_the_cache(tmp_path, monkeypatch, caplog):
+    """A tmpfs /tmp: a rename from the scratch directory into the cache fails
+    (EXDEV), as simulated here for any rename between two directories; the build
+    still lands in the cache, without a warning."""
+    import errno
+
+    from heron.kernels.cpu import library
+
+    real_replace = os.replace
+
+    def replace_within_one_directory(source, destination):
+        if os.path.dirname(os.fspath(source)) != os.path.dirname(os.fspath(destination)):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", source)
+        real_replace(source, destination)
+
+    monkeypatch.setattr(library.os, "replace", replace_within_one_directory)
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="heron.kernels.cpu.library"):
+        path = library._build(library._compiler(), [*_BASE_FLAGS, *cpu_isa.compile_flags("scalar")])
+    assert path.startswith(str(tmp_path / "cache" / "kernels")) and os.path.exists(path)
+    assert "cannot write the kernel cache" not in caplog.text
+    assert os.listdir(os.path.dirname(path)) == ["libheron_cpu.so"]  # no partial file left

@@ -12,6 +12,7 @@ kernels are unavailable and callers fall back to torch ops; set
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -72,13 +73,28 @@ def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> st
             raise KernelBuildError(result.stderr[-2000:])
         try:
             os.makedirs(target_dir, exist_ok=True)
-            os.replace(partial, target)  # atomic: concurrent builders never see half a file
+            _install(partial, target)
         except OSError as exc:
             target = os.path.join(_private_dir(), f"{digest.hexdigest()[:16]}.so")
-            os.replace(partial, target)
+            _install(partial, target)
             logger.warning("cannot write the kernel cache (%s); this build is kept in %s until the process exits "
                            "(set HERON_CACHE_DIR to a writable directory to keep builds between starts)", exc, target)
     return target
+
+
+def _install(built: str, target: str) -> None:
+    """Put the library ``built`` (in a scratch directory) at ``target``: copied
+    beside it, then renamed, so concurrent builders never see half a file even
+    where the scratch directory is on another file system (a tmpfs /tmp), across
+    which a rename fails."""
+    partial = f"{target}.{os.getpid()}.partial"
+    try:
+        shutil.copyfile(built, partial)
+        os.replace(partial, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
 
 
 @functools.cache
