@@ -110,6 +110,25 @@ def test_chat_logprobs_shape(client):
         assert bytes(item.bytes).decode() == item.token
 
 
+def test_prompt_logprobs_come_back_in_vllms_shape(server, embedded_tokenizer):
+    prompt = "The capital of France is"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    choice = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    ids = embedded_tokenizer.encode(prompt)
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token_id, entry in zip(ids[1:], entries[1:]):
+        assert str(token_id) in entry and 2 <= len(entry) <= 3  # its own token and the top 2
+        assert {lp["rank"] for lp in entry.values()} >= {1, 2}
+        assert all(lp["logprob"] <= 0 and isinstance(lp["decoded_token"], str) for lp in entry.values())
+    chat = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0}
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=30).json()
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in answer["prompt_logprobs"][1:])  # prompt_logprobs 0: its own token only
+    streamed = httpx.post(f"{server.base_url}/v1/chat/completions", json={**chat, "stream": True}, timeout=30)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_stop_strings_never_leak_into_chunks(client):
     base = dict(model=MODEL, prompt="Count: 1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=30, temperature=0)
     full = client.completions.create(**base).choices[0].text

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import bad_request
+from heron.entrypoints.openai.logprob_fields import chat_logprobs, check_prompt_logprobs, prompt_logprobs_field
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
@@ -81,6 +82,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     top_logprobs = request.top_logprobs or 0
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    check_prompt_logprobs(request.prompt_logprobs, request.stream)
     prompt = chat_prompt(ctx, request)
     check_kv_transfer_params(ctx, request)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -127,25 +129,7 @@ class _ChatBuilder:
     def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
         if not self.request.logprobs:
             return None
-        content = []
-        for token_id, entry in zip(token_ids, logprobs or []):
-            token = self.tokenizer.decode([token_id])
-            ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
-            top = [
-                {
-                    "token": (text := lp.decoded_token or ""),
-                    "logprob": max(lp.logprob, -9999.0),
-                    "bytes": list(text.encode()),
-                }
-                for _, lp in ranked[: self.top_logprobs]
-            ]
-            content.append({
-                "token": token,
-                "logprob": max(entry[token_id].logprob, -9999.0),
-                "bytes": list(token.encode()),
-                "top_logprobs": top,
-            })
-        return {"content": content}
+        return chat_logprobs(self.tokenizer, token_ids, logprobs or [], self.top_logprobs)
 
     def _message_choice(self, completion: CompletionOutput) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.echo_text + completion.text}
@@ -163,7 +147,7 @@ class _ChatBuilder:
 
     def response(self, final: RequestOutput) -> dict[str, Any]:
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {
+        body = {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
@@ -172,6 +156,10 @@ class _ChatBuilder:
             "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
             **kv_transfer_field(final),
         }
+        if self.request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_field(final.prompt_logprobs, final.prompt_token_ids,
+                                                            self.request.prompt_logprobs)
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import bad_request
+from heron.entrypoints.openai.logprob_fields import check_prompt_logprobs, prompt_logprobs_field
 from heron.entrypoints.openai.protocol import CompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
@@ -64,9 +65,10 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         raise bad_request("best_of must equal n (heron returns every sample)", "best_of")
     prompts = [_process(ctx, request, p) for p in _prompts(request)]
     check_kv_transfer_params(ctx, request, len(prompts))
+    check_prompt_logprobs(request.prompt_logprobs, request.stream)
     prompt_logprobs = request.prompt_logprobs
-    if request.echo and request.logprobs is not None:
-        prompt_logprobs = request.logprobs
+    if request.echo and request.logprobs is not None:  # the echoed prompt's logprobs, top-N as asked by logprobs
+        prompt_logprobs = max(request.logprobs, prompt_logprobs if prompt_logprobs is not None else 0)
     params = [
         sampling_params(
             request,
@@ -120,13 +122,17 @@ class _CompletionBuilder:
                 prompt_logprobs if echo_prompt else None,
                 text_offset,
             )
-        return {
+        choice = {
             "index": prompt_index * self.request.n + completion.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
         }
+        if self.request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_field(prompt_logprobs, prompt.token_ids,
+                                                              self.request.prompt_logprobs)
+        return choice
 
     def _logprobs(
         self,
