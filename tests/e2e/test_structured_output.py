@@ -84,6 +84,16 @@ def test_regex_choice_grammar_and_any_json(llm):
         assert anything.text.lstrip().startswith("{")
 
 
+def test_a_grammar_ends_its_output_before_min_tokens(llm):
+    # min_tokens bans EOS, and a complete choice allows nothing but EOS: the grammar wins (this used to leave
+    # no token to sample and end the request with "abort")
+    params = [SamplingParams(max_tokens=8, temperature=0, min_tokens=4, structured_outputs={"choice": ["yes", "no"]}),
+              SamplingParams(max_tokens=8, temperature=0, min_tokens=4, ignore_eos=False)]
+    choice, plain = [o.outputs[0] for o in llm.generate(["Is the sky blue?"] * 2, params, use_tqdm=False)]
+    assert choice.text in {"yes", "no"} and choice.finish_reason == "stop"
+    assert len(plain.token_ids) >= 4  # min_tokens still holds where no grammar is
+
+
 def test_greedy_structured_output_is_deterministic_mixed_with_plain_requests(llm):
     structured = SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": PERSON})
     alone = llm.generate(["A customer record:"], structured, use_tqdm=False)[0].outputs[0].text

@@ -153,13 +153,15 @@ def _logit_bias(
 def _add_bans(
     metadata: SamplingMetadata, states: list[CachedRequestState], rows: tuple[int, ...], device: torch.device
 ) -> None:
-    """EOS (unless ignored) and stop ids are banned until a row has ``min_tokens``."""
+    """EOS (unless ignored) and stop ids are banned until a row has ``min_tokens``,
+    except in rows with a grammar: a grammar decides where its output ends (once
+    the structure is complete it allows only EOS, and a ban would leave no token)."""
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     for row in rows:
         state = states[row]
         params = state.sampling_params
-        if state.num_output_tokens < params.min_tokens:
+        if state.num_output_tokens < params.min_tokens and params.structured_outputs is None:
             banned = set(params.stop_token_ids or [])
             if not params.ignore_eos:
                 banned |= state.eos_token_ids
