@@ -94,6 +94,22 @@ def test_streamed_calls_arrive_as_openai_deltas(default_client, tool_choice):
         assert [entry["name"] for entry in calls.values()] == ["get_weather"]
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_cut_by_max_tokens_is_the_same_streamed_or_not(default_client, tool_choice):
+    # was: non-streamed, the unfinished JSON came back as the message's content; streamed, nothing ("required")
+    # or a call with the unfinished arguments (named)
+    fields = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 6,
+              "temperature": 0}
+    whole = default_client.chat.completions.create(**fields).choices[0]
+    calls, content, reasons = merge_streamed(default_client.chat.completions.create(**fields, stream=True))
+    assert whole.finish_reason == "length" and reasons == ["length"]
+    assert whole.message.content is None and content == ""
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == [
+        (call["name"], call["arguments"]) for _, call in sorted(calls.items())]
+    if tool_choice != "required":  # the named call, with its arguments as far as they got
+        assert whole.message.tool_calls[0].function.arguments
+
+
 def test_none_and_auto_answer_in_text_when_the_model_writes_no_call(default_client):
     for tool_choice in ("none", "auto"):
         answer = default_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,

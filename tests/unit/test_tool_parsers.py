@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from heron.entrypoints.openai.tools.chat import ChatTools
 from heron.entrypoints.openai.tools.choice import ToolChoice
 from heron.entrypoints.openai.tools.parsers import PARSERS, parser_for_template
 from heron.entrypoints.openai.tools.prompting import write_tools_in
@@ -60,6 +61,12 @@ def test_what_is_not_a_call_stays_content(name, text):
 
 def stream_all(choice: ToolChoice, parser_name: str, text: str, step: int):
     """The deltas of ``text`` fed ``step`` characters at a time, merged as a client does."""
+    content, calls, called = stream_raw(choice, parser_name, text, step)
+    return content, [(name, json.loads(arguments)) for name, arguments in calls], called
+
+
+def stream_raw(choice: ToolChoice, parser_name: str, text: str, step: int):
+    """``stream_all`` with each call's arguments as the text streamed."""
     stream = ToolCallStream(choice, PARSERS[parser_name]())
     content, calls = "", {}
     pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
@@ -71,7 +78,7 @@ def stream_all(choice: ToolChoice, parser_name: str, text: str, step: int):
             entry["name"] += call.get("function", {}).get("name") or ""
             entry["arguments"] += call.get("function", {}).get("arguments") or ""
             assert ("id" in call) == (entry["name"] == call["function"].get("name") and "name" in call["function"])
-    return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], stream.called
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], stream.called
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
@@ -104,7 +111,25 @@ def test_constrained_outputs_stream_as_calls(step):
     assert calls_of(required.calls_from_constrained(text)) == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
     # cut by max_tokens: the calls it closed
     assert calls_of(required.calls_from_constrained(text[:-5])) == [("get_time", {})]
-    assert required.calls_from_constrained(text[:20]) is None and named.calls_from_constrained('{"ci') is None
+    assert required.calls_from_constrained(text[:20]) is None
+
+
+REQUIRED_CALLS = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+
+
+@pytest.mark.parametrize("cut", [1, 4, 20, 45, -5, None])
+@pytest.mark.parametrize("mode, text", [("named", '{\n  "city": "Paris"\n}'), ("required", REQUIRED_CALLS)])
+def test_a_finished_output_answers_what_its_stream_sent(mode, text, cut):
+    # cut short by max_tokens or not: a named call used to come back as content when its arguments were
+    # unfinished (streamed: a call), "required" as the raw text (streamed: nothing, or the closed calls)
+    choice = ToolChoice(mode, FUNCTIONS, "get_weather" if mode == "named" else None)
+    text = text[:cut]
+    content, calls = ChatTools(choice, PARSERS["hermes"]()).calls(text)
+    streamed_content, streamed_calls, _ = stream_raw(choice, "hermes", text, 3)
+    assert content is None and streamed_content == ""
+    assert [(call.name, call.arguments) for call in calls] == streamed_calls
+    if mode == "named":
+        assert calls[0].arguments == text  # as generated, whitespace and all
 
 
 def test_the_required_grammar_is_one_call_per_listed_function():

@@ -32,6 +32,7 @@ from heron.entrypoints.openai.serving_common import (
     usage,
 )
 from heron.entrypoints.openai.tools.chat import ChatTools, finish_reason, template_messages
+from heron.entrypoints.openai.tools.parsers import ToolCall
 from heron.entrypoints.openai.tools.streaming import ToolCallStream
 from heron.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
@@ -133,10 +134,13 @@ class _ChatBuilder:
 
     def _message_choice(self, completion: CompletionOutput) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.echo_text + completion.text}
-        content, calls = self.tools.calls(completion.text) if self.tools else ("", [])
-        if calls:
-            message = {"role": "assistant", "content": content or None,
-                       "tool_calls": [call.to_openai() for call in calls]}
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            content, calls = self.tools.calls(completion.text)
+            message["content"] = self.echo_text + content if content is not None else self.echo_text or None
+            if calls:
+                message["content"] = content or None
+                message["tool_calls"] = [call.to_openai() for call in calls]
         return {
             "index": completion.index,
             "message": message,

@@ -49,13 +49,19 @@ class ChatTools:
             return params.clone(skip_special_tokens=False)  # the parser's markers are special tokens
         return params
 
-    def calls(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of a finished output."""
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output: what the stream of the same
+        output sends (``ToolCallStream``), whole. A constrained output is never
+        content: a named function's call carries the generated arguments as
+        they are (unfinished ones too, when ``max_tokens`` cut them, as OpenAI
+        and vLLM answer), "required" the calls it closed (perhaps none)."""
         if self.choice.mode == "none":
             return text, []
-        if self.choice.mode in ("named", "required"):
-            calls = self.choice.calls_from_constrained(text)
-            return ("", calls) if calls else (text, [])
+        if self.choice.mode == "named":
+            assert self.choice.named is not None
+            return None, [ToolCall(self.choice.named, text)] if text else []
+        if self.choice.mode == "required":
+            return None, self.choice.calls_from_constrained(text) or []
         parsed = self.parser.parse(text, final=True)
         calls = parsed.calls if self.choice.parallel else parsed.calls[:1]
         return (parsed.content.strip(), calls) if calls else (text, [])

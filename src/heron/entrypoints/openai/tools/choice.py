@@ -15,7 +15,6 @@ OpenAI's does)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -55,16 +54,9 @@ class ToolChoice:
         return None
 
     def calls_from_constrained(self, text: str) -> list[ToolCall] | None:
-        """The calls in a constrained output. One cut short (by ``max_tokens``
-        or a stop string) keeps the calls it closed: a list's leading calls,
-        none of a named function's unfinished arguments (then None)."""
-        if self.mode == "named":
-            assert self.named is not None
-            try:
-                value = json.loads(text)
-            except ValueError:
-                return None
-            return [ToolCall(self.named, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
+        """The calls in a "required" output (a JSON list of calls). One cut
+        short (by ``max_tokens`` or a stop string) keeps the calls it closed
+        (None if it closed none)."""
         start = text.find("[")
         found = json_values(text[start + 1:], ",") if start >= 0 else None
         calls = [call_from_json(item) for item in found[0]] if found else []
