@@ -38,6 +38,9 @@ def test_health_version_models(server, client):
     assert httpx.get(f"{server.base_url}/version").json()["version"]
     [model] = client.models.list().data
     assert model.id == MODEL
+    assert client.models.retrieve(MODEL).id == MODEL  # was a 404: the route did not exist
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/another-model")
 
 
 def test_chat_completion_answers_paris(client):
@@ -286,6 +289,7 @@ def test_a_client_gone_mid_body_leaves_nothing_behind(server):
         ({"seed": 2**64}, "seed", "seed"),
         ({"priority": 2**64}, "priority", "priority"),
         ({"max_tokens": 400, "prompt": "word " * 300}, "max_tokens", "512"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),  # as OpenAI answers
     ],
 )
 def test_bad_values_get_400_naming_the_parameter(server, body, param, fragment):
@@ -295,6 +299,14 @@ def test_bad_values_get_400_naming_the_parameter(server, body, param, fragment):
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("part", [{"type": "text", "text": 5}, {"type": "text"}, {"type": "image_url"}])
+def test_chat_content_parts_without_text_are_400s(server, part):
+    # a number was rendered as its digits and a missing text as nothing, answered 200 (vLLM: 400)
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [part]}]}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
 def test_context_overflow_message_says_both_numbers(server):

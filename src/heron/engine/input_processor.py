@@ -209,7 +209,9 @@ def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise InvalidRequestError("only text content parts are supported", "messages")
-            texts.append(str(part.get("text", "")))
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequestError("a text content part needs its text as a string", "messages")
+            texts.append(part["text"])
         return {**message, "content": "".join(texts)}
     if content is None:
         return {**message, "content": ""}

@@ -73,19 +73,28 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
+def model_card(ctx: ServingContext, raw_request: Request) -> dict[str, Any]:
+    return {
+        "id": ctx.served_model_name,
+        "object": "model",
+        "created": raw_request.app.state.created,
+        "owned_by": "heron",
+        "root": ctx.engine.config.model.model,
+        "max_model_len": ctx.max_model_len,
+    }
+
+
 @router.get("/v1/models")
 async def models(ctx: Serving, raw_request: Request) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{
-            "id": ctx.served_model_name,
-            "object": "model",
-            "created": raw_request.app.state.created,
-            "owned_by": "heron",
-            "root": ctx.engine.config.model.model,
-            "max_model_len": ctx.max_model_len,
-        }],
-    }
+    return {"object": "list", "data": [model_card(ctx, raw_request)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, ctx: Serving, raw_request: Request) -> dict[str, Any]:
+    """OpenAI's model retrieval (``client.models.retrieve``): the served model, else 404."""
+    if model != ctx.served_model_name:
+        raise model_not_found(model)
+    return model_card(ctx, raw_request)
 
 
 @router.post("/v1/completions", responses=INVALID_BODY)

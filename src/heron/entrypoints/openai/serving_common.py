@@ -211,6 +211,8 @@ def sampling_params(
     stream: bool,
 ) -> SamplingParams:
     """OpenAI/vLLM fields -> SamplingParams; bad values become 400s naming the field."""
+    if request.stream_options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     logit_bias = None
     if request.logit_bias:
         try:
