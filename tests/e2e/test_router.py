@@ -113,6 +113,7 @@ def test_the_openai_client_streams_through_the_router(fleet):
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert "Tokyo" in text
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+    assert client.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
 
 
 def test_stored_responses_are_followed_to_the_replica_that_holds_them(fleet):

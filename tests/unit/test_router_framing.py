@@ -3,12 +3,15 @@ a pooled connection paused for a slow client reads again, interim 1xx answers
 are skipped, a cut JSON answer is cut for the client too, an answer delimited
 by the replica's close is whole; on the client side, a bad or closing request
 in a pipeline never spoils the answers before it, upgrades are declined by
-answering, ``100 Continue`` never lands inside another answer, and HTTP/1.0
-clients get no chunked framing."""
+answering, ``100 Continue`` never lands inside another answer, HTTP/1.0
+clients get no chunked framing, flow control outlives the answer that filled
+a client's buffer, a body nested too deeply to parse is the replica's to
+refuse, and a stream cut inside an event ends with an error event of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -191,8 +194,85 @@ def test_a_client_too_slow_for_the_deadline_is_not_the_replicas_failure():
         reader, writer = await small_window_client(url)
         writer.write(post("/v1/completions", {"mode": "big"}))  # 64 MiB, never read
         await asyncio.sleep(1.5)
-        assert server.metrics.cut_streams._value.get() == 1  # noqa: SLF001 (the counter's value)
+        assert server.metrics.timeouts._value.get() == 1  # noqa: SLF001 (the counter's value)
+        assert server.metrics.cut_streams._value.get() == 0  # noqa: SLF001
         assert server.replicas.replicas[0].breaker.consecutive_failures == 0
         writer.close()
 
     run(test, [FakeReplica()])
+
+
+def test_a_client_that_stopped_reading_during_an_earlier_answer_still_pauses_the_next():
+    """asyncio says once that the client's buffer is full: an answer that starts
+    after the one that filled it must not read its replica without bound."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+        not_found = f"GET /nothing/{'a' * (60 << 10)} HTTP/1.1\r\nHost: x\r\n\r\n".encode()  # a 60 KiB 404
+        writer.write(not_found * 200 + post("/v1/completions", {"mode": "big"}, close=True))
+        await asyncio.sleep(1.5)  # the client reads nothing
+        assert fakes[0].sent_bytes < 40 << 20, "the router kept reading a replica its client does not read"
+        received = 0
+        while chunk := await reader.read(1 << 20):
+            received += len(chunk)
+        assert received > (64 << 20) + 200 * (60 << 10) and fakes[0].sent_bytes == 64 << 20
+        writer.close()
+
+    run(test, [FakeReplica()])
+
+
+async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    body = b'{"error": {"message": "not JSON the server can read"}}'
+    writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                 % (len(body), body))
+
+
+def test_a_body_nested_too_deeply_to_parse_is_passed_to_the_replica_to_refuse():
+    async def test(url: str, _: list, server: RouterServer) -> None:
+        for body in (b"[" * 100000, b'{"prompt": ' + b"[" * 100000):
+            request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            answer = await raw_exchange(url, request)
+            assert answer.startswith(b"HTTP/1.1 400") and answer.endswith(b"server can read\"}}"), answer[:200]
+        assert server.replicas.replicas[0].num_requests == 2
+
+    run(test, [RawReplica(refuse)])
+
+
+def dechunked(answer: bytes) -> bytes:
+    body, data = answer.split(b"\r\n\r\n", 1)[1], b""
+    while True:
+        size, body = body.split(b"\r\n", 1)
+        if not int(size, 16):
+            return data
+        data, body = data + body[:int(size, 16)], body[int(size, 16) + 2:]
+
+
+def test_a_stream_cut_inside_an_event_ends_with_an_error_event_of_its_own():
+    sent = [b'data: {"text": "hel', b'data: {"text": "hello"}\n', b'data: {"text": "hello"}\n\n']
+
+    async def cut(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        part = sent[len(answers)]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"%x\r\n%b\r\n" % (len(part), part))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    answers: list[bytes] = []
+
+    async def test(url: str, _: list, __: RouterServer) -> None:
+        for _ in sent:
+            answers.append(dechunked(await raw_exchange(url, post("/v1/completions", {"stream": True},
+                                                                   close=True))))
+        for part, body in zip(sent, answers, strict=True):
+            assert body.startswith(part)
+            cut_event, error, done, rest = body.split(b"\n\n")  # the error and [DONE] are events of their own
+            assert part.startswith(cut_event) and done == b"data: [DONE]" and rest == b"", body
+            assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == "replica_failed"
+
+    run(test, [RawReplica(cut)])

@@ -39,6 +39,10 @@ def add_router_parser(subcommands: Any) -> None:
                              "replica wins")
     router.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
     router.add_argument("--max-attempts", type=int, default=3, help="replicas tried before a request fails")
+    router.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
+                        help="longest time a request may take, from its arrival to its answer's end (0, the "
+                             "default: no limit); past it the client gets 504, or an error event ending its "
+                             "stream, and the request is not retried elsewhere")
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -49,6 +53,8 @@ def run_router(args: argparse.Namespace) -> int:
 
     if args.max_attempts < 1 or args.probe_interval <= 0:
         raise ValueError("--max-attempts must be >= 1 and --probe-interval > 0")
+    if not args.request_timeout >= 0:  # NaN included
+        raise ValueError("--request-timeout must be >= 0 (0: no limit)")
     if not args.replica and not args.ray_address:
         raise ValueError("give the replicas: --replica URL (repeatable) and/or --ray-address")
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
@@ -59,7 +65,7 @@ def run_router(args: argparse.Namespace) -> int:
     prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval)
                         if args.prefill else None)
     server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts,
-                          prefill_replicas=prefill_replicas)
+                          request_timeout=args.request_timeout or None, prefill_replicas=prefill_replicas)
     logger.info("heron router (%s) on http://%s:%d over %s%s", args.policy, args.host, args.port,
                 ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])),
                 f"; prompts prefilled first on {', '.join(args.prefill)}" if args.prefill else "")

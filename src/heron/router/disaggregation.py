@@ -8,10 +8,18 @@ request then goes to a decode replica with those parameters added, and its
 answer (streamed or not) is the client's. When no prefill replica can serve
 the prompt (down, overloaded, an error), the decode replica computes it itself:
 disaggregation is an optimisation, never a new way to fail.
+
+Only completion and chat requests of one prompt and one sample go through the
+prefill stage (``prefills_first``): a decode server pulls the KV of one prompt
+for one sequence, and the Responses API has no one-token form of its request.
+Every other request goes to a decode replica unchanged. The prefill copy keeps
+nothing that ties the output's length or form (``min_tokens``, streaming) to
+what the client asked: it asks for exactly one token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -19,15 +27,47 @@ from typing import Any
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from heron.router.prompt_hashes import CHAT_PATH
 from heron.router.replica import Replica, ReplicaSet
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
 
+PREFILL_PATHS = ("/v1/completions", CHAT_PATH)
+# dropped from the prefill copy: one non-streamed sample of one token, whatever the client asked
+_NOT_PREFILLED = ("stream", "stream_options", "n", "best_of", "min_tokens", "kv_transfer_params")
+
+
+def prefills_first(path: str, body: dict[str, Any]) -> bool:
+    """Whether a generation request goes to a prefill replica first: a completion
+    or chat request of one prompt and one sample (``n``, ``best_of``: absent or
+    1) that names no ``kv_transfer_params`` of its own."""
+    if path not in PREFILL_PATHS or "kv_transfer_params" in body:
+        return False
+    if any(body.get(key) not in (None, 1) for key in ("n", "best_of")):
+        return False
+    prompt = body.get("prompt")
+    several_prompts = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+    return not several_prompts
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The copy of a client's request sent to a prefill replica: one token, not
+    streamed, one sample, with no lower bound on its length."""
+    request = {key: value for key, value in body.items() if key not in _NOT_PREFILLED}
+    request.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    return request
+
 
 class PrefillStage:
     def __init__(self, replicas: ReplicaSet, router: Router, registry: CollectorRegistry,
                  timeout_s: float = 600.0) -> None:
+        """``timeout_s``: the longest a prefill replica may take (then it counts as
+        failed and the decode replica computes the prompt): a prefill is an
+        optimisation, and a hung prefill replica must not hold requests for
+        ever when the router has no ``--request-timeout``."""
         self.replicas = replicas
         self.router = router
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=2.0)
@@ -37,40 +77,56 @@ class PrefillStage:
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
 
     async def run(self, session: aiohttp.ClientSession, path: str, body: dict[str, Any], headers: dict[str, str],
-                  hashes: list[bytes]) -> dict[str, Any] | None:
+                  hashes: list[bytes], deadline: float | None = None) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` of the prompt prefilled on a prefill replica
-        (None: none could, the decode replica will compute it)."""
-        candidates = self.replicas.usable()
-        if not candidates:
+        (None: none could, or ``deadline``, the loop's time, passed: the decode
+        replica will compute it). A replica is used only when its breaker allows
+        it (half-open: one trial at a time), as for decode replicas."""
+        replica = self._choose(hashes)
+        if replica is None:
             self.outcomes.labels("no_replica").inc()
             return None
-        replica = self.router.choose(candidates, hashes, None).replica
-        assert isinstance(replica, Replica)
         started = time.perf_counter()
-        result = await self._prefill(session, replica, path, body, headers, hashes)
+        result = await self._prefill(session, replica, path, body, headers, hashes, deadline)
         self.seconds.observe(time.perf_counter() - started)
         self.outcomes.labels("ok" if result is not None else "failed").inc()
         return result
 
+    def _choose(self, hashes: list[bytes]) -> Replica | None:
+        """The policy's pick among the usable replicas whose breaker lets a request through."""
+        tried: list[Replica] = []
+        while candidates := self.replicas.usable(exclude=tried):
+            replica = self.router.choose(candidates, hashes, None).replica
+            assert isinstance(replica, Replica)
+            if replica.breaker.allows():
+                return replica
+            tried.append(replica)
+        return None
+
     async def _prefill(self, session: aiohttp.ClientSession, replica: Replica, path: str, body: dict[str, Any],
-                       headers: dict[str, str], hashes: list[bytes]) -> dict[str, Any] | None:
-        request = {key: value for key, value in body.items() if key not in ("stream", "stream_options", "n")}
-        request.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        if "max_completion_tokens" in request:
-            request["max_completion_tokens"] = 1
+                       headers: dict[str, str], hashes: list[bytes], deadline: float | None) -> dict[str, Any] | None:
         replica.load.dispatch(len(hashes))
         replica.index.expect(hashes)
+        scope = asyncio.timeout_at(deadline)
         try:
-            async with session.post(replica.url + path, json=request, headers=headers,
-                                    timeout=self.timeout) as response:
-                self.replicas.record(replica, response.status)
-                if response.status != 200:
-                    logger.info("prefill replica %s answered %d: the decode replica computes the prompt",
-                                replica.url, response.status)
-                    return None
-                answer = await response.json()
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            logger.warning("prefill replica %s failed: %s", replica.url, exc)
+            async with scope:
+                async with session.post(replica.url + path, json=prefill_request(body), headers=headers,
+                                        timeout=self.timeout) as response:
+                    self.replicas.record(replica, response.status)
+                    if response.status != 200:
+                        logger.info("prefill replica %s answered %d: the decode replica computes the prompt",
+                                    replica.url, response.status)
+                        return None
+                    answer = await response.json()
+        except TimeoutError as exc:
+            if scope.expired():  # the request's deadline, not the replica's failure
+                logger.warning("prefill replica %s had not answered by the request's deadline", replica.url)
+            else:
+                logger.warning("prefill replica %s failed: %r", replica.url, exc)
+                self.replicas.record(replica, None)
+            return None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            logger.warning("prefill replica %s failed: %r", replica.url, exc)
             self.replicas.record(replica, None)
             return None
         finally:

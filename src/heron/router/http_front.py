@@ -9,6 +9,10 @@ with aiohttp's server and client to a fraction of a millisecond.
 Invariants:
 - requests on one connection are answered one at a time, in order (pipelined
   requests wait their turn; a client that floods them is paused);
+- flow control belongs to the connection, not to one response: while the
+  client's socket buffer is full (asyncio says so once, in ``pause_writing``,
+  whichever response filled it), no queued request is started, and a response
+  that starts then pauses its source at once;
 - a response is complete (its Content-Length sent, or its chunked framing
   ended) before the next one starts, or the connection is closed;
 - a client that goes away cancels the handler of its request, so whatever the
@@ -67,12 +71,15 @@ class ResponseWriter:
     goes out with the first body bytes, unless flushed before them). Flow
     control: while the client's socket buffer is full, ``on_pause`` is called
     (and ``on_resume`` when it drains) so a relay can stop reading its source
-    instead of buffering without bound."""
+    instead of buffering without bound; ``client_paused`` says whether it is full
+    now (it may be from the connection's earlier answers: a relay that starts
+    while it is pauses its source at once)."""
 
     def __init__(self, transport: asyncio.Transport, keep_alive: bool, head_only: bool,
-                 http10: bool = False) -> None:
+                 http10: bool = False, client_paused: bool = False) -> None:
         """``http10``: the client speaks HTTP/1.0, which has no chunked framing: a
-        streamed answer of unknown length is sent bare and ends with the connection."""
+        streamed answer of unknown length is sent bare and ends with the connection.
+        ``client_paused``: the connection's state as the response starts."""
         self._transport = transport
         self.keep_alive = keep_alive
         self._head_only = head_only
@@ -82,7 +89,7 @@ class ResponseWriter:
         self.finished = False
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
-        self.client_paused = False  # the client's socket buffer is full (it is not reading)
+        self.client_paused = client_paused  # the client's socket buffer is full (it is not reading)
         self._pending: list[bytes] = []
 
     @property
@@ -159,6 +166,7 @@ class FrontConnection(asyncio.Protocol):
         self._queue: deque[tuple[HttpRequest, bool, bool]] = deque()  # request, keep-alive, HTTP/1.0
         self._task: asyncio.Task[None] | None = None
         self._writer: ResponseWriter | None = None
+        self._client_paused = False  # the client's socket buffer is full, whichever answer filled it
         self._rejected = False  # nothing more is parsed (a bad request, or one after which the client closes)
         self._rejection: tuple[int, str] | None = None  # answered once the requests before it are
         self._reset_message()
@@ -195,16 +203,19 @@ class FrontConnection(asyncio.Protocol):
             self._task.cancel()
 
     def pause_writing(self) -> None:
+        self._client_paused = True
         if self._writer is not None:
             self._writer.client_paused = True
             if self._writer.on_pause is not None:
                 self._writer.on_pause()
 
     def resume_writing(self) -> None:
+        self._client_paused = False
         if self._writer is not None:
             self._writer.client_paused = False
             if self._writer.on_resume is not None:
                 self._writer.on_resume()
+        self._next()  # a queued request may start now
 
     # ---- httptools callbacks ----------------------------------------------------
 
@@ -265,7 +276,11 @@ class FrontConnection(asyncio.Protocol):
     # ---- running requests ----------------------------------------------------------
 
     def _next(self) -> None:
+        """Starts the next queued request, unless one is under way or the client
+        is not reading what was sent (``resume_writing`` calls again)."""
         if self._task is not None and not self._task.done():
+            return
+        if self._client_paused:
             return
         transport = self._transport
         if transport is None or transport.is_closing():
@@ -280,7 +295,8 @@ class FrontConnection(asyncio.Protocol):
         request, keep_alive, http10 = self._queue.popleft()
         if len(self._queue) <= _MAX_QUEUED_REQUESTS // 2 and not self._rejected:
             transport.resume_reading()
-        self._writer = ResponseWriter(transport, keep_alive, head_only=request.method == "HEAD", http10=http10)
+        self._writer = ResponseWriter(transport, keep_alive, head_only=request.method == "HEAD", http10=http10,
+                                      client_paused=self._client_paused)
         self._task = asyncio.get_running_loop().create_task(self._run(request, self._writer))
 
     async def _run(self, request: HttpRequest, writer: ResponseWriter) -> None:

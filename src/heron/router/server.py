@@ -3,19 +3,26 @@ the replica the policy picks, its answer (SSE included) passed through as it
 arrives, over the raw HTTP/1.1 front (``http_front.py``) and kept-alive replica
 connections (``upstream.py``).
 
-A request that fails before its first byte (no connection, a timeout, a 5xx)
-is retried on another replica, up to ``max_attempts``; a stream cut by a dying
-replica ends with an error event and ``[DONE]``, so a client never hangs; a
+A request that fails before its first byte (no connection, a 5xx) is retried
+on another replica, up to ``max_attempts``; a stream cut by a dying replica
+ends with an error event and ``[DONE]`` (after the cut event is terminated, so
+that the error is an event of its own), so a client never hangs; a
 client that leaves takes its replica request with it (the connection to the
 replica is closed, which aborts the request there). Every outcome feeds the
 replica's circuit breaker; 4xx answers are passed through and never count
-against a replica. Health probes and the prefill stage of disaggregation use
-aiohttp's client: they are not on a request's latency path.
+against a replica. ``request_timeout`` (``--request-timeout``; None: no limit)
+bounds a request from its arrival to its answer's end, prefill stage included:
+past it the client gets 504 (before the answer's head) or a stream ending with
+an error event (after it), the request is not tried elsewhere, and nothing
+counts against the replica (a long generation is no replica failure). Health
+probes and the prefill stage of disaggregation use aiohttp's client: they are
+not on a request's latency path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import signal
@@ -26,7 +33,7 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from heron.gc_freeze import freeze_startup_objects
-from heron.router.disaggregation import PrefillStage
+from heron.router.disaggregation import PrefillStage, prefills_first
 from heron.router.http_front import HttpRequest, ResponseWriter, error_body, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
@@ -37,7 +44,8 @@ from heron.routing.policies import Router
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
-FORWARDED_PATHS = ("/v1/models", "/tokenize", "/detokenize", "/version")
+MODELS_PATH = "/v1/models"  # and /v1/models/{id}, forwarded too
+FORWARDED_PATHS = (MODELS_PATH, "/tokenize", "/detokenize", "/version")
 # request headers passed to the replica (the client's key reaches the replica's gateway)
 _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 # the replica's framing and connection headers: the router frames its own answer
@@ -55,6 +63,8 @@ class RouterMetrics:
         self.cut_streams = Counter(
             "heron_router_cut_streams", "Streams cut by a failing replica", registry=self.registry
         )
+        self.timeouts = Counter("heron_router_timeouts", "Requests that ran past --request-timeout",
+                                registry=self.registry)
         self.matched_blocks = Counter(
             "heron_router_matched_blocks", "Prompt blocks found cached on the chosen replica", registry=self.registry
         )
@@ -70,9 +80,10 @@ class RouterMetrics:
 
 class RouterServer:
     def __init__(self, replicas: ReplicaSet, router: Router, hasher: PromptHasher | None, max_attempts: int = 3,
-                 request_timeout: float = 600.0, prefill_replicas: ReplicaSet | None = None) -> None:
+                 request_timeout: float | None = None, prefill_replicas: ReplicaSet | None = None) -> None:
         """``prefill_replicas``: prefill/decode disaggregation, ``replicas`` decode
-        (``router/disaggregation.py``)."""
+        (``router/disaggregation.py``). ``request_timeout``: seconds a request may
+        take from its arrival to its answer's end (None: no limit)."""
         self.replicas = replicas
         self.router = router
         self.hasher = hasher
@@ -82,7 +93,7 @@ class RouterServer:
         self.responses = ResponseAffinity()
         self.upstream = UpstreamPool()
         self.session: aiohttp.ClientSession | None = None
-        self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry, request_timeout)
+        self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry)
                         if prefill_replicas is not None else None)
 
     async def run(self, host: str, port: int) -> None:
@@ -123,12 +134,12 @@ class RouterServer:
                 writer.send_json(405, error_body(405, f"{path} takes POST", "method_not_allowed"))
                 return
             await self.generate(request, writer)
-        elif path in FORWARDED_PATHS:
-            await self._proxy(request, writer, request.body, [], None)
+        elif path in FORWARDED_PATHS or path.startswith(MODELS_PATH + "/"):
+            await self._proxy(request, writer, request.body, [], None, deadline=self._deadline())
         elif path.startswith(RESPONSES_PATH + "/") and path.count("/") == 3:
             # GET or DELETE of a stored response: to the replica that holds it
             pinned = self.responses.replica_of(path.rsplit("/", 1)[1])
-            await self._proxy(request, writer, request.body, [], None, pinned)
+            await self._proxy(request, writer, request.body, [], None, pinned, self._deadline())
         elif path == "/health" and request.method in ("GET", "HEAD"):
             usable = self.replicas.usable()
             writer.send_json(200 if usable else 503, {"status": "ok" if usable else "no replica available",
@@ -140,22 +151,30 @@ class RouterServer:
         else:
             writer.send_json(404, error_body(404, f"no route for {request.method} {path}", "not_found"))
 
+    def _deadline(self) -> float | None:
+        """When a request arriving now must have its answer (the loop's time; None: never)."""
+        if not self.request_timeout:
+            return None
+        return asyncio.get_running_loop().time() + self.request_timeout
+
     async def generate(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        deadline = self._deadline()
         raw = request.body
         started = time.perf_counter()
         body = _json_object(raw)
         hashes = self.hasher.block_hashes(request.path, body, self.replicas.block_size) if self.hasher and body else []
         session = (body.get("user") if body else None) or request.headers.get("x-session-id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        if self.prefill is not None and body is not None and "kv_transfer_params" not in body:
+        if self.prefill is not None and body is not None and prefills_first(request.path, body):
             assert self.session is not None
             kv_transfer_params = await self.prefill.run(self.session, request.path, body,
-                                                        dict(_passed_headers(request)), hashes)
+                                                        dict(_passed_headers(request)), hashes, deadline)
             if kv_transfer_params is not None:
                 raw = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
         previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
         pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
-        await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned)
+        await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned,
+                          deadline)
 
     def _prometheus(self) -> bytes:
         for replica in self.replicas.replicas:
@@ -177,12 +196,16 @@ class RouterServer:
     # ---- proxying ----------------------------------------------------------------
 
     async def _proxy(self, request: HttpRequest, writer: ResponseWriter, raw: bytes, hashes: list[bytes],
-                     session: str | None, pinned: str | None = None) -> None:
+                     session: str | None, pinned: str | None = None, deadline: float | None = None) -> None:
         """``pinned``: the replica holding the stored response the request names
-        (tried first while usable; elsewhere it answers that it has no such response)."""
+        (tried first while usable; elsewhere it answers that it has no such response).
+        ``deadline``: the loop's time by which the answer must have ended."""
         tried: list[Replica] = []
         headers = _passed_headers(request)
         for attempt in range(self.max_attempts):
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                self._timed_out(writer)  # spent (in the prefill stage, or on replicas that failed)
+                return
             candidates = self.replicas.usable(exclude=tried)
             if not candidates:
                 break
@@ -199,28 +222,35 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            if await self._send(request, writer, replica, raw, headers, decision.uncached_blocks):
+            if await self._send(request, writer, replica, raw, headers, decision.uncached_blocks, deadline):
                 return
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         self.metrics.failed.inc()
         writer.send_json(503, error_body(503, "no replica could serve the request", "service_unavailable"))
 
     async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
-                    headers: list[tuple[str, str]], uncached_blocks: int) -> bool:
+                    headers: list[tuple[str, str]], uncached_blocks: int, deadline: float | None) -> bool:
         """Passes the replica's answer through; False when it failed before its
-        first byte (the caller retries elsewhere). The replica's load carries
-        the request (and its prefill work) until it ends."""
-        deadline = asyncio.get_running_loop().time() + self.request_timeout
+        first byte (the caller retries elsewhere). Past ``deadline`` the client
+        is answered 504 and True returned: the request is not tried again, and
+        the replica is not blamed. The replica's load carries the request (and
+        its prefill work) until it ends."""
         replica.load.dispatch(uncached_blocks)
         replica.num_requests += 1
         connection: UpstreamConnection | None = None
         try:
+            scope = asyncio.timeout_at(deadline)
             try:
-                async with asyncio.timeout_at(deadline):
+                async with scope:
                     connection = await self.upstream.request(replica.url, request.method, request.path_qs,
                                                              headers, raw)
-            except (UpstreamFailed, TimeoutError) as exc:
-                logger.warning("replica %s failed before answering: %s", replica.url, exc or "timeout")
+            except TimeoutError:
+                if not scope.expired():
+                    raise
+                self._timed_out(writer)
+                return True
+            except UpstreamFailed as exc:
+                logger.warning("replica %s failed before answering: %s", replica.url, exc)
                 self.replicas.record(replica, None)
                 return False
             status, upstream_headers = connection.head.result()
@@ -236,26 +266,38 @@ class RouterServer:
             if connection is not None:
                 self.upstream.release(replica.url, connection)  # closed unless its answer ended cleanly
 
+    def _timed_out(self, writer: ResponseWriter) -> None:
+        """The deadline passed before the answer's head: 504."""
+        self.metrics.timeouts.inc()
+        writer.send_json(504, error_body(504, f"the request took longer than the router's request timeout "
+                                              f"({self.request_timeout:g} s)", "timeout"))
+
     async def _relay(self, request: HttpRequest, writer: ResponseWriter, replica: Replica,
                      connection: UpstreamConnection, status: int, upstream_headers: list[tuple[str, str]],
-                     deadline: float) -> None:
+                     deadline: float | None) -> None:
         headers = [(name, value) for name, value in upstream_headers if name.lower() not in _HOP_HEADERS]
         event_stream = any(name.lower() == "content-type" and value.startswith("text/event-stream")
                            for name, value in upstream_headers)
         length = next((value for name, value in upstream_headers if name.lower() == "content-length"), None)
         writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
         scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and status == 200 else None
+        tail = b""  # the last bytes relayed: where the stream stands if it is cut
 
         def forward(chunk: bytes) -> None:
+            nonlocal tail
             if scanner is not None and scanner.found is None:
                 scanner.feed(chunk)
                 if scanner.found is not None:
                     self.responses.remember(scanner.found, replica.url)
+            if chunk:
+                tail = (tail + chunk)[-2:]
             writer.write(chunk)
 
         assert connection.transport is not None
         writer.on_pause = connection.transport.pause_reading  # a slow client slows the replica, no buffering
         writer.on_resume = connection.transport.resume_reading
+        if writer.client_paused:  # an earlier answer filled the client's buffer: wait until it drains
+            connection.transport.pause_reading()
         # the answer's end goes out with its last bytes, in the same write
         connection.stream_to(forward, lambda: writer.end() if connection.complete else writer.flush())
         if event_stream:
@@ -264,35 +306,57 @@ class RouterServer:
             # an httpx client's time to first token, measured through the router)
             writer.flush()
         try:
-            finished = await _until(connection.done, deadline)
+            outcome = await _until(connection.done, deadline)
         finally:
             # the connection may go back to the pool: it must read again, and pause nobody's relay
             writer.on_pause = writer.on_resume = None
             connection.transport.resume_reading()
-        if not finished:
-            if writer.client_paused and not connection.closed:
-                # the deadline passed while the client was not reading: not the replica's failure
-                logger.warning("a client read too slowly to finish an answer from %s in %.0f s", replica.url,
-                               self.request_timeout)
-            else:
-                logger.warning("replica %s cut a response", replica.url)
-                self.replicas.record(replica, None)
+        if outcome is _Outcome.DONE:
+            writer.end()
+            return
+        if outcome is _Outcome.DEADLINE:
+            # a long answer or a client reading too slowly: not the replica's failure
+            logger.warning("an answer from %s ran past the request timeout (%g s)", replica.url,
+                           self.request_timeout)
+            self.metrics.timeouts.inc()
+            error = error_body(504, "the request took longer than the router's request timeout", "timeout")
+        else:
+            logger.warning("replica %s cut a response", replica.url)
+            self.replicas.record(replica, None)
             self.metrics.cut_streams.inc()
-            if not event_stream:
-                writer.abort()  # a cut JSON or a short body would read as whole: the client must see the cut
-                return
             error = error_body(502, "the replica serving this stream failed", "replica_failed")
-            writer.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+        if not event_stream:
+            writer.abort()  # a cut JSON or a short body would read as whole: the client must see the cut
+            return
+        writer.write(_event_boundary(tail) + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
         writer.end()
 
 
-async def _until(done: asyncio.Future[None], deadline: float) -> bool:
-    """Waits for an answer's end: False if it was cut or the deadline passed."""
+class _Outcome(enum.Enum):
+    DONE = "done"
+    CUT = "cut"  # the replica's answer stopped before its end
+    DEADLINE = "deadline"  # the request's deadline passed first
+
+
+async def _until(done: asyncio.Future[None], deadline: float | None) -> _Outcome:
+    """Waits for an answer's end, its cut, or the deadline (None: none)."""
     try:
-        await asyncio.wait_for(done, max(0.0, deadline - asyncio.get_running_loop().time()))
-    except (UpstreamCut, TimeoutError):
-        return False
-    return True
+        async with asyncio.timeout_at(deadline):
+            await done
+    except UpstreamCut:
+        return _Outcome.CUT
+    except TimeoutError:
+        return _Outcome.DEADLINE
+    return _Outcome.DONE
+
+
+def _event_boundary(tail: bytes) -> bytes:
+    """What ends the event a cut stream was in (``tail``: its last bytes), so
+    that an event written after it is one of its own: nothing at a boundary
+    (or before any byte), else the line ends and a blank line follows."""
+    if not tail or tail.endswith(b"\n\n"):
+        return b""
+    return b"\n" if tail.endswith(b"\n") else b"\n\n"
 
 
 def _passed_headers(request: HttpRequest) -> list[tuple[str, str]]:
@@ -304,8 +368,10 @@ def _discard(_: bytes) -> None:
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """The request's JSON object; None when it is not one (or nested too deeply
+    to parse): the body goes to the replica as it is, which answers 400."""
     try:
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

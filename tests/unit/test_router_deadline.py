@@ -1,0 +1,92 @@
+"""``heron router --request-timeout``: no limit unless asked; past the limit the
+client gets 504 (before the answer's head) or an error event ending its stream,
+the request is not run again on another replica, and no breaker counts it
+(a long generation is no replica failure)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+
+from heron.entrypoints.router_cli import add_router_parser, run_router
+from heron.router.server import RouterServer
+from tests.unit.test_router_framing import RawReplica, dechunked, run
+from tests.unit.test_router_relay import post, raw_exchange
+
+
+async def slow_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A healthy replica whose generation takes 1 s."""
+    await asyncio.sleep(1.0)
+    body = b'{"choices": [{"text": "done"}]}'
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                 % (len(body), body))
+
+
+async def slow_stream(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A healthy replica streaming one token every 0.2 s."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for i in range(6):
+        event = b'data: {"token": %d}\n\n' % i
+        writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.2)
+    writer.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+def _no_failures(server: RouterServer) -> bool:
+    return all(r.breaker.consecutive_failures == 0 and r.breaker.usable for r in server.replicas.replicas)
+
+
+def test_an_answer_past_the_deadline_is_a_504_and_is_not_run_again_elsewhere():
+    async def test(url: str, _: list, server: RouterServer) -> None:
+        server.request_timeout = 0.3
+        started = time.monotonic()
+        answer = await raw_exchange(url, post("/v1/completions", {"max_tokens": 4000}, close=True))
+        assert answer.startswith(b"HTTP/1.1 504"), answer[:200]
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+        assert time.monotonic() - started < 0.9  # one deadline, not one per replica tried
+        assert sum(r.num_requests for r in server.replicas.replicas) == 1
+        assert _no_failures(server)
+        assert server.metrics.timeouts._value.get() == 1  # noqa: SLF001 (the counter's value)
+
+    run(test, [RawReplica(slow_answer), RawReplica(slow_answer), RawReplica(slow_answer)])
+
+
+def test_a_stream_past_the_deadline_ends_with_a_timeout_event_and_blames_no_replica():
+    async def test(url: str, _: list, server: RouterServer) -> None:
+        server.request_timeout = 0.5
+        for _ in range(3):  # as many as open a breaker, were they failures
+            answer = await raw_exchange(url, post("/v1/completions", {"stream": True}, close=True))
+            assert answer.startswith(b"HTTP/1.1 200")
+            events = dechunked(answer).split(b"\n\n")
+            assert events[0] == b'data: {"token": 0}' and events[-2:] == [b"data: [DONE]", b""]
+            assert json.loads(events[-3].removeprefix(b"data: "))["error"]["code"] == "timeout"
+        assert _no_failures(server) and server.metrics.cut_streams._value.get() == 0  # noqa: SLF001
+
+    run(test, [RawReplica(slow_stream)])
+
+
+def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
+    created: list[dict[str, Any]] = []
+
+    class Recorded:
+        def __init__(self, *_: Any, **kwargs: Any) -> None:
+            created.append(kwargs)
+
+        async def run(self, host: str, port: int) -> None:
+            pass
+
+    monkeypatch.setattr("heron.router.server.RouterServer", Recorded)
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers())
+    for flags, timeout in (([], None), (["--request-timeout", "0"], None), (["--request-timeout", "1800"], 1800.0)):
+        args = parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--policy", "round_robin", *flags])
+        assert run_router(args) == 0
+        assert created.pop()["request_timeout"] == timeout
+    with pytest.raises(ValueError, match="--request-timeout"):
+        run_router(parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--request-timeout", "-1"]))

@@ -1,0 +1,171 @@
+"""Prefill/decode disaggregation in the router (``router/disaggregation.py``),
+against fake prefill and decode replicas (aiohttp servers on loopback) that
+record the bodies they receive: which requests go through the prefill stage,
+what the prefill copy asks for, and the prefill replicas' breakers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import httpx
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from heron.router.disaggregation import PrefillStage
+from heron.router.http_front import serve
+from heron.router.replica import ReplicaSet
+from heron.router.server import RouterServer
+from heron.routing.health import BreakerState
+from heron.routing.policies import Router
+
+_PARAMS = {"remote_request_id": "r1"}
+
+
+class RecordingReplica:
+    """Answers every generation request 200, as a prefill replica would (with
+    ``kv_transfer_params``), and keeps the (path, body) of each."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        for path, answer in (("/health", {"status": "ok"}), ("/v1/kv_events", {"enabled": False}), ("/metrics", {})):
+            app.router.add_get(path, _answer(answer))
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            app.router.add_post(path, self.generate)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    async def generate(self, request: web.Request) -> web.Response:
+        self.seen.append((request.path, await request.json()))
+        return web.json_response({"id": "resp_1", "kv_transfer_params": _PARAMS})
+
+
+def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(_: web.Request) -> web.Response:
+        return web.json_response(value)
+    return handler
+
+
+def run_disaggregated(test: Callable[[httpx.AsyncClient, RecordingReplica, RecordingReplica], Awaitable[None]]) -> None:
+    async def main() -> None:
+        prefill, decode = RecordingReplica(), RecordingReplica()
+        await prefill.start()
+        await decode.start()
+        server = RouterServer(ReplicaSet([decode.url], {}, probe_interval=30.0), Router("round_robin"), None,
+                              prefill_replicas=ReplicaSet([prefill.url], {}, probe_interval=30.0))
+        await server.start()
+        front = await serve(server.handle, "127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}") as client:
+                await asyncio.wait_for(test(client, prefill, decode), 30)
+        finally:
+            front.close()
+            await server.stop()
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
+
+
+def test_requests_of_several_samples_or_prompts_go_to_a_decode_replica_unchanged():
+    """A decode server pulls one prompt's KV for one sequence: n or best_of > 1,
+    or several prompts, skip the prefill stage (its copy used to drop n, and the
+    decode server rejected the request with 400)."""
+    bodies = [
+        {"prompt": "a heron", "max_tokens": 4, "n": 2},
+        {"prompt": "a heron", "max_tokens": 4, "n": 3, "best_of": 3},
+        {"prompt": "a heron", "max_tokens": 4, "best_of": 2},
+        {"prompt": ["a heron", "a stork"], "max_tokens": 4},
+        {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 4},
+    ]
+
+    async def test(client: httpx.AsyncClient, prefill: RecordingReplica, decode: RecordingReplica) -> None:
+        for body in bodies:
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+        assert prefill.seen == []
+        assert decode.seen == [("/v1/completions", body) for body in bodies] + [("/v1/chat/completions", chat)]
+        # one prompt (as text, a one-element list, or token ids), one sample: prefilled first
+        for prompt in ("a heron", ["a heron"], [1, 2, 3], [[1, 2, 3]]):
+            body = {"prompt": prompt, "max_tokens": 4, "n": 1, "best_of": 1}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            assert prefill.seen[-1] == ("/v1/completions", {"prompt": prompt, "max_tokens": 1,
+                                                            "kv_transfer_params": {"do_remote_decode": True}})
+            assert decode.seen[-1] == ("/v1/completions", {**body, "kv_transfer_params": _PARAMS})
+
+    run_disaggregated(test)
+
+
+def test_only_completion_and_chat_requests_are_prefilled_first():
+    """A Responses request has no one-token form (max_output_tokens ignored the
+    injected max_tokens: the prefill server generated the whole answer)."""
+    async def test(client: httpx.AsyncClient, prefill: RecordingReplica, decode: RecordingReplica) -> None:
+        body = {"input": "hi", "max_output_tokens": 500}
+        assert (await client.post("/v1/responses", json=body)).status_code == 200
+        assert prefill.seen == [] and decode.seen == [("/v1/responses", body)]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+        assert [path for path, _ in prefill.seen] == ["/v1/chat/completions"]
+
+    run_disaggregated(test)
+
+
+def test_the_prefill_copy_asks_for_one_token_whatever_bounds_the_clients_answer():
+    """min_tokens > max_tokens = 1 made every prefill fail (disaggregation off
+    for any request with min_tokens > 1); the client's request reaches the
+    decode replica whole."""
+    async def test(client: httpx.AsyncClient, prefill: RecordingReplica, decode: RecordingReplica) -> None:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50, "min_tokens": 5,
+                "stream": True, "stream_options": {"include_usage": True}, "n": 1}
+        async with client.stream("POST", "/v1/chat/completions", json=chat) as response:
+            assert response.status_code == 200
+            await response.aread()
+        assert prefill.seen == [("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})]
+        assert decode.seen == [("/v1/chat/completions", {**chat, "kv_transfer_params": _PARAMS})]
+
+    run_disaggregated(test)
+
+
+def test_a_prefill_replica_resting_from_failures_gets_one_trial_at_a_time():
+    """Its breaker's rest over, a prefill replica gets one trial; the trial's
+    failure opens it again for longer (it used to get every prompt, its failures
+    ignored as late, until the next probe round)."""
+    async def main() -> None:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        replicas = ReplicaSet([f"http://127.0.0.1:{listener.getsockname()[1]}"], {})
+        replica = replicas.replicas[0]
+        for _ in range(3):
+            replicas.record(replica, None)
+        replica.breaker._opened_at -= 10  # noqa: SLF001 (its rest is over; no probe ran yet)
+        stage = PrefillStage(replicas, Router("round_robin"), CollectorRegistry())
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(3):
+                    assert await stage.run(session, "/v1/completions", {"prompt": "x"}, {}, []) is None
+        finally:
+            listener.close()
+        assert replica.breaker.state is BreakerState.OPEN and not replica.breaker.usable
+        assert stage.outcomes.labels("failed")._value.get() == 1  # noqa: SLF001 (the counter's value)
+        assert stage.outcomes.labels("no_replica")._value.get() == 2  # noqa: SLF001
+
+    asyncio.run(main())
+
