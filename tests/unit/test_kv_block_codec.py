@@ -1,17 +1,25 @@
 """Blocks as bytes and back (``worker/kv_block_codec.py``): each row holds a
 block's layers in order, for caches of mixed dtypes (a draft model's float32
 beside a float16 pool), and rows restore into the right blocks only; a load
-the copy fails is reported failed rather than left waiting."""
+the copy fails is reported failed rather than left waiting; the disk tier's
+writer outlives a failing delete, and a step's disk loads start after its
+host-tier saves."""
 
 from __future__ import annotations
+
+import time
+from types import SimpleNamespace
 
 import torch
 
 from heron.core.kv_disk_index import DiskLoad, DiskOps
 from heron.core.kv_disk_layout import DiskTierLayout
+from heron.core.kv_offload import KVTransfers
 from heron.worker.kv_block_codec import BlockCodec
 from heron.worker.kv_disk_store import DiskKVStore
 from heron.worker.kv_load_reports import LoadReports
+from heron.worker.kv_offload_store import HostKVStore
+from heron.worker.model_runner import ModelRunner
 
 
 def caches() -> list[torch.Tensor]:
@@ -70,3 +78,53 @@ def test_a_load_that_breaks_reports_every_block_failed(tmp_path, monkeypatch):
     assert reports.take() == [("s", [])]
     assert torch.equal(pool[1][:, 7], pool[1][:, 1])
     store.close()
+
+
+def test_a_delete_the_file_system_refuses_leaves_the_writer_running(tmp_path):
+    """A delete failing with anything but ENOENT (a read-only remount, EIO or
+    ESTALE on NFS; here a directory where the file was) used to end the writer
+    thread: the captured writes piled up to the buffer bound and every later
+    step waited for ever."""
+    pool = caches()
+    codec = BlockCodec(pool)
+    layout = DiskTierLayout.create(tmp_path, b"f" * 16, codec.block_bytes)
+    store = DiskKVStore(layout, pool, LoadReports(), max_buffered_bytes=codec.block_bytes * 2)
+    blocked = layout.path_for(b"x" * 32)
+    blocked.parent.mkdir(exist_ok=True)
+    blocked.mkdir()
+    store.apply(DiskOps(deletes=[b"x" * 32], writes=[(1, b"a" * 32)]))
+    store.apply(DiskOps(writes=[(2, b"b" * 32), (3, b"c" * 32)]))
+    assert store.flush(timeout=10)
+    assert layout.path_for(b"c" * 32).is_file() and blocked.is_dir()
+    store.close()
+
+
+def test_blocks_saved_to_the_host_tier_leave_before_a_disk_load_refills_them(tmp_path, monkeypatch):
+    """One step may evict block B to the host tier and refill it from disk. The
+    disk load used to start before the host save copied B out, so the host tier
+    could keep the disk's contents under B's old hash: another prompt's K/V
+    served later as a prefix hit."""
+    pool = caches()
+    codec = BlockCodec(pool)
+    layout = DiskTierLayout.create(tmp_path, b"f" * 16, codec.block_bytes)
+    reports = LoadReports()
+    runner = SimpleNamespace(disk_store=DiskKVStore(layout, pool, reports), offload_store=HostKVStore(pool, 4))
+    on_disk = b"h" * 32
+    runner.disk_store.apply(DiskOps(writes=[(1, on_disk)]))
+    assert runner.disk_store.flush()
+    old_contents = [cache[:, 5].clone() for cache in pool]
+    save = runner.offload_store._save
+
+    def slow_save(*args):
+        time.sleep(0.05)  # the loader thread had this long to overwrite block 5 first
+        save(*args)
+
+    monkeypatch.setattr(runner.offload_store, "_save", slow_save)
+    step = KVTransfers(saves=[(5, 0)], disk=DiskOps(loads=[DiskLoad("r", [(on_disk, 5)])]))
+    ModelRunner.apply_kv_transfers(runner, step)
+    reports.wait(10)
+    assert reports.take() == [("r", [])]
+    for cache, store, old in zip(pool, runner.offload_store.store, old_contents):
+        assert torch.equal(store[0], old)  # the evicted block's own contents in its slot
+        assert torch.equal(cache[:, 5], cache[:, 1])  # and the disk's block in the pool
+    runner.disk_store.close()

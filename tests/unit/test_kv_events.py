@@ -12,6 +12,7 @@ import zmq
 from heron.config import KVEventsConfig
 from heron.core.hashing import hash_block_tokens
 from heron.core.kv_cache_manager import KVCacheManager
+from heron.core.kv_disk_layout import DiskTierLayout
 from heron.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -93,6 +94,37 @@ def test_an_index_replaying_the_events_equals_the_prefix_cache_under_churn(num_o
     assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}  # the churn exercised every kind
     if num_offload_blocks:
         assert manager.offload is not None and manager.offload.stats.loaded > 0 and manager.offload.stats.evicted > 0
+
+
+def test_a_disk_block_that_fails_to_load_is_reported_removed(tmp_path):
+    """Evicted from the pool but held on disk, a block is not reported removed;
+    when its load then fails (its file deleted by another replica, or corrupt
+    and deleted by the loader) the tier forgets it, and the events must say so:
+    they used to keep it, and a router kept sending its prefix here."""
+    layout = DiskTierLayout.create(tmp_path, b"f" * 16, 64)
+    manager = KVCacheManager(num_blocks=3, block_size=4, enable_kv_events=True, disk_layout=layout,
+                             disk_max_bytes=1 << 20)
+    index = KVBlockIndex()
+    first = make_request(9, token_offset=0)
+    manager.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    manager.free(first)
+    for offset in (100, 200, 300):  # push the first prompt's blocks out of the pool
+        other = make_request(9, token_offset=offset)
+        manager.get_computed_blocks(other)
+        manager.allocate_slots(other, 9)
+        other.num_computed_tokens = 9
+        manager.free(other)
+    again = make_request(9, token_offset=0)
+    found, _ = manager.get_computed_blocks(again)
+    assert found.offloaded and manager.start_load(again, found)
+    manager.take_transfers()
+    manager.finish_load(again, list(found.offloaded))  # the worker could not read one of them
+    manager.free(again)
+    index.apply(0, KVEventBatch(0.0, manager.take_events()))
+    assert manager.disk is not None
+    assert index.blocks == set(manager.block_pool.cached_blocks) | set(manager.disk._held)
+    assert not index.blocks & set(found.offloaded)
 
 
 def test_events_round_trip_the_wire_format():

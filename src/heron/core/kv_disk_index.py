@@ -190,14 +190,21 @@ class DiskIndex:
         self._ops.loads.append(DiskLoad(request_id, blocks))
 
     def finish_load(self, blocks: Sequence[BlockHash], failed: Iterable[BlockHash]) -> None:
-        """The worker is done with a load: unpin its blocks and forget the failed ones."""
+        """The worker is done with a load: unpin its blocks and forget the failed
+        ones (``on_drop`` told of each, so that KV events report it removed where
+        no one else holds it: the loader has deleted its file, or another replica
+        had)."""
         for block_hash in blocks:
             count = self._pins.pop(block_hash)
             if count > 1:
                 self._pins[block_hash] = count - 1
         failed = set(failed)
-        for block_hash in failed:
-            self._held.pop(block_hash, None)
+        dropped = [block_hash for block_hash in failed if block_hash in self._held]
+        for block_hash in dropped:
+            del self._held[block_hash]
+        for block_hash in dropped:
+            if self.on_drop is not None:
+                self.on_drop(block_hash)
         self.stats.load_failures += len(failed)
         self.stats.loaded += len(blocks) - len(failed)
 

@@ -32,6 +32,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,8 +84,14 @@ class DiskKVStore:
 
     # ---- the step loop's side ---------------------------------------------
 
-    @torch.inference_mode()
     def apply(self, ops: DiskOps) -> None:
+        """A step's disk operations, when no host-tier copies come between them."""
+        self.capture(ops)
+        self.start_loads(ops)
+
+    @torch.inference_mode()
+    def capture(self, ops: DiskOps) -> None:
+        """Copy the blocks to write out of the pool (the writer thread writes them) and queue the deletes."""
         for start in range(0, len(ops.writes), _WRITE_BATCH_BLOCKS):
             batch = ops.writes[start:start + _WRITE_BATCH_BLOCKS]
             with self._lock:
@@ -98,6 +105,12 @@ class DiskKVStore:
                 self._writes.put(("write", block_hash, buffer))
         for block_hash in ops.deletes:
             self._writes.put(("delete", block_hash, None))
+
+    def start_loads(self, ops: DiskOps) -> None:
+        """Hand the step's loads to the loader thread. Only after every other copy
+        out of the blocks they fill is queued (the captures of ``apply``, the host
+        tier's saves): a block evicted and refilled in one step must leave the pool
+        with its old contents before the loader overwrites it."""
         if ops.loads:
             self.reports.started(len(ops.loads))
             for load in ops.loads:
@@ -120,22 +133,29 @@ class DiskKVStore:
         kind, block_hash, buffer = item
         path = self.layout.path_for(block_hash)
         if kind == "delete":
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:  # a read-only or failing file system: the file stays, the writer goes on
+                self._count_error("delete", path, error)
             return
         assert buffer is not None
         try:
             if not path.is_file():
                 self._write_file(block_hash, buffer)
         except OSError as error:
-            self._write_errors += 1
-            if self._write_errors == 1 or self._write_errors % 1000 == 0:
-                logger.warning("disk KV tier: cannot write %s (%s; %d failed writes)", path, error, self._write_errors)
+            self._count_error("write", path, error)
         finally:
             with self._lock:
                 if self._buffered.get(block_hash) is buffer:
                     del self._buffered[block_hash]
                 self._buffered_bytes -= buffer.numel()
                 self._lock.notify_all()
+
+    def _count_error(self, action: str, path: Path, error: OSError) -> None:
+        self._write_errors += 1
+        if self._write_errors == 1 or self._write_errors % 1000 == 0:
+            logger.warning("disk KV tier: cannot %s %s (%s; %d failed writes and deletes)", action, path, error,
+                           self._write_errors)
 
     def _write_file(self, block_hash: BlockHash, buffer: torch.Tensor) -> None:
         path = self.layout.path_for(block_hash)
@@ -206,7 +226,10 @@ def _serve(store_ref: weakref.ref[DiskKVStore], items: queue.Queue[Any], handle:
         store = store_ref()
         if store is None:
             return
-        handle(store, item)
+        try:
+            handle(store, item)
+        except Exception:  # a bug in one item must not end the thread: later steps would wait on it for ever
+            logger.exception("disk KV tier: %s failed", getattr(handle, "__name__", "a background task"))
         del store
 
 

@@ -228,13 +228,19 @@ class ModelRunner:
     def apply_kv_transfers(self, transfers: KVTransfers) -> None:
         """The tier copies a step makes before its forward pass (or, with no step
         coming, the disk tier's last writes): disk captures, then the host tier's
-        saves and loads; disk loads run on in the background."""
+        saves and loads, then the disk loads start (they run on in the background).
+        Every copy out of the pool is queued before any disk load can overwrite a
+        block: a block evicted to the host tier and refilled from disk in one step
+        used to reach the host tier with the disk's contents, under its old hash."""
         if transfers.disk:
             assert self.disk_store is not None
-            self.disk_store.apply(transfers.disk)
+            self.disk_store.capture(transfers.disk)
         if transfers.saves or transfers.loads:
             assert self.offload_store is not None
             self.offload_store.apply(transfers)
+        if transfers.disk:
+            assert self.disk_store is not None
+            self.disk_store.start_loads(transfers.disk)
 
     def close(self) -> None:
         """Finish the disk tier's queued writes; stop serving and pulling blocks."""
