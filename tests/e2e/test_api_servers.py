@@ -154,6 +154,42 @@ def test_a_dead_api_server_stops_the_whole_server_and_sigint_stops_it_cleanly():
     server.stop()
 
 
+def test_ctrl_c_lets_every_api_server_finish_the_streams_it_serves():
+    """A terminal's Ctrl-C signals the whole process group: each API server
+    starts its graceful stop, then the launcher told them to stop again with
+    SIGINT, which uvicorn takes as "force exit": streams under way were cut.
+    (A stream still running after the 5 s grace is cut even so: 64 tokens end
+    well within it.)"""
+    server = start(data_parallel_size=1)
+    received: list[str] = []
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEYS[0]}"}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    received.append(line[6:])
+                    first_chunk.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        assert first_chunk.wait(60)
+        # the group, as a terminal does: every process gets its SIGINT before the launcher, acting on its own,
+        # can signal the others
+        for pid in [*descendants(server.process.pid), server.process.pid]:
+            os.kill(pid, signal.SIGINT)
+        reader.join(60)
+        assert received and received[-1] == "[DONE]", (received[-3:], server.read_log()[-3000:])
+        assert sum(1 for chunk in received if chunk != "[DONE]") >= 48  # the stream ran to its end, not cut
+        assert server.process.wait(30) == 0
+    finally:
+        server.stop()
+
+
 def test_the_waiting_bound_holds_for_the_server_not_per_process():
     """One engine slot (--max-num-seqs 1) and room for 2 waiting requests: of 10
     long requests sent a moment apart on fresh connections (spread over both

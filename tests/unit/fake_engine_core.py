@@ -2,6 +2,8 @@
 an API server's IPC pair as ``engine/core_proc.py`` does, says READY, holds
 every request it is given without running it, and answers ABORT as the real
 one does (a finished "abort" output for each id it holds, unknown ids ignored).
+A request whose id starts with "garbled" gets an OUTPUTS message that cannot
+be decoded.
 
     python tests/unit/fake_engine_core.py INPUT_ADDRESS OUTPUT_ADDRESS
 """
@@ -28,6 +30,8 @@ def main(input_address: str, output_address: str) -> None:
         kind, payload = unpack(inputs.recv())
         if kind == MessageKind.ADD:
             held.add(payload[0])
+            if payload[0].startswith("garbled"):  # answer with outputs nobody can decode (a version skew)
+                outputs.send(pack(MessageKind.OUTPUTS, {"not": "outputs"}))
         elif kind == MessageKind.ABORT:
             gone = [request_id for request_id in payload if request_id in held]
             held.difference_update(gone)

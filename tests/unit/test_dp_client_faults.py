@@ -100,6 +100,26 @@ def test_a_request_placed_on_an_engine_that_just_died_ends_with_an_error(fake_en
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("num_engines", [1, 2])
+def test_outputs_that_cannot_be_read_mark_the_engine_dead(fake_engines, num_engines):
+    """The loop reading an engine's outputs used to end in silence on a message
+    it could not handle: every request waited for ever and /health said ok."""
+    _, endpoints = fake_engines(num_engines)
+
+    async def scenario() -> None:
+        llm = AsyncLLM(config(num_engines), started=endpoints)
+        try:
+            await llm.wait_until_ready(timeout=30)
+            stream = llm.generate(ProcessedPrompt("hi", [1, 2, 3]), SamplingParams(max_tokens=4), "garbled-1")
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(anext(stream), 10)
+            assert llm.is_dead and "could not be read" in (llm.dead_reason or "")
+        finally:
+            llm.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_merged_statistics_count_a_steps_tokens_once():
     client = DataParallelClient.__new__(DataParallelClient)  # _merge needs no sockets
     client.engines = [_Engine(0, None), _Engine(1, None)]

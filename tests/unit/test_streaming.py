@@ -159,7 +159,7 @@ def gone_while_the_start_is_sent(start_s: float) -> tuple[Body, list[bool]]:
 
     async def run() -> None:
         response = GuardedStreamingResponse(body.generate(), stall_timeout_s=STALL_S,
-                                            on_unstarted=lambda: released.append(True))
+                                            on_closed=lambda: released.append(True))
         await response({"type": "http"}, client.receive, send)
         body.cleaned_up_on_return = body.cleaned_up
 
@@ -170,13 +170,13 @@ def gone_while_the_start_is_sent(start_s: float) -> tuple[Body, list[bool]]:
 def test_a_client_gone_before_the_body_starts_gets_its_request_released():
     """The handler registered the request before the response ran: when the
     client is gone while the response's start is still being sent, the body
-    never runs (so neither does its cleanup) and ``on_unstarted`` releases it;
-    once the body has started, its own cleanup does and ``on_unstarted`` is
-    not called."""
+    never runs (so neither does its cleanup) and ``on_closed`` releases it;
+    once the body has started, its own cleanup runs first, and ``on_closed``
+    after it (it releases only what the body never started)."""
     body, released = gone_while_the_start_is_sent(0.2)
     assert not body.started and released == [True]
     body, released = gone_while_the_start_is_sent(0.0)
-    assert body.started and body.cleaned_up_on_return and released == []
+    assert body.started and body.cleaned_up_on_return and released == [True]
 
 
 def test_the_middleware_finds_the_transport_behind_uvicorns_receive():

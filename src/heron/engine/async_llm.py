@@ -305,6 +305,16 @@ class AsyncLLM:
     # ---- background tasks ----------------------------------------------------------
 
     async def _output_loop(self) -> None:
+        """The engine core's messages, until it fails. A message this loop cannot
+        handle (a bug, a version skew) marks the engine dead: a loop that ended in
+        silence left every request waiting while /health said ok."""
+        try:
+            await self._read_outputs()
+        except Exception as exc:
+            logger.exception("reading the engine core's outputs failed")
+            self._mark_dead(f"the engine core's outputs could not be read: {exc!r}")
+
+    async def _read_outputs(self) -> None:
         assert self._ready is not None
         while True:
             kind, payload = await self.client.receive()

@@ -145,14 +145,22 @@ class DataParallelClient:
         return await self._queue.get()
 
     async def _read(self, engine: _Engine) -> None:
-        while True:
-            kind, payload = await engine.client.receive()
-            if kind == MessageKind.OUTPUTS:
-                await self._queue.put((kind, self._merge(engine, decode_outputs(payload))))
-            elif kind == MessageKind.READY:
-                self._on_ready(engine, payload)
-            elif kind == MessageKind.FAILED:
-                await self._queue.put((kind, f"engine core {engine.rank}: {payload}"))
+        """One engine's messages into the shared queue. A message it cannot read
+        (a bug, a version skew) is that engine's failure, passed on as FAILED: a
+        reader that ended in silence left every request of its engine waiting."""
+        try:
+            while True:
+                kind, payload = await engine.client.receive()
+                if kind == MessageKind.OUTPUTS:
+                    await self._queue.put((kind, self._merge(engine, decode_outputs(payload))))
+                elif kind == MessageKind.READY:
+                    self._on_ready(engine, payload)
+                elif kind == MessageKind.FAILED:
+                    await self._queue.put((kind, f"engine core {engine.rank}: {payload}"))
+        except Exception as exc:
+            logger.exception("engine core %d: reading its outputs failed", engine.rank)
+            await self._queue.put((MessageKind.FAILED, f"engine core {engine.rank}: its outputs could not be read "
+                                                       f"({exc!r})"))
 
     def _merge(self, engine: _Engine, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         for output in outputs.outputs:

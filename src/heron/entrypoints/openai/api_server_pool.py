@@ -126,10 +126,12 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
 
 
 def _stop_all(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore]) -> None:
-    """API servers first (they finish what they serve), then the engine cores."""
+    """API servers first (they finish what they serve), then the engine cores.
+    SIGTERM, not SIGINT: a terminal's Ctrl-C has already given each API server
+    a SIGINT, and uvicorn takes a second one as "exit now", cutting its streams."""
     for server in servers:
         if server.poll() is None:
-            server.send_signal(signal.SIGINT)
+            server.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 15
     for server in servers:
         try:

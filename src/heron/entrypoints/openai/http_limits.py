@@ -117,20 +117,45 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
         # bytes received of the request head being parsed; -1 between a complete
         # head and the next request's first byte
         _head_bytes = 0
+        # per read: whether a request began in it, and the bytes in it that were
+        # bodies and complete heads (a pipelined request's), which are not the new
+        # head's; a complete head's bytes are its parts plus the separators
+        _began = False
+        _others = 0
+        _this_head = 0  # the parts of the head being parsed
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_bytes = 0
+            self._this_head = len(b"GET  HTTP/1.1\r\n\r\n")  # the request line's and the head's separators
+            self._began = True
+
+        def on_url(self, url: bytes) -> None:
+            self._this_head += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._this_head += len(name) + len(value) + 4  # ": " and the line's end
+            super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._head_bytes = -1
+            self._others += self._this_head
             super().on_headers_complete()
 
+        def on_body(self, body: bytes) -> None:
+            self._others += len(body)
+            super().on_body(body)
+
         def data_received(self, data: bytes) -> None:
+            self._began, self._others = False, 0
             super().data_received(data)
             if self._head_bytes < 0 or self.transport.is_closing():
                 return
-            self._head_bytes += len(data)
+            if self._began:  # the read ended other requests first: only what follows them is this head's
+                self._head_bytes = max(0, len(data) - self._others)
+            else:
+                self._head_bytes += len(data)
             if self._head_bytes > limit:
                 self.transport.write(rejection)
                 self.transport.close()

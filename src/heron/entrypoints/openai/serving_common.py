@@ -315,7 +315,8 @@ def start_generation(
 
 def discard_requests(ctx: ServingContext, request_id: str, num_prompts: int) -> None:
     """Forget the engine requests of ``start_generation`` whose streams never
-    started (nothing was sent to the engine core for them)."""
+    started (nothing was sent to the engine core for them; the others are
+    already forgotten, and left as they are)."""
     for index in range(num_prompts):
         ctx.engine.discard(f"{request_id}-{index}")
 
@@ -412,7 +413,7 @@ def streaming_response(
     ``start_generation`` named them), under the stall guard."""
     return GuardedStreamingResponse(
         body, stall_timeout_s=ctx.stream_stall_timeout_s, on_end=ctx.count_abort,
-        on_unstarted=lambda: discard_requests(ctx, request_id, num_prompts), request_id=request_id,
+        on_closed=lambda: discard_requests(ctx, request_id, num_prompts), request_id=request_id,
     )
 
 

@@ -22,10 +22,14 @@ invariants:
 * a client that disconnects ends the stream the same way, reported as
   ``client_disconnected``;
 * the body is closed on every path, so the cleanup of the request the handler
-  registered runs. Closing a generator that never started runs none of its
-  code: if the stream ends before the body was first asked for a chunk (the
-  client left while the response's start was being sent), ``on_unstarted`` is
-  called instead, to release the request.
+  registered runs, and then ``on_closed`` releases whatever the body's
+  cleanup could not: closing a generator runs none of the code it has not
+  reached, so a stream that ends before the body first asked for a chunk (the
+  client left while the response's start was being sent), or before the body
+  opened its engine streams (it sends some events first: a Responses stream's
+  ``response.created``, a chat stream's role chunks), never started them, and
+  only ``on_closed`` can release their requests (idempotent: requests already
+  released are not touched).
 
 Aborting a connection needs its transport, which ASGI does not expose:
 ``ConnectionAbortMiddleware`` finds uvicorn's and puts an abort callable in the
@@ -88,8 +92,9 @@ class SendWatch:
 class GuardedStreamingResponse(StreamingResponse):
     """An HTTP streaming response whose sends may not stall (see the module's
     invariants). ``on_end`` is told how a stream ended early (never called for
-    a stream that completed); ``on_unstarted`` releases what the body holds if
-    it never started; ``stall_timeout_s`` None disables the guard."""
+    a stream that completed); ``on_closed`` releases what the body still holds
+    once it is closed (see the module's invariants); ``stall_timeout_s`` None
+    disables the guard."""
 
     def __init__(
         self,
@@ -97,7 +102,7 @@ class GuardedStreamingResponse(StreamingResponse):
         *,
         stall_timeout_s: float | None,
         on_end: Callable[[StreamEnd], None] = lambda end: None,
-        on_unstarted: Callable[[], None] = lambda: None,
+        on_closed: Callable[[], None] = lambda: None,
         request_id: str = "",
         media_type: str = "text/event-stream",
     ) -> None:
@@ -105,9 +110,8 @@ class GuardedStreamingResponse(StreamingResponse):
         self.chunks = body
         self.stall_timeout_s = stall_timeout_s
         self.on_end = on_end
-        self.on_unstarted = on_unstarted
+        self.on_closed = on_closed
         self.request_id = request_id
-        self._body_started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -123,8 +127,7 @@ class GuardedStreamingResponse(StreamingResponse):
             listener.cancel()
             await asyncio.wait((streamer, listener))
             await self.chunks.aclose()
-            if not self._body_started:
-                self.on_unstarted()
+            self.on_closed()
         if not streamer.cancelled():
             streamer.result()  # a completed stream, or the body's own error (the server then closes it)
             return
@@ -134,7 +137,6 @@ class GuardedStreamingResponse(StreamingResponse):
     async def _send_body(self, raw_send: Send, watch: SendWatch | None) -> None:
         send: Send = raw_send if watch is None else partial(watch.send, raw_send)
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        self._body_started = True
         # a chunk ending an SSE stream ([DONE]) is held until the body says it is the last, then sent with the
         # body's end: uvicorn writes both in one piece, one write (and one wakeup of a client or router) fewer
         held = b""
