@@ -23,6 +23,7 @@ from heron.core.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode
 from heron.engine.kv_events_publisher import ZmqEventPublisher
 from heron.router.replica import ReplicaSet
 from heron.routing import kv_subscriber
+from heron.routing.health import BreakerState
 from heron.routing.kv_index import KVBlockIndex
 from heron.routing.kv_subscriber import KVEventSubscriber
 from tests.unit.test_kv_events import with_publisher
@@ -198,6 +199,14 @@ def test_a_subscription_that_ended_is_started_again_and_the_probes_outlive_odd_a
         await asyncio.sleep(0.3)  # several rounds
         assert replicas._task is not None and not replicas._task.done()
         assert tracked.subscription is None and tracked.breaker.allows()
+        # an answer that breaks the subscription's set-up (a block size of null) while the breaker waits for
+        # its half-open trial: the probe used to end on the error and record nothing, leaving it half-open
+        replica.kv_events_answer = {"enabled": True, "endpoint": "tcp://127.0.0.1:9", "block_size": None,
+                                    "replay_endpoint": "tcp://127.0.0.1:9"}
+        for _ in range(3):
+            replicas.record(tracked, None)  # open
+        await until(lambda: tracked.breaker.state is BreakerState.CLOSED, 15)
+        assert tracked.subscription is None
 
     run_replica_set(test)
 

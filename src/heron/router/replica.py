@@ -155,13 +155,25 @@ class ReplicaSet:
                 status = response.status
                 health = await response.read() if status == 200 else b""
             if status == 200:
-                self._follow_restarts(replica, _epoch(health))
-                await self._read_metrics(session, replica)
-                if replica.subscription is None:
-                    await self._subscribe(session, replica)
+                await self._follow(session, replica, health)
         except (TimeoutError, aiohttp.ClientError, OSError):
             status = None
         self.record(replica, status if status == 200 else None)  # a probe succeeds on 200 alone
+
+    async def _follow(self, session: aiohttp.ClientSession, replica: Replica, health: bytes) -> None:
+        """A healthy replica's load and KV events. An answer this router cannot
+        read (not JSON, another shape) is logged and leaves the replica healthy:
+        it used to escape the probe, which then recorded nothing (a half-open
+        breaker never closed again)."""
+        try:
+            self._follow_restarts(replica, _epoch(health))
+            await self._read_metrics(session, replica)
+            if replica.subscription is None:
+                await self._subscribe(session, replica)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            raise
+        except Exception:
+            logger.exception("following %s: an answer this router cannot read", replica.url)
 
     def _follow_restarts(self, replica: Replica, epoch: str | None) -> None:
         """Start following a replica's events again when its subscription ended
