@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from heron.sampling_params import SamplingParams
+from heron.step_outputs import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -85,9 +86,22 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # prompt tokens (from the second on) whose logprobs were reported: a prompt computed again after a
+        # preemption scores them again, and only the ones past this are news
+        self.num_prompt_logprobs_reported = 0
         self.remote_prefill_tried = False  # its kv_transfer_params' blocks were pulled (or tried)
         # lifecycle events not yet reported: (EngineEventType, time.monotonic())
         self.events: list[tuple[int, float]] = []
+
+    def unreported_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> list[TokenLogprobs] | None:
+        """The prompt logprobs of a step whose chunk started at position ``start``
+        (they score prompt tokens ``start + 1`` on) that were not reported yet.
+        After a preemption the prompt is computed, and scored, again from its
+        start: reporting those again gave a client hundreds of entries for a
+        short prompt."""
+        skip = max(0, self.num_prompt_logprobs_reported - start)
+        self.num_prompt_logprobs_reported = max(self.num_prompt_logprobs_reported, start + len(entries))
+        return entries[skip:] or None
 
     def record_event(self, event_type: int, timestamp: float | None = None) -> None:
         self.events.append((event_type, time.monotonic() if timestamp is None else timestamp))

@@ -82,3 +82,25 @@ def test_bfloat16_runs_and_agrees_on_first_tokens(tiny_model_dir):
     prompt = random_prompts([12], seed=5)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids[0] == reference_greedy(reference, prompt, 1)[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_are_reported_once_through_preemptions(tiny_model_dir, async_scheduling):
+    """A pool too small for both requests preempts them over and over; each
+    recompute scores the prompt again, and those scores were reported again (a
+    40-token prompt came back with 355 entries). Each prompt position once, and
+    the same values as in a run without preemption."""
+    directory = tiny_model_dir("llama")
+    prompts = random_prompts([40, 40], seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    tight = LLM(directory, dtype="float32", num_kv_blocks=12, block_size=8, max_model_len=96,
+                max_num_batched_tokens=24, async_scheduling=async_scheduling)
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.engine_core.scheduler.num_preemptions > 0
+    roomy = LLM(directory, dtype="float32", block_size=8, max_model_len=96, max_num_batched_tokens=24)
+    expected = roomy.generate(prompts[:1], params, use_tqdm=False)[0]
+    for prompt, output in zip(prompts, outputs):
+        assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+    for got, want in zip(outputs[0].prompt_logprobs[1:], expected.prompt_logprobs[1:]):
+        assert {token: lp.logprob for token, lp in got.items()} == pytest.approx(
+            {token: lp.logprob for token, lp in want.items()}, abs=1e-5)

@@ -230,3 +230,55 @@ def test_duplicate_request_id_is_rejected():
     else:
         raise AssertionError("duplicate id accepted")
 
+
+
+def test_priority_preemption_of_a_request_with_its_last_token_in_flight():
+    """Async scheduling, priority policy: the victim (lower priority, admitted
+    first) was passed over this step, its last token in flight, so it had no
+    grant to give back; preempting it raised KeyError and stopped the engine."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, policy="priority"),
+                          CacheConfig(block_size=4, enable_prefix_caching=True), num_kv_blocks=3,
+                          max_model_len=1024, async_scheduling=True)
+    first = make_request(3, max_tokens=2, priority=1)
+    second = make_request(8, token_offset=100, max_tokens=8, priority=0)
+    scheduler.add_request(first)
+    step1 = scheduler.schedule()
+    scheduler.add_request(second)
+    scheduler.schedule()  # the pool is full now
+    scheduler.update_from_output(step1, ModelRunnerOutput(list(step1.num_scheduled_tokens), [[7]]))
+    step3 = scheduler.schedule()  # the second needs a block: the first is preempted
+    assert first.request_id in step3.preempted_req_ids and second.request_id in step3.num_scheduled_tokens
+    assert step3.total_num_scheduled_tokens <= 64
+
+
+def test_priority_ties_preempt_the_latest_admitted():
+    """An n > 1 request's samples share priority and arrival time: the one admitted
+    last gives way, as under FCFS (the earliest used to)."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, policy="priority", enable_prefix_caching=False)
+    first = make_request(7, request_id="sample-0", max_tokens=20, arrival_time=5.0)
+    second = make_request(7, request_id="sample-1", max_tokens=20, arrival_time=5.0)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    preempted: set[str] = set()
+    for _ in range(4):
+        output, _ = step(scheduler)
+        preempted |= set(output.preempted_req_ids)
+    assert preempted == {"sample-1"}
+
+
+def test_draft_slots_stop_at_the_model_length():
+    """Draft-model speculation reserves slots for its drafts, never past the
+    model's length: a pool that holds exactly one request of that length (what
+    the sizing check accepts) used to see the request preempt itself at 29 of
+    32 tokens and never fit again."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                          CacheConfig(block_size=16, enable_prefix_caching=True), num_kv_blocks=2,
+                          max_model_len=32, num_lookahead_tokens=4)
+    request = make_request(20, max_tokens=12)
+    scheduler.add_request(request)
+    for _ in range(20):
+        if not scheduler.has_unfinished_requests():
+            break
+        output, _ = step(scheduler)
+        assert not output.preempted_req_ids
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and request.num_tokens == 32

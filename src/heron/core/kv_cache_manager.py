@@ -89,11 +89,15 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False,
         num_offload_blocks: int = 0, disk_layout: DiskTierLayout | None = None, disk_max_bytes: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         """``num_offload_blocks``: the size of a host-memory KV offload tier
         (``core/kv_offload.py``; 0: none); ``disk_layout``: a disk tier's
-        directory (``core/kv_disk_layout.py``; None: none), bounded to ``disk_max_bytes``."""
+        directory (``core/kv_disk_layout.py``; None: none), bounded to ``disk_max_bytes``.
+        ``max_model_len``: no request holds slots past it, lookahead included (a
+        pool sized for that length never has a request wait for blocks it cannot get)."""
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         # what the prefix cache gained and lost since the last take_events()
         self.events = KVEventRecorder() if enable_kv_events and enable_caching else None
@@ -177,7 +181,8 @@ class KVCacheManager:
             # the common decode step: the tokens fit the blocks it owns and fill
             # none that needs caching (what the general path below would conclude)
             num_tokens = request.num_computed_tokens + num_new_tokens
-            if cdiv(num_tokens + num_lookahead_tokens, self.block_size) <= len(self.req_to_blocks[request_id]) and (
+            if cdiv(self._slots(num_tokens, num_lookahead_tokens), self.block_size) <= len(
+                    self.req_to_blocks[request_id]) and (
                 not self.enable_caching
                 or min(num_tokens, request.num_tokens) // self.block_size <= self.num_cached_blocks.get(request_id, 0)
             ):
@@ -185,9 +190,7 @@ class KVCacheManager:
         owned = self.req_to_blocks.setdefault(request_id, [])
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required_blocks = cdiv(
-            num_computed + num_new_tokens + num_lookahead_tokens, self.block_size
-        )
+        num_required_blocks = cdiv(self._slots(num_computed + num_new_tokens, num_lookahead_tokens), self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(owned) - len(hits))
         # a hit on a free block takes that block out of the free pool too
         num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
@@ -207,6 +210,12 @@ class KVCacheManager:
             num_tokens_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
             self._register(request, num_tokens_to_cache // self.block_size)
         return KVCacheBlocks(new_blocks)
+
+    def _slots(self, num_tokens: int, num_lookahead_tokens: int) -> int:
+        """Slots a request needs for ``num_tokens`` and the draft tokens after them,
+        none past the model's length (drafts never go there)."""
+        slots = num_tokens + num_lookahead_tokens
+        return slots if self.max_model_len is None else max(num_tokens, min(slots, self.max_model_len))
 
     def _take_blocks_for(self, tier_hashes: list[BlockHash], num_blocks: int,
                          on_disk: list[bool] | None = None) -> list[KVCacheBlock]:

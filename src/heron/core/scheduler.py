@@ -75,8 +75,9 @@ class _StepPlan:
         self.token_budget -= num_new
 
     def take_back(self, request: Request) -> None:
-        """Undo a running request's grant (it was preempted later in the step)."""
-        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        """Undo a running request's grant, if it had one (it was preempted later in
+        the step; one passed over, its last token in flight, was granted nothing)."""
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id, 0)
         self.spec_tokens.pop(request.request_id, None)
         self.running_block_ids.pop(request.request_id, None)
 
@@ -114,6 +115,7 @@ class Scheduler(SchedulerKVMixin):
             num_offload_blocks=num_offload_blocks,
             disk_layout=disk_layout,
             disk_max_bytes=cache_config.kv_offloading_dir_bytes,
+            max_model_len=max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
@@ -387,7 +389,11 @@ class Scheduler(SchedulerKVMixin):
 
     def _pick_preemption_victim(self) -> Request:
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # the lowest priority, then the latest arrival, then the latest admitted (an n > 1 request's samples
+            # share priority and arrival: max alone picked the earliest admitted, as no policy asks)
+            position = max(range(len(self.running)),
+                           key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i))
+            return self.running[position]
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
@@ -424,6 +430,9 @@ class Scheduler(SchedulerKVMixin):
             request.spec_token_ids = []
             logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            if prompt_logprobs:
+                start = scheduler_output.num_computed_before(request_id)
+                prompt_logprobs = request.unreported_prompt_logprobs(start, prompt_logprobs)
             new_token_ids: list[int] = []
             structured = self.structured_output is not None and request.sampling_params.structured_outputs is not None
             for token_id in sampled:
@@ -532,3 +541,4 @@ class Scheduler(SchedulerKVMixin):
             stats["kv_disk_load_failures"] = manager.disk.stats.load_failures
             stats["kv_disk_bytes"] = len(manager.disk) * manager.disk.layout.file_bytes
         return stats
+

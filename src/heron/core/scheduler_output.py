@@ -69,6 +69,14 @@ class SchedulerOutput:
     # KV offload copies to make before the forward pass (None: no offload tier)
     kv_transfers: KVTransfers | None = None
 
+    def num_computed_before(self, request_id: str) -> int:
+        """A scheduled request's computed tokens when this step was scheduled."""
+        for new in self.scheduled_new_reqs:
+            if new.request_id == request_id:
+                return new.num_computed_tokens
+        cached = self.scheduled_cached_reqs
+        return cached.num_computed_tokens[cached.request_ids.index(request_id)]
+
     @property
     def forgotten_req_ids(self) -> set[str]:
         """Requests whose state the runner drops: finished or preempted."""
