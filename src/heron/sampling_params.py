@@ -7,6 +7,7 @@ parameter, so bad input fails before any work is done.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -149,6 +150,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not isinstance(getattr(self, name), (int, float)) or not math.isfinite(getattr(self, name)):
+                fail(name, f"must be a finite number, got {getattr(self, name)!r}")  # NaN passes every comparison
         if self.temperature < 0.0:
             fail("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

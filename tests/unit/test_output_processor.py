@@ -58,7 +58,8 @@ def test_final_only_gathers_n_samples_in_index_order(embedded_tokenizer):
     params = SamplingParams(n=2, output_kind=RequestOutputKind.FINAL_ONLY)
     engine_ids = processor.add_request("p", ProcessedPrompt("q", [1, 2]), params)
     assert engine_ids == ["p#0", "p#1"]
-    first = processor.process_outputs([EngineCoreOutput("p#1", tok.encode(" world"), finish_reason="stop")])
+    end = [tok.eos_token_id]  # the engine stops a request on EOS: its last token
+    first = processor.process_outputs([EngineCoreOutput("p#1", tok.encode(" world") + end, finish_reason="stop")])
     assert first.request_outputs == []
     second = processor.process_outputs([EngineCoreOutput("p#0", tok.encode(" hello"), finish_reason="length")])
     [output] = second.request_outputs
@@ -173,3 +174,35 @@ def test_text_batches_of_requests_admitted_together_are_staggered(embedded_token
         processor.process_outputs([EngineCoreOutput(rid, [token]) for rid in ids])
         caught_up_per_step.append(sum(processor.requests[rid].num_detokenized != before[rid] for rid in ids))
     assert caught_up_per_step == [2] * TEXT_BATCH  # two of the 128 requests on each step
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_is_in_the_token_ids_not_the_text(embedded_tokenizer, kind, include):
+    """The engine stopped on a stop_token_ids id ("." here) or EOS: as on vLLM,
+    its text is left out unless include_stop_str_in_output (it was always in)."""
+    tok = embedded_tokenizer
+    period = tok.encode(".")
+    params = SamplingParams(stop_token_ids=period, include_stop_str_in_output=include, output_kind=kind)
+    processor = OutputProcessor(tok)
+    processor.add_request("r", ProcessedPrompt("q", tok.encode("q")), params)
+    results = feed(processor, tok, "r", [" Paris", "."], finish_reason="stop")
+    final = [o for r in results for o in r.request_outputs][-1].outputs[0]
+    text = "".join(o.outputs[0].text for r in results for o in r.request_outputs) if kind == RequestOutputKind.DELTA \
+        else final.text
+    assert text == (" Paris." if include else " Paris")
+    assert final.token_ids[-1:] == period or kind == RequestOutputKind.DELTA
+
+
+def test_whole_texts_hold_back_what_may_begin_a_stop_string(embedded_tokenizer):
+    """Cumulative outputs showed text that then turned out to begin the stop
+    string, and the final text was shorter than an earlier one."""
+    tok = embedded_tokenizer
+    processor = OutputProcessor(tok)
+    params = SamplingParams(stop=[" world. Stop"], output_kind=RequestOutputKind.CUMULATIVE)
+    processor.add_request("r", ProcessedPrompt("q", tok.encode("q")), params)
+    results = feed(processor, tok, "r", ["Hello", " world", ".", " Stop", " here"])
+    texts = [o.outputs[0].text for r in results for o in r.request_outputs]
+    assert texts[-1] == "Hello" and all(len(a) <= len(b) for a, b in zip(texts, texts[1:]))
+    assert all(" world" not in text for text in texts)
+

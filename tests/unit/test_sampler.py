@@ -189,3 +189,37 @@ def test_the_metadata_builder_keeps_the_parameters_part_and_redoes_what_changes_
         metadata = builder.build(changed)
         assert metadata.temperature is not kept
         assert metadata_fields(metadata) == metadata_fields(build_sampling_metadata(changed, VOCAB, cpu))
+
+
+def test_a_row_at_top_p_1_keeps_its_whole_distribution_beside_a_top_p_row():
+    """A row with the default top_p batched with a top_p 0.9 row: its float32
+    cumulative sums reached 1.0 before the tail, which was masked (a seeded
+    request's tokens then depended on its batch)."""
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    masked = apply_top_k_top_p(logits.clone(), None, torch.tensor([1.0, 0.9]))
+    assert torch.isfinite(masked[0]).all() and not torch.isfinite(masked[1]).all()
+
+
+def test_a_seeded_top_k_row_draws_the_same_tokens_whatever_its_batch():
+    """top_k = 2 over logits whose 2nd and 3rd tie (bfloat16 logits on a GPU tie
+    often): alone, the candidate path kept exactly two; beside a row without
+    top_k, the sorted path kept the tie too, and 39 of 200 seeds drew another
+    token. Both now keep every logit tied with the k-th."""
+    row = torch.tensor([5.0, 4.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+    def request(params: SamplingParams, request_id: str) -> CachedRequestState:
+        generator = torch.Generator() if params.seed is not None else None
+        return CachedRequestState(request_id, [1, 2, 3], 3, params, frozenset({0}), [], 3, generator)
+
+    drawn = set()
+    for seed in range(100):
+        seeded = SamplingParams(temperature=1.0, top_k=2, seed=seed)
+        alone = Sampler(torch.Generator().manual_seed(0))(
+            row[None].clone(), build_sampling_metadata([request(seeded, "a")], 8, torch.device("cpu")))
+        beside = Sampler(torch.Generator().manual_seed(0))(
+            torch.stack([row, row]),
+            build_sampling_metadata([request(seeded, "a"), request(SamplingParams(temperature=1.0), "b")], 8,
+                                    torch.device("cpu")))
+        assert alone.sampled_token_ids[0].item() == beside.sampled_token_ids[0].item(), seed
+        drawn.add(alone.sampled_token_ids[0].item())
+    assert drawn == {0, 1, 2}

@@ -76,3 +76,22 @@ def test_a_json_schema_of_any_numbers_travels_to_the_engine_core():
     request = EngineCoreRequest("r", [1, 2], params, eos_token_ids=(2,), max_tokens=4, arrival_time=0.0)
     kind, payload = unpack(pack(MessageKind.ADD, encode_request(request)))
     assert kind == MessageKind.ADD and json.dumps(json.dumps(schema)) in json.dumps(payload)  # the text, intact
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"])
+def test_nan_is_refused(name):
+    # NaN passes every range comparison: it reached the sampler offline (the HTTP API refuses it)
+    with pytest.raises(SamplingParamError, match=name):
+        SamplingParams(**{name: float("nan")})
+
+
+def test_the_samples_of_the_largest_seed_get_seeds_of_their_own():
+    # n > 1 gives sample i the seed + i: past 2**63 - 1 it was refused with an error naming a seed nobody sent
+    from heron.engine.args import EngineArgs
+    from heron.engine.input_processor import InputProcessor, ProcessedPrompt
+    from heron.loader.tokenizer import load_tokenizer
+
+    config = EngineArgs(model=None, device="cpu").create_engine_config()
+    processor = InputProcessor(config.model, load_tokenizer(config.model))
+    requests = processor.make_requests("r", ProcessedPrompt("hi", [1, 2]), SamplingParams(n=3, seed=2**63 - 1))
+    assert [request.sampling_params.seed for request in requests] == [2**63 - 1, -(2**63), -(2**63) + 1]

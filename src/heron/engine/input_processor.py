@@ -172,7 +172,8 @@ class InputProcessor:
         for index in range(params.n):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
+                # each sample its own seed, wrapped into 64 bits (the largest seed plus one was refused)
+                seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
                 child_params = params.clone(n=1, seed=seed)
             requests.append(
                 EngineCoreRequest(

@@ -111,10 +111,15 @@ class RequestState:
             self._apply_text_at_end(output)
             return False
         stopped_by_string = False
+        # a request the engine stopped on a token (EOS, a stop_token_ids id) keeps it in its token ids, not in its
+        # text, unless include_stop_str_in_output (as vLLM: the text of "." as a stop token was in the answer)
+        num_text_tokens = len(output.new_token_ids) - int(self._ends_on_stop_token(output))
         for position, token_id in enumerate(output.new_token_ids):
             self.token_ids.append(token_id)
             if output.new_logprobs is not None:
                 self._add_logprobs(output.new_logprobs[position])
+            if position >= num_text_tokens:
+                continue
             if self.detokenizer is not None and self._append_text(self.detokenizer.push(token_id)):
                 stopped_by_string = True
                 break
@@ -132,7 +137,7 @@ class RequestState:
             for entry in output.new_logprobs:
                 self._add_logprobs(entry)
         if output.finished or len(self.token_ids) >= self.next_text_at:
-            self._catch_up_text(final=output.finished)
+            self._catch_up_text(final=output.finished, skip_last=self._ends_on_stop_token(output))
             self.next_text_at = len(self.token_ids) + _TEXT_BATCH
         if output.finished:
             self.finish_reason = output.finish_reason
@@ -145,12 +150,21 @@ class RequestState:
         assert self.cumulative_logprob is not None
         self.cumulative_logprob += entry.logprobs[0]
 
-    def _catch_up_text(self, final: bool) -> None:
+    def _ends_on_stop_token(self, output: EngineCoreOutput) -> bool:
+        """Whether the engine stopped the request on its last token (EOS, a
+        ``stop_token_ids`` id), whose text is then not the answer's (as vLLM),
+        unless ``include_stop_str_in_output``."""
+        return (output.finished and output.finish_reason == "stop" and bool(output.new_token_ids)
+                and not self.params.include_stop_str_in_output)
+
+    def _catch_up_text(self, final: bool, skip_last: bool = False) -> None:
         """``text_at_end``: push the tokens not yet detokenized (and flush at the
         end), as pushing them one step at a time would have (no stop strings to
-        look for, so nothing else happens per token)."""
+        look for, so nothing else happens per token); ``skip_last``: the last is
+        a stop token, kept out of the text."""
         assert self.detokenizer is not None
-        self.text += self.detokenizer.push_many(self.token_ids[self.num_detokenized :])
+        end = len(self.token_ids) - int(skip_last)
+        self.text += self.detokenizer.push_many(self.token_ids[self.num_detokenized : end])
         if final:
             self.text += self.detokenizer.flush()
         self.num_detokenized = len(self.token_ids)
@@ -183,10 +197,12 @@ class RequestState:
         return result
 
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
+        # the text that could begin a stop string is held back until it cannot (or the request ends), for whole
+        # texts too: a cumulative output used to show it, and then a shorter text when the stop string completed
+        text_end = len(self.text) if self.finished else max(
+            self.sent_text_offset, len(self.text) - self.stop_matcher.holdback
+        )
         if kind == RequestOutputKind.DELTA:
-            text_end = len(self.text) if self.finished else max(
-                self.sent_text_offset, len(self.text) - self.stop_matcher.holdback
-            )
             text = self.text[self.sent_text_offset : text_end]
             token_ids = self.token_ids[self.sent_token_offset :]
             logprobs = self.logprobs[self.sent_logprobs_offset :] if self.logprobs is not None else None
@@ -194,8 +210,9 @@ class RequestState:
             self.sent_token_offset = len(self.token_ids)
             self.sent_logprobs_offset = len(self.logprobs) if self.logprobs is not None else 0
         else:
-            text, token_ids = self.text, list(self.token_ids)
+            text, token_ids = self.text[:text_end], list(self.token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
+            self.sent_text_offset = text_end
         return CompletionOutput(
             index=self.index,
             text=text,

@@ -64,25 +64,27 @@ _MAX_TOP_K_CANDIDATES = 1024
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
 ) -> torch.Tensor:
-    """Keep each row's ``top_k`` largest logits and, of those, the smallest set of
-    most likely tokens whose probability reaches ``top_p`` (at least one).
+    """Keep each row's ``top_k`` largest logits (and every logit tied with the
+    k-th) and, of those, the smallest set of most likely tokens whose
+    probability reaches ``top_p`` (at least one).
 
-    ``max_top_k`` (the largest ``top_k``, known on the host) lets rows that all
-    use top-k work on their candidates instead of sorting the vocabulary, and
-    keeps the device from waiting on a host read of ``top_k``."""
+    ``max_top_k`` (the largest ``top_k``, known on the host) lets a batch whose
+    rows all use top-k and none top-p find each row's k-th largest among its
+    candidates instead of sorting the vocabulary, and keeps the device from
+    waiting on a host read of ``top_k``. Both ways give a row the same tokens,
+    whatever its batch."""
     if top_k is None and top_p is None:
         return logits
     vocab_size = logits.shape[1]
-    if top_k is not None:
+    if top_k is not None and top_p is None:
         if max_top_k is None:
             max_top_k = int(top_k.max())  # (a host sync: callers on the device path pass it)
         if max_top_k <= _MAX_TOP_K_CANDIDATES and max_top_k < vocab_size:
-            values, indices = logits.topk(max_top_k, dim=-1)  # descending
-            columns = torch.arange(max_top_k, device=logits.device)
-            values = values.masked_fill(columns[None, :] >= top_k[:, None], _NEG_INF)
-            if top_p is not None:
-                values = _mask_top_p_descending(values, top_p)
-            return torch.full_like(logits, _NEG_INF).scatter_(1, indices, values)
+            # the k-th largest of each row from its candidates; every logit tied with it stays, as in the sorted
+            # path below (keeping exactly k let the batch decide which tied token a seeded row could draw)
+            values = logits.topk(max_top_k, dim=-1).values  # descending
+            kth_largest = values.gather(1, (top_k - 1).clamp(min=0, max=max_top_k - 1)[:, None])
+            return logits.masked_fill(logits < kth_largest, _NEG_INF)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
         kth_largest = sorted_logits.gather(1, (top_k - 1).clamp(min=0, max=vocab_size - 1)[:, None])
@@ -97,7 +99,9 @@ def _mask_top_p_descending(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> 
     already hold ``top_p`` of the probability (the first one always stays)."""
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    return sorted_logits.masked_fill(mass_before >= top_p[:, None], _NEG_INF)
+    # rows at top_p 1 keep everything: their float32 sums reach 1.0 before the tail ends, and masked it (a
+    # seeded row's tokens then depended on whether another row of its batch used top_p)
+    return sorted_logits.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0), _NEG_INF)
 
 
 def sample_from_probs(
