@@ -175,6 +175,8 @@ class SamplingParams:
             fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.stop and not self.detokenize:  # they are matched on text: they were ignored without a word
+            fail("stop", "needs detokenize (stop strings are matched on the text)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):

@@ -95,3 +95,9 @@ def test_the_samples_of_the_largest_seed_get_seeds_of_their_own():
     processor = InputProcessor(config.model, load_tokenizer(config.model))
     requests = processor.make_requests("r", ProcessedPrompt("hi", [1, 2]), SamplingParams(n=3, seed=2**63 - 1))
     assert [request.sampling_params.seed for request in requests] == [2**63 - 1, -(2**63), -(2**63) + 1]
+
+
+def test_stop_strings_need_text():
+    with pytest.raises(SamplingParamError, match="stop"):
+        SamplingParams(stop=["."], detokenize=False)
+    SamplingParams(stop_token_ids=[13], detokenize=False)  # tokens need no text
