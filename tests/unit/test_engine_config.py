@@ -169,3 +169,12 @@ def test_kv_peers_bound_where_a_consumer_pulls_from():
     with pytest.raises(APIError, match="not among this server's kv_peers"):
         check_kv_transfer_params(ctx, CompletionRequest(prompt="x", kv_transfer_params={
             **handle, "remote_engine_address": "tcp://203.0.113.9:5"}))
+
+
+def test_a_client_request_id_names_the_answer_and_an_empty_one_counts_as_none():
+    from heron.entrypoints.openai.serving_common import request_ids
+
+    answer, engine = request_ids("mine", "cmpl")
+    assert answer == "mine" and engine.startswith("mine-") and engine != answer
+    answer, engine = request_ids("", "cmpl")  # was an answer whose id was ""
+    assert answer.startswith("cmpl-") and answer == engine

@@ -88,8 +88,9 @@ def request_ids(client_id: str | None, prefix: str) -> tuple[str, str]:
     """The answer's id (the client's ``request_id`` when it sent one) and the
     id the engine knows the request by, unique even when clients reuse theirs:
     an engine may still hold a reused id (a P/D pull under way, a lease), and
-    two clients may pick the same one."""
-    if client_id is None:
+    two clients may pick the same one. An empty one counts as none (an answer
+    whose id is "" is no id)."""
+    if not client_id:
         generated = new_request_id(prefix)
         return generated, generated
     return client_id, f"{client_id}-{uuid.uuid4().hex[:12]}"
