@@ -46,6 +46,21 @@ def test_the_breaker_opens_half_opens_for_one_trial_and_closes_on_success():
     assert breaker.state is BreakerState.CLOSED and breaker.consecutive_failures == 0
 
 
+def test_a_trial_that_ends_with_no_verdict_is_given_to_the_next_request():
+    """The half-open trial's client left (or the router's deadline passed)
+    before the replica answered: the trial used to stay taken until a probe."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, open_seconds=2.0, clock=clock)
+    breaker.record(None)
+    clock.now = 2.5
+    assert breaker.allows() and not breaker.allows()
+    breaker.release_trial()
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allows() and not breaker.allows()
+    breaker.record(200)
+    breaker.release_trial()  # no trial to release once closed
+    assert breaker.state is BreakerState.CLOSED and breaker.allows()
+
+
 @dataclass
 class FakeReplica:
     name: str

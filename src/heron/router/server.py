@@ -247,8 +247,12 @@ class RouterServer:
             except TimeoutError:
                 if not scope.expired():
                     raise
+                replica.breaker.release_trial()  # no verdict on the replica: a half-open one is tried again
                 self._timed_out(writer)
                 return True
+            except asyncio.CancelledError:  # the client left before the answer began: no verdict either
+                replica.breaker.release_trial()
+                raise
             except UpstreamFailed as exc:
                 logger.warning("replica %s failed before answering: %s", replica.url, exc)
                 self.replicas.record(replica, None)

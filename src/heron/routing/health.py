@@ -53,6 +53,13 @@ class CircuitBreaker:
             return True
         return False
 
+    def release_trial(self) -> None:
+        """A request given the half-open trial ended with no verdict (its client
+        left, the router's deadline passed): the next request may take it. It
+        used to stay taken until the next health probe."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._trial_in_flight = False
+
     @property
     def usable(self) -> bool:
         """Closed, or open long enough to be tried again (does not take the trial)."""
