@@ -68,7 +68,9 @@ def bench_clients(base_url: str, out: Path, name: str, workload: list[str], clie
     # from the first client's start to the last one's end (they start apart by their imports)
     duration = (max(part["started_at"] + part["duration"] for part in parts)
                 - min(part["started_at"] for part in parts))
-    ttfts = [1000 * ttft for part in parts for ttft in part["ttfts"]]
+    # the per-request lists hold every request; a failed one has an error
+    ttfts = [1000 * ttft for part in parts for ttft, error in zip(part["ttfts"], part["errors"], strict=True)
+             if not error]
     # a request's time per output token after its first (several tokens may share one streamed event)
     tpots = [1000 * sum(itl) / (tokens - 1) for part in parts
              for itl, tokens in zip(part["itls"], part["output_lens"], strict=True) if tokens > 1]

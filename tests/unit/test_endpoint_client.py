@@ -28,6 +28,10 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
     for piece in ["Hello", "", " world"]:
         await response.write(sse({"choices": [{"index": 0, "text": piece}]}))
         await asyncio.sleep(0.01)
+    if body["prompt"] == "cut":  # ends cleanly, but without saying it is done
+        return response
+    if body["prompt"] == "late end":
+        await asyncio.sleep(0.5)  # a server (or proxy) that sends its usage and [DONE] late
     await response.write(sse({"choices": [], "usage": {"completion_tokens": 3}}))
     await response.write(b"data: [DONE]\r\n\r\n")
     return response
@@ -73,3 +77,32 @@ def test_errors_are_reported_not_raised():
     assert not denied.success and denied.error.startswith("HTTP 401") and "bad key" in denied.error
     failed = run_against_stub("fail", "/v1/completions")
     assert not failed.success and "engine died" in failed.error
+
+
+def test_a_stream_that_ends_without_done_is_a_failure():
+    # it counted as a success: a short E2E latency and a partial output in the statistics
+    cut = run_against_stub("cut", "/v1/completions")
+    assert not cut.success and "[DONE]" in cut.error
+
+
+def test_the_latency_ends_at_the_last_token():
+    # as vLLM's client: a usage chunk or [DONE] sent late is not the model's time (it made TPOT 6x here)
+    late = run_against_stub("late end", "/v1/completions")
+    assert late.success and late.latency < 0.3
+
+
+
+def test_arrivals_keep_the_rate_when_the_client_is_busy():
+    """Each send waits for its own time in a schedule, so time the client spends
+    elsewhere is made up (gaps slept one after another lost it: 121 of 200/s)."""
+    from heron.benchmarks.serve import arrivals
+
+    samples = [SampleRequest(prompt="x", prompt_len=1, expected_output_len=1) for _ in range(100)]
+
+    async def main() -> float:
+        started = time.perf_counter()
+        async for _ in arrivals(samples, 200.0, 1.0, seed=0):
+            time.sleep(0.002)  # the client's own work per send, holding the loop
+        return time.perf_counter() - started
+
+    assert asyncio.run(main()) < 0.8  # 100 requests at 200/s: about 0.5 s

@@ -70,6 +70,7 @@ async def send_request(
     last = started
     texts: list[str] = []
     usage_tokens: int | None = None
+    ended = False  # the stream said it was done ([DONE]): one that just stops was cut
     try:
         async with client.post(url, json=body, headers=headers) as response:
             if response.status != 200:
@@ -80,8 +81,11 @@ async def send_request(
                     continue
                 data = raw_line[5:].strip()
                 if data == b"[DONE]":
+                    ended = True
                     break
                 payload = json.loads(data)
+                if not isinstance(payload, dict):
+                    raise ValueError(f"an event that is not a JSON object: {data[:100]!r}")
                 if "error" in payload:
                     result.error = str(payload["error"])[:300]
                     return result
@@ -89,7 +93,7 @@ async def send_request(
                     usage_tokens = payload["usage"].get("completion_tokens", usage_tokens)
                 text = ""
                 for choice in payload.get("choices") or []:
-                    text += (choice.get("delta", {}).get("content") or "") if chat else (choice.get("text") or "")
+                    text += ((choice.get("delta") or {}).get("content") or "") if chat else (choice.get("text") or "")
                 if not text:
                     continue
                 now = time.perf_counter()
@@ -100,12 +104,15 @@ async def send_request(
                 last = now
                 result.chunk_times.append(now - bench_start)
                 texts.append(text)
-        result.latency = time.perf_counter() - started
+        # to the last token, as vLLM's client: not to a usage chunk or [DONE] that a server may send later
+        result.latency = last - started
         result.generated_text = "".join(texts)
         result.output_tokens = usage_tokens if usage_tokens is not None else count_tokens(result.generated_text)
-        result.success = bool(texts)
+        result.success = bool(texts) and ended
         if not texts:
             result.error = "the server returned no text"
+        elif not ended:
+            result.error = "the stream ended without [DONE] (cut)"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, over-long line
         result.error = f"{type(exc).__name__}: {exc}"
     return result

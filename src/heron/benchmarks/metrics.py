@@ -21,7 +21,14 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         if key is None or not value:
             raise ValueError(f"--goodput expects NAME:MS with NAME in ttft, tpot, e2el; got {item!r}")
         slos[key] = float(value)
+        if not slos[key] > 0:  # NaN too
+            raise ValueError(f"--goodput {name}: the bound must be a positive number of milliseconds, got {value!r}")
     return slos
+
+
+def percentile_label(p: float) -> str:
+    """A percentile's name in result keys, as vLLM writes it: ``99``, ``99.9``."""
+    return str(int(p)) if int(p) == p else str(p)
 
 
 @dataclass
@@ -46,8 +53,7 @@ def _summary(name: str, values: list[float], percentiles: list[float]) -> dict[s
         f"std_{name}_ms": float(array.std()),
     }
     for p in percentiles:
-        label = f"{p:g}".replace(".", "_")
-        summary[f"p{label}_{name}_ms"] = float(np.percentile(array, p))
+        summary[f"p{percentile_label(p)}_{name}_ms"] = float(np.percentile(array, p))
     return summary
 
 
