@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from heron import LLM, SamplingParams
 from tests.model.conftest import FAMILIES, build_tiny_model, load_reference, random_prompts, reference_greedy
@@ -124,3 +125,37 @@ def test_sampled_next_tokens_follow_the_same_distribution(tiny_model_dir, method
         # p < 0.001 critical value, approximated (Wilson-Hilferty) for any dof
         critical = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3 if dof else 0.0
         assert chi2 < critical, (position, chi2, critical, dof)
+
+
+def test_a_draft_model_runs_into_the_model_length_and_catches_up_on_prompt_chunks(tiny_model_dir):
+    """The target as its own draft: every draft is right, so acceptance shows
+    whether the draft's K/V is. Two faults: a step of prompt chunks alone (no
+    request sampling) skipped the draft's catch-up, so its K/V of those chunks
+    was never written and most drafts were rejected; and a request reaching
+    max_model_len drafted past it, indexing past its block table (IndexError)."""
+    directory = tiny_model_dir("llama")
+    reference = load_reference(directory)
+    spec = {"method": "draft_model", "model": directory, "num_speculative_tokens": 3}
+    [prompt] = random_prompts([60], seed=5)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = LLM(directory, dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=16,
+              num_kv_blocks=32, speculative_config=spec)  # a 16-token budget: the prompt in four chunks
+    [output] = llm.generate([prompt], greedy, use_tqdm=False)
+    assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 24)
+    stats = llm.engine.engine_core.scheduler.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens  # the draft is the target: nothing rejected
+    # the draft's K/V is the target's wherever the target wrote (same weights; the prompt's first three chunks
+    # were missing, zeros)
+    runner = llm.engine.engine_core.model_runner
+    for target, draft in zip(runner.model.attention_layers(), runner.proposer.layers):
+        written = target.kv_cache.flatten(3).abs().sum(-1) > 0  # [K/V, block, slot]
+        assert written.sum() >= 2 * 60
+        assert torch.allclose(draft.kv_cache[written], target.kv_cache[written], atol=1e-4)
+
+    short = LLM(directory, dtype="float32", max_model_len=64, block_size=16, num_kv_blocks=32,
+                speculative_config=spec)
+    [prompt] = random_prompts([58], seed=5)
+    [output] = short.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                              use_tqdm=False)
+    assert output.outputs[0].finish_reason == "length"
+    assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 6)

@@ -51,6 +51,7 @@ class DraftModelProposer:
         spec = self.layers[0].spec
         self.backend = get_attention_backend(device, spec.num_heads, spec.num_kv_heads, config.attention_backend)
         self.dtype = config.draft_model.dtype
+        self.max_model_len = config.model.max_model_len
         # request id -> tokens whose draft K/V is in the cache
         self.num_computed: dict[str, int] = {}
 
@@ -84,24 +85,33 @@ class DraftModelProposer:
             if valid > start:
                 pending.append((state, start, state.token_ids[start:valid], did_sample))
             self.num_computed[state.request_id] = max(valid, start)
+        if not pending:
+            return {}
+        # the catch-up runs whether or not a request sampled: a step of prompt chunks alone used to skip it,
+        # and the draft's K/V of those chunks was never written (its drafts then mostly rejected)
+        hidden, query_start_loc = self._forward([(s, start, tokens) for s, start, tokens, _ in pending])
         logits_rows = [i for i, entry in enumerate(pending) if entry[3]]
         if not logits_rows:
             return {}
         proposing = [pending[i][0] for i in logits_rows]
-        hidden, query_start_loc = self._forward([(s, start, tokens) for s, start, tokens, _ in pending])
         last = torch.from_numpy(query_start_loc[1:][logits_rows] - 1).to(self.device)
-        current = self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
-        drafts = [current]
-        # 2. k - 1 single-token forwards at the draft positions
+        drafts = [[token] for token in self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1).tolist()]
+        # 2. up to k - 1 single-token forwards at the draft positions, each request's only while it has a slot
         for step in range(1, self.num_speculative_tokens):
-            batch = [
-                (state, len(state.token_ids) + step - 1, [token]) for state, token in zip(proposing, current.tolist())
-            ]
-            hidden, _ = self._forward(batch)
-            current = self.model.compute_logits(hidden).argmax(dim=-1)
-            drafts.append(current)
-        proposals = torch.stack(drafts, dim=1).tolist()
-        return {state.request_id: draft for state, draft in zip(proposing, proposals)}
+            active = [i for i, state in enumerate(proposing) if len(state.token_ids) + step - 1 < self._room(state)]
+            if not active:
+                break
+            hidden, _ = self._forward([(proposing[i], len(proposing[i].token_ids) + step - 1, [drafts[i][-1]])
+                                       for i in active])
+            for i, token in zip(active, self.model.compute_logits(hidden).argmax(dim=-1).tolist()):
+                drafts[i].append(token)
+        return {state.request_id: draft for state, draft in zip(proposing, drafts)}
+
+    def _room(self, state: CachedRequestState) -> int:
+        """Positions a request may write draft K/V at: its blocks' slots, never
+        past the model's length (the scheduler allocates no lookahead there; a
+        draft position past it indexed past the request's block table)."""
+        return min(self.max_model_len, len(state.block_ids) * self.block_size)
 
     def _forward(self, batch: list[tuple[CachedRequestState, int, list[int]]]) -> tuple[torch.Tensor, np.ndarray]:
         """Run the draft on a flat batch of (request, first position, tokens)."""
