@@ -90,3 +90,19 @@ def test_offline_throughput_and_latency_with_profile(tmp_path):
     result = json.loads((tmp_path / "l.json").read_text())
     assert len(result["latencies"]) == 2 and result["percentiles"]["50"] > 0
     assert "Avg latency" in latency.stdout
+
+
+def test_bench_serve_measures_a_local_model_with_its_own_tokenizer(tmp_path, monkeypatch):
+    """With --model naming a local model and no --tokenizer, the prompts are made
+    with that model's tokenizer, as vLLM does (it used the embedded model's)."""
+    from heron.entrypoints import bench_cli
+
+    asked: list[str | None] = []
+    embedded = bench_cli._load_tokenizer(None)
+    monkeypatch.setattr(bench_cli, "_load_tokenizer", lambda name: asked.append(name) or embedded)
+    args = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--random-input-len", "8",
+            "--random-output-len", "4", "--disable-tqdm", "--result-dir", str(tmp_path)]
+    assert main([*args, "--model", str(tmp_path)]) == 0
+    assert main([*args, "--model", "served-name"]) == 0
+    assert main([*args, "--model", str(tmp_path), "--tokenizer", "other"]) == 0
+    assert asked == [str(tmp_path), None, "other"]

@@ -25,7 +25,8 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     serve.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
     serve.add_argument(
-        "--tokenizer", default=None, help="tokenizer for dataset lengths (default: the embedded model's)"
+        "--tokenizer", default=None,
+        help="tokenizer for dataset lengths (default: --model's when it is a local model, else the embedded model's)"
     )
     serve.add_argument("--label", action="append", default=None, help="a name per --base-url for the report")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
@@ -204,7 +205,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("give one --label per --base-url")
     goodput = parse_goodput(args.goodput)
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
-    tokenizer = _load_tokenizer(args.tokenizer)
+    # as vLLM, the model's own tokenizer by default: the embedded one measured other models' prompts wrongly
+    local_model = args.model if args.model and os.path.exists(args.model) else None
+    tokenizer = _load_tokenizer(args.tokenizer or local_model)
     samples = _samples(args, tokenizer)
 
     def count_tokens(text: str) -> int:
