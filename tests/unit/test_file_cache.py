@@ -97,3 +97,20 @@ def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capl
     with caplog.at_level("WARNING", logger="heron.loader.file_cache"):
         save_entry(path, {"w": torch.arange(4.0)}, [str(checkpoint)])  # no exception
     assert not os.path.exists(path) and "HERON_CACHE_DIR" in caplog.text
+
+
+def test_a_file_copied_in_with_its_old_time_gets_an_entry_of_its_own(tmp_path, monkeypatch):
+    """Same size, same modification time (cp -p, rsync -t, tar), other bytes:
+    the key was path, size and mtime, so the old weights came back for it."""
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a" * 64)
+    before = entry_path("float", [str(source)], "v1")
+    stat = os.stat(source)
+    replacement = tmp_path / "new.gguf"
+    replacement.write_bytes(b"b" * 64)
+    os.replace(replacement, source)
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(source).st_mtime_ns == stat.st_mtime_ns and os.stat(source).st_size == stat.st_size
+    assert entry_path("float", [str(source)], "v1") != before
+

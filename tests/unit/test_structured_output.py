@@ -105,3 +105,17 @@ def test_failed_grammar_aborts_only_that_request():
     assert broken.request_id not in scheduler.requests and grammars.removed == [broken.request_id]
     assert len(scheduler.waiting) == 0
     scheduler.kv_cache_manager.check_integrity()
+
+
+def test_a_grammar_no_output_satisfies_fails_its_compile(embedded_tokenizer):
+    """``root ::= root`` parses, but no derivation ends: its first step allowed
+    no token, EOS included, so the request ran its prefill, sampled token 0
+    against all -inf logits and was then aborted with an error logged. Its
+    compile now fails, which ends the request before any work."""
+    from heron.structured_output.xgrammar_backend import XGrammarBackend
+
+    backend = XGrammarBackend(embedded_tokenizer, len(embedded_tokenizer), [embedded_tokenizer.eos_token_id])
+    validate_constraint("grammar", "root ::= root")  # well-formed: only a tokenizer can tell
+    with pytest.raises(ValueError, match="allows no output"):
+        backend.compile("grammar", "root ::= root")
+    assert backend.compile("grammar", 'root ::= "yes" | "no"') is not None

@@ -40,7 +40,7 @@ ABANDONED_AFTER_S = 600.0
 
 def entry_path(kind: str, sources: list[str], version: str) -> str | None:
     """The entry of ``kind`` for the checkpoint files ``sources`` in this
-    ``version`` (their sizes and modification times are added to it), or None when
+    ``version`` (their sizes, modification and change times and inodes are added to it), or None when
     ``HERON_DISABLE_WEIGHT_CACHE`` is set."""
     if envs.is_set(envs.HERON_DISABLE_WEIGHT_CACHE):
         return None
@@ -49,7 +49,9 @@ def entry_path(kind: str, sources: list[str], version: str) -> str | None:
     key = hashlib.sha256(version.encode())
     for path in paths:
         stat = os.stat(path)
-        key.update(f"|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        # the change time and inode too: a copy that keeps the modification time (cp -p, rsync -t, tar) with the
+        # same size gave a new file the old one's entry
+        key.update(f"|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}".encode())
     return os.path.join(envs.cache_dir("weights"), f"{source}-{key.hexdigest()[:16]}.{kind}.safetensors")
 
 

@@ -83,6 +83,17 @@ class XGrammarBackend(StructuredOutputBackend):
         self.vocab_size = vocab_size
 
     def compile(self, kind: str, spec: str) -> Any:
+        """The compiled grammar; ValueError when no output can satisfy it (``root
+        ::= root``): its first step would allow no token, EOS included, and the
+        request failed only after its prefill, with an error logged."""
+        compiled = self._compile(kind, spec)
+        bitmask = self.allocate_bitmask(1)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        if not bitmask.any():
+            raise ValueError(f"the {kind} constraint allows no output at all (no derivation ends)")
+        return compiled
+
+    def _compile(self, kind: str, spec: str) -> Any:
         base = kind.split("-")[0]
         if base == "json":
             return self._compiler.compile_json_schema(spec, **_json_options(kind))
