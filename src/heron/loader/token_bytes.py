@@ -73,18 +73,12 @@ class TokenBytes:
         return known
 
     def _compute(self, token_id: int) -> bytes:
-        decoded = self._tokenizer.decode([token_id])
-        if token_id in self._special:
-            return str(decoded).encode()
-        piece = self._tokenizer.convert_ids_to_tokens(token_id)
-        if not isinstance(piece, str):
-            return str(decoded).encode()
-        if self._byte_level:
+        piece = None if token_id in self._special else self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and self._byte_level:
             table = _byte_level_decoder()
             if all(char in table for char in piece):
                 return bytes(table[char] for char in piece)
-            return str(decoded).encode()
-        if self._sentencepiece:
+        elif isinstance(piece, str) and self._sentencepiece:
             match = _BYTE_PIECE.fullmatch(piece)
             return bytes([int(match.group(1), 16)]) if match else piece.replace(_SPIECE_SPACE, " ").encode()
-        return str(decoded).encode()
+        return str(self._tokenizer.decode([token_id])).encode()  # special and added tokens, other vocabularies

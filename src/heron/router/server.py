@@ -272,9 +272,13 @@ class RouterServer:
 
     def _timed_out(self, writer: ResponseWriter) -> None:
         """The deadline passed before the answer's head: 504."""
+        writer.send_json(504, self._timeout_error())
+
+    def _timeout_error(self) -> dict[str, Any]:
+        """A request past ``request_timeout``: the body of its 504 or the stream's last event (counted)."""
         self.metrics.timeouts.inc()
-        writer.send_json(504, error_body(504, f"the request took longer than the router's request timeout "
-                                              f"({self.request_timeout:g} s)", "timeout"))
+        return error_body(504, f"the request took longer than the router's request timeout "
+                               f"({self.request_timeout:g} s)", "timeout")
 
     async def _relay(self, request: HttpRequest, writer: ResponseWriter, replica: Replica,
                      connection: UpstreamConnection, status: int, upstream_headers: list[tuple[str, str]],
@@ -322,8 +326,7 @@ class RouterServer:
             # a long answer or a client reading too slowly: not the replica's failure
             logger.warning("an answer from %s ran past the request timeout (%g s)", replica.url,
                            self.request_timeout)
-            self.metrics.timeouts.inc()
-            error = error_body(504, "the request took longer than the router's request timeout", "timeout")
+            error = self._timeout_error()
         else:
             logger.warning("replica %s cut a response", replica.url)
             self.replicas.record(replica, None)

@@ -137,10 +137,11 @@ class _ChatBuilder:
         calls: list[ToolCall] = []
         if self.tools is not None:
             content, calls = self.tools.calls(completion.text)
-            message["content"] = self.echo_text + content if content is not None else self.echo_text or None
             if calls:
-                message["content"] = content or None
-                message["tool_calls"] = [call.to_openai() for call in calls]
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [call.to_openai() for call in calls]}
+            else:
+                message["content"] = self.echo_text + content if content is not None else self.echo_text or None
         return {
             "index": completion.index,
             "message": message,

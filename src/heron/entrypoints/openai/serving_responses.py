@@ -130,8 +130,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
     completion = final.outputs[0]
     content, calls = tools.calls(completion.text) if tools else (completion.text, [])
     # a message item where there is text (with tools, only then: as the stream of the same output has it)
-    with_message = content is not None and (bool(content) or tools is None)
-    output = [*([message_item(item_id("msg"), content)] if content is not None and with_message else []),
+    output = [*([message_item(item_id("msg"), content)] if content is not None and (content or tools is None) else []),
               *(call_item(item_id("fc"), call) for call in calls)]
     return JSONResponse(builder.finish(output, final, completion.finish_reason, len(completion.token_ids)))
 
