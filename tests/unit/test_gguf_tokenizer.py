@@ -1,7 +1,9 @@
-"""Byte-level BPE tokenizers rebuilt from GGUF metadata (loader/tokenizer.py),
-on small made-up vocabularies: the pre-tokenizer each ``tokenizer.ggml.pre``
-name means (llama.cpp's names, aliases included), Llama 3's whole-word rule
-and BOS default, and which added tokens are special."""
+"""Tokenizers rebuilt from GGUF metadata (loader/gguf_tokenizer.py), on small
+made-up vocabularies. Byte-level BPE: the pre-tokenizer each ``tokenizer.ggml.pre``
+name means (llama.cpp's names, aliases included), Llama 3's whole-word rule and
+BOS default, and which added tokens are special. SentencePiece BPE: the space
+prefix, merges by score, byte fallback, BOS / EOS. (Against llama.cpp's own
+vocabularies and expected tokens: benchmarks/gguf_vocab_check.py.)"""
 
 from __future__ import annotations
 
@@ -9,14 +11,14 @@ import logging
 
 import pytest
 
-from heron.loader.tokenizer import _byte_level_bpe_tokenizer
+from heron.loader.gguf_tokenizer import byte_level_bpe_tokenizer, sentencepiece_bpe_tokenizer
 
 TOKENS = ["<s>", "</s>", "c", "d", "cd", "Ġ", "1", "2", "3", "12", "<tool_call>"]
 TYPES = [3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 4]  # 3: control, 4: user-defined, 1: normal
 
 
 def tokenizer(pre: str, **metadata):
-    return _byte_level_bpe_tokenizer({
+    return byte_level_bpe_tokenizer({
         "tokenizer.ggml.tokens": TOKENS, "tokenizer.ggml.token_type": TYPES, "tokenizer.ggml.merges": ["1 2"],
         "tokenizer.ggml.pre": pre, "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1, **metadata,
     })
@@ -60,3 +62,84 @@ def test_an_unknown_pre_tokenizer_is_named_in_a_warning(caplog):
         tokenizer("some-new-model")
         tokenizer("gpt-2")
     assert [record.getMessage().count("some-new-model") for record in caplog.records] == [1]
+
+
+@pytest.mark.parametrize("pre, text, pieces", [
+    # these fell back to GPT-2's split: Falcon cuts digit runs in threes, DeepSeek Coder splits digits apart,
+    # Qwen 3.5 keeps a combining mark with its letter
+    ("falcon", "3333", ["333", "3"]),
+    ("falcon", "a+=b", ["a", "+=", "b"]),
+    ("deepseek-coder", "x 123", ["x", " ", "1", "2", "3"]),
+    ("deepseek-llm", "ab 12\ncd", ["ab", " ", "12", "\n", "cd"]),
+    ("qwen35", "e\u0301t", ["e\u0301t"]),
+])
+def test_llama_cpps_other_pre_tokenizers_split_as_llama_cpp_does(pre, text, pieces):
+    byte_level = [tokenizer(pre).backend_tokenizer.pre_tokenizer.pre_tokenize_str(piece)[0][0] for piece in pieces]
+    assert split(pre, text) == byte_level
+
+
+def test_gpt2_pattern_names_need_no_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="heron.loader.gguf_tokenizer"):
+        for pre in ("mpt", "olmo", "default"):
+            tokenizer(pre)
+    assert not caplog.records
+
+
+# every piece is reachable by merges of two pieces, as in a trained vocabulary
+SPM_TOKENS = ["<unk>", "<s>", "</s>", "<0x0A>", "<0xC3>", "<0xA9>", "\u2581", "\u2581\u2581", "H", "e", "l", "o",
+              "w", "r", "d", "He", "ll", "lo", "Hell", "Hello", "\u2581Hello", "\u2581w", "or", "ld", "orld",
+              "\u2581world", "<tool>"]
+SPM_TYPES = [2, 3, 3, 6, 6, 6] + [1] * 20 + [4]  # 2: unknown, 3: control, 6: byte, 1: normal, 4: user-defined
+HELLO = SPM_TOKENS.index("\u2581Hello")
+
+
+def spm_tokenizer(scores: dict[str, float] | None = None, **metadata):
+    score_of = {"\u2581Hello": -1.0, "\u2581world": -2.0, "Hello": -3.0, "Hell": -4.0, "orld": -5.0, "He": -6.0,
+                "ll": -7.0, "lo": -8.0, "\u2581w": -9.0, "or": -10.0, "ld": -11.0, "\u2581\u2581": -30.0,
+                **(scores or {})}
+    return sentencepiece_bpe_tokenizer({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": SPM_TOKENS, "tokenizer.ggml.token_type": SPM_TYPES,
+        "tokenizer.ggml.scores": [score_of.get(token, -50.0) for token in SPM_TOKENS],
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+        **metadata,
+    })
+
+
+def pieces(tok, text: str) -> list[str]:
+    return tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
+
+
+def test_sentencepiece_text_starts_with_a_space_as_llama_cpp_does():
+    tok = spm_tokenizer()
+    assert pieces(tok, "Hello world") == ["\u2581Hello", "\u2581world"]
+    # transformers' conversion dropped the space a text already starts with: [▁Hello] for " Hello"
+    assert pieces(tok, " Hello") == ["\u2581", "\u2581Hello"]
+    assert pieces(tok, "  ") == ["\u2581\u2581", "\u2581"]
+    # after a special token too (llama.cpp adds it after every one)
+    assert pieces(tok, "<s>Hello") == ["<s>", "\u2581Hello"]
+    assert pieces(tok, "Hello<tool>world") == ["\u2581Hello", "<tool>", "\u2581world"]
+    assert pieces(spm_tokenizer(**{"tokenizer.ggml.add_space_prefix": False}), "Hello world") == [
+        "Hello", "\u2581world"]
+    extra = spm_tokenizer(**{"tokenizer.ggml.remove_extra_whitespaces": True})
+    assert pieces(extra, "  Hello   world ") == ["\u2581Hello", "\u2581world"]
+
+
+def test_sentencepiece_merges_the_best_scoring_pair_first():
+    # "llo": the pairs make "ll" and "lo"; the better score wins, whatever the token ids' order
+    no_prefix = {"tokenizer.ggml.add_space_prefix": False}
+    assert pieces(spm_tokenizer({"ll": -7.0, "lo": -8.0}, **no_prefix), "llo") == ["ll", "o"]
+    assert pieces(spm_tokenizer({"ll": -8.0, "lo": -7.0}, **no_prefix), "llo") == ["l", "lo"]
+
+
+def test_sentencepiece_falls_back_to_bytes_and_decodes_back():
+    tok = spm_tokenizer()
+    assert pieces(tok, "\u00e9") == ["\u2581", "<0xC3>", "<0xA9>"]
+    for text in (" Hello world\n", "Hello\u00e9 world", "  ow", "Hello\nworld"):
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_sentencepiece_adds_bos_and_eos_as_the_file_says():
+    assert spm_tokenizer().encode("Hello") == [1, HELLO]  # llama.cpp's default for these vocabularies: BOS
+    assert spm_tokenizer(**{"tokenizer.ggml.add_bos_token": False}).encode("Hello") == [HELLO]
+    assert spm_tokenizer(**{"tokenizer.ggml.add_eos_token": True}).encode("Hello") == [1, HELLO, 2]
+    assert spm_tokenizer().decode([1, HELLO, 2], skip_special_tokens=True) == "Hello"
