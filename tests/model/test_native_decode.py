@@ -30,7 +30,7 @@ LOGPROB_TOLERANCE = 0.02  # seen: at most 0.008; a planted RoPE bug (keys not ro
 def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int], list[dict]]]:
     model = llm.engine.engine_core.model_runner.model
     decoder = model.native_decoder
-    calls = {"native": 0, "rows": 0, "decode_rows": 0, "prefill_steps": 0}
+    calls = {"native": 0, "rows": 0, "decode_rows": 0, "prefill_steps": 0, "pruned_steps": 0}
     if native:
         original = decoder.__call__
 
@@ -38,14 +38,15 @@ def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int
             def covers(self, *args):
                 return decoder.covers(*args)
 
-            def __call__(self, hidden, rope, metadata):
+            def __call__(self, hidden, rope, metadata, output_rows=None):
                 calls["native"] += 1
+                calls["pruned_steps"] += output_rows is not None
                 calls["rows"] = max(calls["rows"], hidden.shape[0])
                 if metadata.all_decode:
                     calls["decode_rows"] = max(calls["decode_rows"], hidden.shape[0])
                 else:
                     calls["prefill_steps"] += 1
-                return original(hidden, rope, metadata)
+                return original(hidden, rope, metadata, output_rows)
 
         model.native_decoder = Counting()
     else:
@@ -59,6 +60,7 @@ def run(llm: LLM, prompts: list[list[int]], native: bool) -> list[tuple[list[int
         run.largest_native_batch = calls["rows"]
         run.largest_native_decode = calls["decode_rows"]
         run.native_prefill_steps = calls["prefill_steps"]
+        run.pruned_steps = calls["pruned_steps"]
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
@@ -99,6 +101,7 @@ def test_steps_of_any_size_and_kind_run_natively(tiny_model_dir):
     native = run(llm, prompts, native=True)
     assert run.largest_native_decode == 20
     assert run.native_prefill_steps > 0 and run.largest_native_batch > 20
+    assert run.pruned_steps > 0  # prompt steps ran their last layer for the sampled rows alone
     compared = 0
     for (tokens, logprobs), (native_tokens, native_logprobs) in zip(torch_path, native):
         for token, native_token, position, native_position in zip(tokens, native_tokens, logprobs, native_logprobs):

@@ -101,7 +101,10 @@ class TransformersCausalLM(CausalLM):
     def attention_layers(self) -> list[Attention]:
         return self.layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         base = getattr(self.hf_model, self.hf_model.base_model_prefix)
         outputs = base(
             input_ids=input_ids.unsqueeze(0),

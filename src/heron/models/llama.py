@@ -152,12 +152,16 @@ class LlamaForCausalLM(CausalLM):
     def _decoder_layers(self) -> list[LlamaDecoderLayer]:
         return cast(list[LlamaDecoderLayer], list(self.layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, ``[T, hidden]``."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]`` (see CausalLM.forward
+        for ``output_rows``: the native path runs the last layer for those rows only)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, hidden.dtype)
         if self.native_decoder is not None and self.native_decoder.covers(metadata):
-            return self.native_decoder(hidden, rope, metadata)
+            return self.native_decoder(hidden, rope, metadata, output_rows)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, metadata)

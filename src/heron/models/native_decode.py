@@ -78,7 +78,7 @@ class NativeLowBitDecoder:
         self.function.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_DecoderLayer), ctypes.c_int64, ctypes.c_void_p,
             _LlamaShape, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
         ]
         first = model.layers[0]
         attention = first.self_attn
@@ -162,11 +162,14 @@ class NativeLowBitDecoder:
             self._bound_caches = pointers
 
     def __call__(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: TorchAttentionMetadata
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: TorchAttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden: the embeddings ``[B, hidden]`` float32; returns the final-normed
-        hidden states (the same tensor, updated in place). Only for steps it
-        ``covers``."""
+        hidden states (the same tensor, updated in place). With ``output_rows``
+        (int64, strictly increasing) only those rows are final: the last layer's
+        attention and MLP run for them alone, the other rows' values are left
+        unspecified. Only for steps it ``covers``."""
         self._bind_caches()
         hidden = hidden.contiguous()
         cos, signed_sin = (table.reshape(hidden.shape[0], -1).contiguous() for table in rope)
@@ -178,6 +181,7 @@ class NativeLowBitDecoder:
             self.shape, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), block_table.data_ptr(),
             block_table.shape[1], None if table_rows is None else table_rows.data_ptr(), context_lens.data_ptr(),
             kv_cache.shape[2], kv_cache.shape[1],
+            None if output_rows is None else output_rows.data_ptr(), 0 if output_rows is None else len(output_rows),
         )
         if status != 0:
             raise RuntimeError(f"native forward pass failed (status {status})")

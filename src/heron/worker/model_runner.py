@@ -359,9 +359,26 @@ class ModelRunner:
                 input_ids,
                 on_device(step.positions, torch.int64, self.device),
                 self.backend.build_metadata(step.layout),
+                output_rows=self._output_rows(step),
             )
         with phase("sample"):
             return self._sample(step, hidden, None, structured, defer_output)
+
+    def _output_rows(self, step: StepInputs) -> torch.Tensor | None:
+        """The rows of the step's hidden states that sampling reads, where those are
+        fewer than all and no request scores its prompt (prompt logprobs read every
+        prompt row): the model may skip its last layer's work for the rest (a
+        prompt's rows but its last, every row of a chunk short of the prompt's end).
+        None on a device other than the CPU (the index would be a host copy)."""
+        num_tokens = len(step.input_ids)
+        if self.device.type != "cpu" or (len(step.sample_rows) == num_tokens and not any(step.drafts)):
+            return None  # a batch of plain decodes reads every row
+        if any(state.sampling_params.prompt_logprobs is not None for state in step.states):
+            return None
+        index, _ = step.logits_rows()
+        if len(index) == num_tokens or (len(index) > 1 and bool(np.any(np.diff(index) <= 0))):
+            return None
+        return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
 
     def _pending_token_ids(self, step: StepInputs) -> PendingInputIds | None:
         """The input ids sampled by the step in flight, with their flat positions,

@@ -19,7 +19,8 @@
  *   x = rmsnorm(h) * w_in;  qkv = x Wqkv^T;  RoPE on q and k;  k, v -> cache slots
  *   h += attention(q) Wo^T      (after every row's k, v is in the cache)
  *   x = rmsnorm(h) * w_post;  g, u = x Wgu^T;  h += (silu(g) * u) Wdown^T
- * and at the end h = rmsnorm(h) * w_final, in place.
+ * and at the end h = rmsnorm(h) * w_final, in place. The last layer runs its attention and MLP only for the rows
+ * whose output is read (the rows sampled), where the caller names them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -119,34 +120,104 @@ static int linear(const heron_lowbit_weight *w, const float *x, int64_t rows, in
     return heron_q4_linear_f32(x, rows, k, w->tiles, w->scales, w->mins, y, n);
 }
 
-/* hidden [rows, shape.hidden]: the embeddings of the step's tokens in, the final-normed states out.
- * cos / signed_sin [rows, head_dim]; slots [rows]; block_table [requests, max_blocks]; table_rows [rows]: each
- * token's request (its block-table row; NULL: token i is request i's only one); seq_lens [rows]: each token's
- * position + 1 (the context it attends over, itself included); all int64. */
+/* What every layer of one step shares: the model's shape, the step's cache layout and scratch buffers. */
+typedef struct {
+    heron_llama_shape shape;
+    const int64_t *block_table;
+    int64_t max_blocks, block_size, num_blocks;
+    float *normed, *attended, *gate_up, *activated, *update;
+} forward_step;
+
+/* The rest of a layer once every row's k, v is in the cache, over `rows` rows (all of the step's, or the ones
+ * whose output is read): attention of their queries, o, the residual add, the MLP, the residual add. */
+static int finish_layer(const forward_step *step, const heron_decoder_layer *layer, float *hidden, int64_t rows,
+                        const float *queries, const int64_t *table_rows, const int64_t *seq_lens) {
+    const heron_llama_shape shape = step->shape;
+    const int64_t H = shape.hidden, inter = shape.intermediate, q_size = shape.num_heads * shape.head_dim;
+    int status = heron_paged_attention_f32(step->attended, queries, layer->kv_cache, step->block_table, table_rows,
+                                           seq_lens, rows, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                           step->block_size, step->num_blocks, step->max_blocks, shape.scale,
+                                           layer->sliding_window, shape.kv_half);
+    if (status != 0) return status;
+    if ((status = linear(&layer->o, step->attended, rows, q_size, step->update, H)) != 0) return status;
+    add_rows(hidden, step->update, rows, H);
+    rms_norm(hidden, layer->post_norm, step->normed, rows, H, shape.eps);
+    if ((status = linear(&layer->gate_up, step->normed, rows, H, step->gate_up, 2 * inter)) != 0) return status;
+    float *gate_up = step->gate_up, *activated = step->activated;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        silu_and_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, activated + r * inter, inter);
+    if ((status = linear(&layer->down, activated, rows, inter, step->update, H)) != 0) return status;
+    add_rows(hidden, step->update, rows, H);
+    return 0;
+}
+
+/* The last layer past its k, v over the `num_kept` rows whose output is read (`kept`, strictly increasing): they
+ * move to the front of hidden and queries (row kept[i] to row i, never over a row still to move), run there,
+ * are final-normed and move back. A prompt chunk's other rows need only their k, v, already in the cache: this
+ * skips most of a layer for them (about 1 / num_layers of a prefill). */
+static int finish_kept_rows(const forward_step *step, const heron_decoder_layer *layer, const float *final_norm,
+                            float *hidden, float *queries, const int64_t *table_rows, const int64_t *seq_lens,
+                            const int64_t *kept, int64_t num_kept) {
+    const int64_t H = step->shape.hidden, q_size = step->shape.num_heads * step->shape.head_dim;
+    if (num_kept == 0) return 0;  // a prompt chunk short of the prompt's end: nothing is read
+    int64_t *kept_table_rows = malloc(sizeof(int64_t) * (size_t)num_kept);
+    int64_t *kept_seq_lens = malloc(sizeof(int64_t) * (size_t)num_kept);
+    int status = kept_table_rows && kept_seq_lens ? 0 : -2;
+    for (int64_t i = 0; i < num_kept && status == 0; i++) {
+        const int64_t r = kept[i];
+        if (r < i || (i > 0 && r <= kept[i - 1])) {
+            status = -4;  // not strictly increasing (or out of range): moving the rows would overwrite some
+            break;
+        }
+        memmove(hidden + i * H, hidden + r * H, sizeof(float) * (size_t)H);
+        memmove(queries + i * q_size, queries + r * q_size, sizeof(float) * (size_t)q_size);
+        kept_table_rows[i] = table_rows ? table_rows[r] : r;
+        kept_seq_lens[i] = seq_lens[r];
+    }
+    if (status == 0) status = finish_layer(step, layer, hidden, num_kept, queries, kept_table_rows, kept_seq_lens);
+    if (status == 0) {
+        rms_norm(hidden, final_norm, step->normed, num_kept, H, step->shape.eps);
+        for (int64_t i = num_kept - 1; i >= 0; i--)
+            memcpy(hidden + kept[i] * H, step->normed + i * H, sizeof(float) * (size_t)H);
+    }
+    free(kept_table_rows), free(kept_seq_lens);
+    return status;
+}
+
+/* hidden [rows, shape.hidden]: the embeddings of the step's tokens in, the final-normed states out (with `kept`,
+ * only in those rows: the others are left unspecified). cos / signed_sin [rows, head_dim]; slots [rows];
+ * block_table [requests, max_blocks]; table_rows [rows]: each token's request (its block-table row; NULL: token i
+ * is request i's only one); seq_lens [rows]: each token's position + 1 (the context it attends over, itself
+ * included); kept [num_kept]: the rows whose output is read, strictly increasing (NULL: all); all int64. */
 int heron_llama_forward_lowbit(float *hidden, int64_t rows, const heron_decoder_layer *layers, int64_t num_layers,
                                const float *final_norm, heron_llama_shape shape, const float *cos,
                                const float *signed_sin, const int64_t *slots, const int64_t *block_table,
                                int64_t max_blocks, const int64_t *table_rows, const int64_t *seq_lens,
-                               int64_t block_size, int64_t num_blocks) {
+                               int64_t block_size, int64_t num_blocks, const int64_t *kept, int64_t num_kept) {
     /* (not `I`: <complex.h>, which SIMDe's emulated AVX-512 headers pull in, defines it) */
     const int64_t H = shape.hidden, D = shape.head_dim, inter = shape.intermediate;
     const int64_t q_size = shape.num_heads * D, kv_size = shape.num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
     if (D > 512 || D % 2 != 0) return -3;
+    if (kept != NULL && (num_kept < 0 || num_kept > rows)) return -4;
     const int64_t cache_half = num_blocks * block_size * kv_size;  // K, then V
-    float *normed = malloc(sizeof(float) * (size_t)(rows * H));
+    forward_step step = {shape, block_table, max_blocks, block_size, num_blocks, NULL, NULL, NULL, NULL, NULL};
+    step.normed = malloc(sizeof(float) * (size_t)(rows * H));
     float *qkv = malloc(sizeof(float) * (size_t)(rows * qkv_size));
     float *queries = malloc(sizeof(float) * (size_t)(rows * q_size));
-    float *attended = malloc(sizeof(float) * (size_t)(rows * q_size));
-    float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * inter));
-    float *activated = malloc(sizeof(float) * (size_t)(rows * inter));
-    float *update = malloc(sizeof(float) * (size_t)(rows * H));
+    step.attended = malloc(sizeof(float) * (size_t)(rows * q_size));
+    step.gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * inter));
+    step.activated = malloc(sizeof(float) * (size_t)(rows * inter));
+    step.update = malloc(sizeof(float) * (size_t)(rows * H));
     int status = 0;
-    if (!normed || !qkv || !queries || !attended || !gate_up || !activated || !update) status = -2;
+    if (!step.normed || !qkv || !queries || !step.attended || !step.gate_up || !step.activated || !step.update)
+        status = -2;
+    const int prune_last = kept != NULL && num_kept < rows && num_layers > 0;
     for (int64_t l = 0; l < num_layers && status == 0; l++) {
         const heron_decoder_layer *layer = layers + l;
-        rms_norm(hidden, layer->input_norm, normed, rows, H, shape.eps);
-        if ((status = linear(&layer->qkv, normed, rows, H, qkv, qkv_size)) != 0) break;
+        rms_norm(hidden, layer->input_norm, step.normed, rows, H, shape.eps);
+        if ((status = linear(&layer->qkv, step.normed, rows, H, qkv, qkv_size)) != 0) break;
 #pragma omp parallel for if (rows >= PARALLEL_ROWS)
         for (int64_t r = 0; r < rows; r++) {
             float *row = qkv + r * qkv_size;
@@ -163,24 +234,16 @@ int heron_llama_forward_lowbit(float *hidden, int64_t rows, const heron_decoder_
                 memcpy(key_slot + cache_half, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
             }
         }
-        status = heron_paged_attention_f32(attended, queries, layer->kv_cache, block_table, table_rows, seq_lens, rows,
-                                           shape.num_heads, shape.num_kv_heads, D, block_size, num_blocks, max_blocks,
-                                           shape.scale, layer->sliding_window, shape.kv_half);
-        if (status != 0) break;
-        if ((status = linear(&layer->o, attended, rows, q_size, update, H)) != 0) break;
-        add_rows(hidden, update, rows, H);
-        rms_norm(hidden, layer->post_norm, normed, rows, H, shape.eps);
-        if ((status = linear(&layer->gate_up, normed, rows, H, gate_up, 2 * inter)) != 0) break;
-#pragma omp parallel for if (rows >= PARALLEL_ROWS)
-        for (int64_t r = 0; r < rows; r++)
-            silu_and_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, activated + r * inter, inter);
-        if ((status = linear(&layer->down, activated, rows, inter, update, H)) != 0) break;
-        add_rows(hidden, update, rows, H);
+        if (prune_last && l == num_layers - 1)
+            status = finish_kept_rows(&step, layer, final_norm, hidden, queries, table_rows, seq_lens, kept, num_kept);
+        else
+            status = finish_layer(&step, layer, hidden, rows, queries, table_rows, seq_lens);
     }
-    if (status == 0) {
-        rms_norm(hidden, final_norm, normed, rows, H, shape.eps);
-        memcpy(hidden, normed, sizeof(float) * (size_t)(rows * H));
+    if (status == 0 && !prune_last) {
+        rms_norm(hidden, final_norm, step.normed, rows, H, shape.eps);
+        memcpy(hidden, step.normed, sizeof(float) * (size_t)(rows * H));
     }
-    free(normed), free(qkv), free(queries), free(attended), free(gate_up), free(activated), free(update);
+    free(step.normed), free(qkv), free(queries), free(step.attended), free(step.gate_up), free(step.activated);
+    free(step.update);
     return status;
 }
