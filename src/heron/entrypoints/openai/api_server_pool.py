@@ -98,7 +98,7 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop_all(servers, started)
+        _stop_all(servers, started, args.shutdown_timeout)
         if port_holder is not None:
             port_holder.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -125,14 +125,15 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
         time.sleep(0.2)
 
 
-def _stop_all(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore]) -> None:
+def _stop_all(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore],
+              shutdown_timeout: float) -> None:
     """API servers first (they finish what they serve), then the engine cores.
     SIGTERM, not SIGINT: a terminal's Ctrl-C has already given each API server
     a SIGINT, and uvicorn takes a second one as "exit now", cutting its streams."""
     for server in servers:
         if server.poll() is None:
             server.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + shutdown_timeout + 10  # their own grace, then time to exit
     for server in servers:
         try:
             server.wait(max(0.1, deadline - time.monotonic()))

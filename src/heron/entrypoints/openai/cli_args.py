@@ -35,6 +35,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dead-engine-grace", type=_non_negative_float, default=5.0, metavar="SECONDS",
                        help="when the engine core dies: seconds the server goes on answering 503 (so clients and "
                             "load balancers see it) before it exits with code 1, for a supervisor to restart it")
+    group.add_argument("--shutdown-timeout", type=_non_negative_float, default=5.0, metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
+                            "are refused meanwhile) before the rest are cut; 0 cuts them at once. A supervisor's "
+                            "kill timeout (Kubernetes' terminationGracePeriodSeconds) should exceed it")
     gateway = parser.add_argument_group("gateway")
     gateway.add_argument("--api-key", action="append", default=None,
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")

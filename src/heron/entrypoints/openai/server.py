@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -195,7 +197,7 @@ async def serve_api(
             h11_max_incomplete_event_size=head_limit(settings.max_header_bytes),
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
     scheme = "https" if args.ssl_certfile else "http"
@@ -229,10 +231,22 @@ async def serve_api(
         server.should_exit = True
 
     watchers = [asyncio.create_task(announce_when_ready()), asyncio.create_task(exit_when_the_engine_dies())]
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _after_graceful_stop) if main_thread else None
     try:
         await server.serve(sockets=[role.listen_socket] if role else None)
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         for watcher in watchers:
             watcher.cancel()
         engine.shutdown()
     return 1 if engine.is_dead else 0
+
+
+def _after_graceful_stop(signum: int, frame: object) -> None:
+    """SIGTERM's handler under uvicorn's while it serves: uvicorn stops gracefully
+    on the signal (--shutdown-timeout), then raises it again for the handler it
+    found. With the default one there, that killed the process (code -15) before
+    the engine's shutdown ran; the stop is done by then, so this does nothing and
+    heron exits 0 after shutting its engine down."""

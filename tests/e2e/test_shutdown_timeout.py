@@ -1,0 +1,83 @@
+"""`heron serve --shutdown-timeout`: on SIGTERM (what a supervisor or Kubernetes
+sends), a stream under way runs to its end within the timeout while new
+connections are refused, and the server then exits 0; with 0 the stream is cut
+at once. (It was a fixed 5 s: a 1000-token stream, longer than that here, was
+cut.)"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 1000  # about 9 s here, more than the old fixed 5 s (the servers' --max-model-len is 1024)
+
+
+class Stream:
+    """A long greedy completion streamed on its own thread."""
+
+    def __init__(self, base_url: str) -> None:
+        self.chunks: list[str] = []
+        self.error: Exception | None = None
+        self.first_chunk = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(base_url,))
+        self.thread.start()
+
+    def _read(self, base_url: str) -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.chunks.append(line[6:])
+                        self.first_chunk.set()
+        except httpx.HTTPError as error:  # the connection cut
+            self.error = error
+        finally:
+            self.first_chunk.set()
+
+    @property
+    def tokens(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk != "[DONE]")
+
+
+def test_sigterm_lets_a_stream_finish_within_the_shutdown_timeout():
+    server = ServerProcess("--shutdown-timeout", "60")
+    try:
+        stream = Stream(server.base_url)
+        assert stream.first_chunk.wait(60) and stream.chunks
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # draining: new connections are refused
+            httpx.get(f"{server.base_url}/health", timeout=5)
+        stream.thread.join(90)
+        assert stream.chunks[-1] == "[DONE]", (stream.error, stream.chunks[-3:], server.read_log()[-2000:])
+        assert stream.tokens >= 0.9 * MAX_TOKENS  # the whole stream, a token (rarely a few) per chunk
+        assert server.process.wait(30) == 0
+        print(f"stream ended {time.monotonic() - signalled:.1f} s after SIGTERM")
+    finally:
+        server.stop()
+
+
+def test_a_zero_shutdown_timeout_cuts_streams_at_once():
+    server = ServerProcess("--shutdown-timeout", "0")
+    try:
+        stream = Stream(server.base_url)
+        assert stream.first_chunk.wait(60) and stream.chunks
+        server.process.send_signal(signal.SIGTERM)
+        stream.thread.join(30)
+        assert not stream.thread.is_alive()
+        assert "[DONE]" not in stream.chunks and stream.tokens < MAX_TOKENS / 2
+        assert server.process.wait(30) == 0
+    finally:
+        server.stop()
