@@ -1,7 +1,8 @@
-"""`heron serve --shutdown-timeout`: on SIGTERM (what a supervisor or Kubernetes
-sends), a stream under way runs to its end within the timeout while new
-connections are refused, and the server then exits 0; with 0 the stream is cut
-at once. (It was a fixed 5 s: a 1000-token stream, longer than that here, was
+"""`heron serve --shutdown-timeout` and `heron router --shutdown-timeout`: on
+SIGTERM (what a supervisor or Kubernetes sends), a stream under way runs to its
+end within the timeout while new connections are refused, and the process then
+exits 0; with 0 the stream is cut at once. (The server's was a fixed 5 s, and the
+router cut every stream at once: a 1000-token stream, longer than 5 s here, was
 cut.)"""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.router_process import RouterProcess
 from tests.e2e.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -81,3 +83,22 @@ def test_a_zero_shutdown_timeout_cuts_streams_at_once():
         assert server.process.wait(30) == 0
     finally:
         server.stop()
+
+
+def test_the_router_lets_a_stream_finish_within_its_shutdown_timeout():
+    replica = ServerProcess()
+    router = RouterProcess([replica.base_url], "--shutdown-timeout", "60")
+    try:
+        stream = Stream(router.base_url)
+        assert stream.first_chunk.wait(60) and stream.chunks
+        router.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{router.base_url}/health", timeout=5)
+        stream.thread.join(90)
+        assert stream.chunks[-1] == "[DONE]", (stream.error, stream.chunks[-3:], router.read_log()[-2000:])
+        assert stream.tokens >= 0.9 * MAX_TOKENS
+        assert router.process.wait(30) == 0
+    finally:
+        router.stop()
+        replica.stop()

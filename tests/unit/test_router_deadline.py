@@ -78,7 +78,7 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
         def __init__(self, *_: Any, **kwargs: Any) -> None:
             created.append(kwargs)
 
-        async def run(self, host: str, port: int) -> None:
+        async def run(self, host: str, port: int, shutdown_timeout: float) -> None:
             pass
 
     monkeypatch.setattr("heron.router.server.RouterServer", Recorded)

@@ -43,6 +43,9 @@ def add_router_parser(subcommands: Any) -> None:
                         help="longest time a request may take, from its arrival to its answer's end (0, the "
                              "default: no limit); past it the client gets 504, or an error event ending its "
                              "stream, and the request is not retried elsewhere")
+    router.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
+                             "are refused meanwhile) before the rest are cut; 0 cuts them at once")
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -55,6 +58,8 @@ def run_router(args: argparse.Namespace) -> int:
         raise ValueError("--max-attempts must be >= 1 and --probe-interval > 0")
     if not args.request_timeout >= 0:  # NaN included
         raise ValueError("--request-timeout must be >= 0 (0: no limit)")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError("--shutdown-timeout must be >= 0 (0: cut requests under way at once)")
     if not args.replica and not args.ray_address:
         raise ValueError("give the replicas: --replica URL (repeatable) and/or --ray-address")
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
@@ -69,7 +74,7 @@ def run_router(args: argparse.Namespace) -> int:
     logger.info("heron router (%s) on http://%s:%d over %s%s", args.policy, args.host, args.port,
                 ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])),
                 f"; prompts prefilled first on {', '.join(args.prefill)}" if args.prefill else "")
-    asyncio.run(server.run(args.host, args.port))
+    asyncio.run(server.run(args.host, args.port, args.shutdown_timeout))
     return 0
 
 

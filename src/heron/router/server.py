@@ -95,20 +95,44 @@ class RouterServer:
         self.session: aiohttp.ClientSession | None = None
         self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry)
                         if prefill_replicas is not None else None)
+        self._requests_under_way = 0
+        self._all_answered = asyncio.Event()
+        self._all_answered.set()
 
-    async def run(self, host: str, port: int) -> None:
-        """Serves until SIGINT or SIGTERM."""
+    async def run(self, host: str, port: int, shutdown_timeout: float = 5.0) -> None:
+        """Serves until SIGINT or SIGTERM; then stops listening, gives the requests
+        under way up to ``shutdown_timeout`` seconds to finish, and cuts the rest."""
         await self.start()
-        server = await serve(self.handle, host, port)
+        server = await serve(self.counted_handle, host, port)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
         try:
             await stopping.wait()
+            server.close()  # new connections are refused from here
+            if self._requests_under_way:
+                logger.info("stopping: waiting up to %.0f s for %d request(s) under way", shutdown_timeout,
+                            self._requests_under_way)
+            try:
+                await asyncio.wait_for(self._all_answered.wait(), shutdown_timeout)
+            except TimeoutError:
+                logger.warning("stopping: %d request(s) still under way after %.0f s are cut",
+                               self._requests_under_way, shutdown_timeout)
         finally:
             server.close()
             await self.stop()
+
+    async def counted_handle(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        """``handle``, counting the requests under way for a graceful stop."""
+        self._requests_under_way += 1
+        self._all_answered.clear()
+        try:
+            await self.handle(request, writer)
+        finally:
+            self._requests_under_way -= 1
+            if not self._requests_under_way:
+                self._all_answered.set()
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
