@@ -104,3 +104,30 @@ def test_prompt_logprobs_are_reported_once_through_preemptions(tiny_model_dir, a
     for got, want in zip(outputs[0].prompt_logprobs[1:], expected.prompt_logprobs[1:]):
         assert {token: lp.logprob for token, lp in got.items()} == pytest.approx(
             {token: lp.logprob for token, lp in want.items()}, abs=1e-5)
+
+
+def test_a_sharded_checkpoint_loads_and_a_missing_shard_is_named_before_loading(tiny_model_dir, tmp_path):
+    """A checkpoint saved in several shards (model.safetensors.index.json) gives
+    the same greedy tokens as the single file; one with a shard missing (a partial
+    download) fails at once, naming it."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    single = tiny_model_dir("llama")
+    sharded = str(tmp_path / "sharded")
+    shutil.copytree(single, sharded, ignore=shutil.ignore_patterns("*.safetensors"))
+    AutoModelForCausalLM.from_pretrained(single).save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(path.name for path in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    prompts = random_prompts([9, 23])
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(directory: str) -> list[list[int]]:
+        llm = LLM(directory, dtype="float32", max_model_len=64, num_kv_blocks=16)
+        return [output.outputs[0].token_ids for output in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    assert tokens(sharded) == tokens(single)
+    (tmp_path / "sharded" / shards[1]).unlink()
+    with pytest.raises(FileNotFoundError, match=f"1 of them are missing \\({shards[1]}\\)"):
+        LLM(sharded, dtype="float32", max_model_len=64, num_kv_blocks=16)

@@ -29,7 +29,17 @@ def safetensors_files(directory: str) -> list[str]:
     if os.path.isfile(index_path):
         with open(index_path, encoding="utf-8") as index_file:
             weight_map: dict[str, str] = json.load(index_file)["weight_map"]
-        return [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+        shards = [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+        # checked before any is read: a shard missing from a partial download failed only
+        # when its turn came, after the others had been read
+        missing = [os.path.basename(shard) for shard in shards if not os.path.isfile(shard)]
+        if missing:
+            raise FileNotFoundError(
+                f"{directory}: model.safetensors.index.json lists {len(shards)} weight files, and "
+                f"{len(missing)} of them are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                "an incomplete download or copy?"
+            )
+        return shards
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
         raise FileNotFoundError(
