@@ -11,7 +11,7 @@ import pytest
 
 from heron import LLM, SamplingParams
 from heron.engine.input_processor import InvalidRequestError
-from heron.loader.model_source import ModelNotFoundError
+from heron.loader.model_source import ModelNotFoundError, ModelSource, resolve_model_source
 from heron.sampling_params import SamplingParamError
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -172,6 +172,10 @@ def test_unknown_path_and_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
         LLM(str(tmp_path))
+    # a GGUF beside a config.json is that GGUF (its own config); the directory was refused for its config.json
+    (tmp_path / "model.gguf").write_bytes(b"")
+    assert resolve_model_source(str(tmp_path)) == ModelSource("gguf", str(tmp_path / "model.gguf"), "model")
+    (tmp_path / "model.gguf").unlink()
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
     with pytest.raises(ValueError, match="not supported.*LlamaForCausalLM.*Qwen3ForCausalLM"):

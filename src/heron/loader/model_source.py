@@ -69,19 +69,22 @@ def resolve_model_source(model: str | None) -> ModelSource:
 
 def _source_from_directory(model: str, path: str) -> ModelSource:
     path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            raise ModelNotFoundError(
-                f"directory {model!r} has config.json but no *.safetensors weights "
-                "(heron loads safetensors and GGUF checkpoints)"
-            )
+    names = os.listdir(path)
+    has_config = os.path.isfile(os.path.join(path, "config.json"))
+    if has_config and any(name.endswith(".safetensors") for name in names):
         return ModelSource("hf", path, _name_of(path))
-    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    # a GGUF file carries its own config: a config.json beside it (some repositories ship both) does not matter
+    ggufs = sorted(name for name in names if name.endswith(".gguf"))
     if len(ggufs) == 1:
         return ModelSource("gguf", os.path.join(path, ggufs[0]), _name_of(ggufs[0]))
     if len(ggufs) > 1:
         raise ModelNotFoundError(
             f"directory {model!r} holds several GGUF files ({', '.join(ggufs)}); pass one of them"
+        )
+    if has_config:
+        raise ModelNotFoundError(
+            f"directory {model!r} has config.json but no *.safetensors weights "
+            "(heron loads safetensors and GGUF checkpoints)"
         )
     raise ModelNotFoundError(
         f"directory {model!r} has neither config.json nor a .gguf file, so heron cannot "
