@@ -11,6 +11,7 @@ from heron.entrypoints.openai.errors import APIError
 from heron.entrypoints.openai.logprob_fields import (
     chat_logprobs,
     check_prompt_logprobs,
+    completion_token_label,
     prompt_logprobs_field,
 )
 from heron.loader.token_bytes import TokenBytes
@@ -79,3 +80,14 @@ def test_prompt_logprobs_are_refused_in_streams():
     with pytest.raises(APIError) as raised:
         check_prompt_logprobs(0, stream=True)
     assert raised.value.param == "prompt_logprobs"
+
+
+def test_completion_labels_name_a_partial_character_by_its_bytes(embedded_tokenizer):
+    # the completions API keys top_logprobs by token text: every byte piece of an emoji decoded to U+FFFD, so
+    # alternatives that were different pieces overwrote each other
+    ids = embedded_tokenizer.encode("I love \U0001f999 so much", add_special_tokens=False)
+    labels = [completion_token_label(embedded_tokenizer, token_id) for token_id in ids]
+    assert labels == ["I", " love", "bytes: \\xf0\\x9f", "bytes:\\xa6", "bytes:\\x99", " so", " much"]
+    partial = [token_id for token_id in range(300) if "\ufffd" in embedded_tokenizer.decode([token_id])]
+    assert len(partial) > 10
+    assert len({completion_token_label(embedded_tokenizer, token_id) for token_id in partial}) == len(partial)

@@ -53,6 +53,25 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: SampleLogprobs
     return {"content": content}
 
 
+def completion_token_label(tokenizer: Any, token_id: int, text: str | None = None) -> str:
+    """A token as the completions API's ``tokens`` and ``top_logprobs`` keys show it:
+    its text, or, for a token holding part of a character (its text alone is
+    U+FFFD), ``bytes:`` and its bytes, as OpenAI's completions write them (printable
+    ASCII as itself, the rest as ``\\xNN``). Without that, alternatives that are
+    different byte pieces all became "\ufffd" and overwrote each other in the
+    ``top_logprobs`` dict."""
+    if text is None:
+        text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text
+    raw = token_bytes(tokenizer).of(token_id)
+    try:
+        raw.decode("utf-8")
+        return text  # a real U+FFFD
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(chr(byte) if 0x20 <= byte < 0x7F else f"\\x{byte:02x}" for byte in raw)
+
+
 def _logprob_entry(lp: Logprob) -> dict[str, Any]:
     return {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
 

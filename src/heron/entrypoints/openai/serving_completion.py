@@ -12,7 +12,12 @@ from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import bad_request
-from heron.entrypoints.openai.logprob_fields import check_prompt_logprobs, prompt_logprobs_field
+from heron.entrypoints.openai.logprob_fields import (
+    MIN_LOGPROB,
+    check_prompt_logprobs,
+    completion_token_label,
+    prompt_logprobs_field,
+)
 from heron.entrypoints.openai.protocol import CompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
@@ -154,19 +159,20 @@ class _CompletionBuilder:
         offset = text_offset
         num_top = self.request.logprobs or 0
         for token_id, entry in pairs:
-            token = self.tokenizer.decode([token_id])
-            tokens.append(token)
+            text = self.tokenizer.decode([token_id])
+            tokens.append(completion_token_label(self.tokenizer, token_id, text))
             offsets.append(offset)
-            offset += len(token)
+            offset += len(text)
             if entry is None:
                 token_logprobs.append(None)
                 top.append(None)
                 continue
-            token_logprobs.append(entry[token_id].logprob)
+            token_logprobs.append(max(entry[token_id].logprob, MIN_LOGPROB))
             ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
-            top.append(
-                {lp.decoded_token or self.tokenizer.decode([tid]): lp.logprob for tid, lp in ranked[: max(num_top, 1)]}
-            )
+            top.append({
+                completion_token_label(self.tokenizer, tid, lp.decoded_token): max(lp.logprob, MIN_LOGPROB)
+                for tid, lp in ranked[: max(num_top, 1)]
+            })
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
