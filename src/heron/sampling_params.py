@@ -46,7 +46,11 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        # set, not truthy: an empty schema ({}: any JSON) is given, and is sent to the engine core as the
+        # text "{}", where truthiness differs; the two sides must count alike (a request the API server
+        # passed and the core refused stopped the core)
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise SamplingParamError(
                 "structured_outputs",

@@ -155,6 +155,12 @@ def test_streamed_json_object_and_completions_structured_outputs(client):
         ("completions", {"structured_outputs": {"regex": "(oops"}}, "structured_outputs", "regex"),
         ("completions", {"structured_outputs": {"json": "{bad"}}, "structured_outputs", "not valid JSON"),
         ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+        # an empty schema or pattern counts as given on both sides: the API server passed these (empty looked
+        # unset there) and the engine core, counting two, stopped for everyone
+        ("chat/completions", {"structured_outputs": {"json": {}, "choice": ["a", "b"]}}, "structured_outputs",
+         "got json, choice"),
+        ("completions", {"structured_outputs": {"regex": "", "json_object": True}}, "structured_outputs",
+         "got regex, json_object"),
         ("completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs", "colour"),
         ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "yaml"),
         ("chat/completions", {"response_format": {"schema": {}}}, "response_format", "type"),

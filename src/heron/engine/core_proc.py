@@ -140,14 +140,20 @@ class EngineCoreProc:
 
     def _handle(self, client: int, kind: MessageKind, payload: Any) -> None:
         if kind == MessageKind.ADD:
-            request = decode_request(payload)
+            try:
+                request = decode_request(payload)
+            except Exception as exc:  # noqa: BLE001 (a request the API side passed and this side cannot read
+                # fails alone: it stopped the engine for everyone)
+                logger.error("refused a request that could not be read: %s: %s", type(exc).__name__, exc)
+                if isinstance(payload, list) and payload and isinstance(payload[0], str):
+                    self._refuse(self.channels.tag(client, payload[0]))
+                return
             request.request_id = self.channels.tag(client, request.request_id)
             try:
                 self.engine.add_request(request)
             except ValueError as exc:  # an id still held here (a lease, a load): that request fails, not the engine
                 logger.warning("refused a request: %s", exc)
-                self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(request.request_id, [], finish_reason="abort")],
-                                             scheduler_stats=self.engine.scheduler.make_stats()))
+                self._refuse(request.request_id)
         elif kind == MessageKind.ABORT:
             outputs = self.engine.abort_requests([self.channels.tag(client, rid) for rid in payload])
             if outputs:
@@ -163,6 +169,11 @@ class EngineCoreProc:
             self.engine.finish_profile()
             self.engine.shutdown()
             self._running = False
+
+    def _refuse(self, request_id: str) -> None:
+        """Ends a request the engine did not take (its caller sees it aborted)."""
+        self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, [], finish_reason="abort")],
+                                     scheduler_stats=self.engine.scheduler.make_stats()))
 
     def _utility(self, method: str, args: list[Any]) -> Any:
         if method == "reset_prefix_cache":
