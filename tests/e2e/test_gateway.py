@@ -4,6 +4,7 @@ limits, request-size limits, timeouts, admission bounds, a dead engine, TLS."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -127,6 +128,17 @@ def test_request_timeout_aborts_and_reports(guarded):
                       headers=headers, timeout=30) as stream:
         chunks = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert '"request_timeout"' in chunks[-2] and chunks[-1] == "data: [DONE]"
+    # a Responses stream ends with its own event, response.failed, and no [DONE] (it sent the chat
+    # error line and [DONE], which the official client turns into an exception with no failed response)
+    time.sleep(1.0)
+    body = {"model": MODEL, "input": "Go on and on.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{guarded.base_url}/v1/responses", json=body, headers=headers, timeout=30) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert "did not finish within 1.5 s" in failed["response"]["error"]["message"]
+    assert all(item["status"] != "in_progress" for item in failed["response"]["output"])
 
 
 @pytest.fixture(scope="module")

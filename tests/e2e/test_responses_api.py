@@ -107,10 +107,22 @@ def test_the_sdk_stream_helper_builds_the_final_response(default_client):
     jsonschema.validate(json.loads(call.arguments), WEATHER)
 
 
-def test_a_cut_answer_is_incomplete(default_client):
+def test_a_cut_answer_is_incomplete(default_client, default_server):
     answer = default_client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3)
     assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
     assert answer.usage.output_tokens == 3
+    # the item the limit cut is incomplete too (it said completed), in the body, the stream and the store
+    assert answer.output[-1].status == "incomplete"
+    assert default_client.responses.retrieve(answer.id).output[-1].status == "incomplete"
+    body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{default_server.base_url}/v1/responses", json=body, timeout=60) as stream:
+        lines = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert "[DONE]" not in lines  # the Responses API ends at its last event: a JSON reader of every line choked
+    events = [json.loads(line) for line in lines]
+    [done] = [event for event in events if event["type"] == "response.output_item.done"]
+    assert done["item"]["status"] == "incomplete" and events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["output"][-1]["status"] == "incomplete"
+    assert all(event["logprobs"] == [] for event in events if event["type"].startswith("response.output_text."))
 
 
 @pytest.mark.parametrize("body, param", [
@@ -122,6 +134,8 @@ def test_a_cut_answer_is_incomplete(default_client):
     ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": "hi", "metadata": {f"key{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's bounds: kept whole
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
 ])
 def test_bad_requests_are_400s_naming_the_field(default_server, body, param):
     response = httpx.post(f"{default_server.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)

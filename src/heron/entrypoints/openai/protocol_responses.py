@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from heron.entrypoints.openai.limits import MAX_TOOLS
 from heron.entrypoints.openai.protocol import FunctionName, MaxTokens, OpenAIModel
@@ -89,5 +89,9 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    # OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512 (a stored response keeps them)
+    metadata: Annotated[
+        dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+        Field(max_length=16),
+    ] | None = None
+    user: Annotated[str, StringConstraints(max_length=512)] | None = None

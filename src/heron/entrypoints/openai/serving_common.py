@@ -419,10 +419,13 @@ def streaming_response(
 
 
 async def sse_stream(
-    ctx: ServingContext, chunks: AsyncGenerator[str, None], closing: Callable[[], str | None]
+    ctx: ServingContext, chunks: AsyncGenerator[str, None], closing: Callable[[], str | None],
+    failure: Callable[[APIError], str] | None = None, done: str = SSE_DONE,
 ) -> AsyncGenerator[str, None]:
     """Wrap a response's SSE chunks: the request timeout, errors as a final error
-    event, ``closing()`` (e.g. the usage chunk) after a clean end, then [DONE].
+    event (``failure(error)``, by default the error object as a data line),
+    ``closing()`` (e.g. the usage chunk) after a clean end, then ``done`` ([DONE]
+    unless the API has none: the Responses API ends at its last event).
 
     Invariants: the request timeout bounds the waits for the next chunk (the
     engine's share), never a ``yield``, so it never cancels the consumer in the
@@ -442,15 +445,19 @@ async def sse_stream(
                     yield chunk_or_end
         except TimeoutError:
             ctx.count_abort("request_timeout")
-            yield sse(timed_out(timeout or 0).body()) + SSE_DONE
+            yield (failure or _error_line)(timed_out(timeout or 0)) + done
             return
         except (RuntimeError, ValueError) as exc:
             error = engine_error(exc)
             if error is None:
                 raise
-            yield sse(error.body()) + SSE_DONE
+            yield (failure or _error_line)(error) + done
             return
-        yield (closing() or "") + SSE_DONE
+        yield (closing() or "") + done
+
+
+def _error_line(error: APIError) -> str:
+    return sse(error.body())
 
 
 async def _next_chunk(chunks: AsyncIterator[str], deadline: float) -> str | None:

@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError
-from heron.entrypoints.openai.errors import bad_request
+from heron.entrypoints.openai.errors import APIError, bad_request
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.protocol_responses import FunctionCallItem, MessageItem, ResponsesRequest
 from heron.entrypoints.openai.responses_store import StoredResponse
@@ -125,13 +125,17 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
         raise invalid_input(exc) from exc
     builder = ResponseBuilder(ctx, request, response_id, tools, conversation)
     if request.stream:
-        return streaming_response(ctx, sse_stream(ctx, builder.events(streams), lambda: None), response_id, 1)
+        # a failure mid-stream ends it with response.failed; the Responses API has no [DONE]
+        events = sse_stream(ctx, builder.events(streams), lambda: None, failure=builder.failed_event, done="")
+        return streaming_response(ctx, events, response_id, 1)
     [final] = await final_outputs(ctx, raw_request, streams)
     completion = final.outputs[0]
     content, calls = tools.calls(completion.text) if tools else (completion.text, [])
     # a message item where there is text (with tools, only then: as the stream of the same output has it)
     output = [*([message_item(item_id("msg"), content)] if content is not None and (content or tools is None) else []),
               *(call_item(item_id("fc"), call) for call in calls)]
+    if completion.finish_reason == "length" and output:
+        output[-1]["status"] = "incomplete"  # the item max_output_tokens cut, as OpenAI marks it
     return JSONResponse(builder.finish(output, final, completion.finish_reason, len(completion.token_ids)))
 
 
@@ -163,6 +167,24 @@ class ResponseBuilder:
         self.tools = tools
         self.conversation = conversation
         self.created = int(time.time())
+        self._sequence = itertools.count()
+        self._items: StreamedItems | None = None
+
+    def event(self, kind: str, **fields: Any) -> str:
+        """One streamed event, numbered in order."""
+        payload = {"type": kind, "sequence_number": next(self._sequence), **fields}
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def failed_event(self, error: APIError) -> str:
+        """The event that ends a stream the server could not finish (a timeout, the
+        engine gone): the response as far as it got, ``failed``, with the error."""
+        output = self._items.output if self._items is not None else []
+        for item in output:
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+        response = self.response("failed", output, None)
+        response["error"] = {"code": "server_error", "message": error.message}
+        return self.event("response.failed", response=response)
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
                  incomplete: str | None = None) -> dict[str, Any]:
@@ -213,16 +235,11 @@ class ResponseBuilder:
         return response
 
     async def events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[str, None]:
-        sequence = itertools.count()
-
-        def event(kind: str, **fields: Any) -> str:
-            payload = {"type": kind, "sequence_number": next(sequence), **fields}
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
+        event = self.event
         yield event("response.created", response=self.response("in_progress", [], None))
         yield event("response.in_progress", response=self.response("in_progress", [], None))
         tool_stream = self.tools.stream() if self.tools else None
-        items = StreamedItems(event)
+        items = self._items = StreamedItems(event)
         final: RequestOutput | None = None
         output_tokens = 0
         async with aclosing(merge_streams(streams)) as merged:
@@ -240,7 +257,7 @@ class ResponseBuilder:
                 for chunk in items.add(deltas):
                     yield chunk
         assert final is not None
-        for chunk in items.close():
+        for chunk in items.close(cut=final.outputs[0].finish_reason == "length"):
             yield chunk
         response = self.finish(items.output, final, final.outputs[0].finish_reason, output_tokens)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
@@ -269,7 +286,8 @@ class StreamedItems:
                 self.message["content"] = [{"type": "output_text", "text": "", "annotations": []}]
             self.message["content"][0]["text"] += deltas.content
             events.append(self.event("response.output_text.delta", item_id=self.message["id"],
-                                     output_index=self._index(self.message), content_index=0, delta=deltas.content))
+                                     output_index=self._index(self.message), content_index=0, delta=deltas.content,
+                                     logprobs=[]))
         for call in deltas.calls:
             function = call.get("function", {})
             if "id" in call:
@@ -283,15 +301,17 @@ class StreamedItems:
                                          output_index=self._index(item), delta=function["arguments"]))
         return events
 
-    def close(self) -> list[str]:
+    def close(self, cut: bool = False) -> list[str]:
+        """The events that end every item; ``cut``: max_output_tokens ended the
+        last one (``incomplete``, as OpenAI marks it)."""
         events = []
         for item in self.output:
             index = self._index(item)
-            item["status"] = "completed"
+            item["status"] = "incomplete" if cut and item is self.output[-1] else "completed"
             if item["type"] == "message":
                 part = item["content"][0]
                 events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                         content_index=0, text=part["text"]))
+                                         content_index=0, text=part["text"], logprobs=[]))
                 events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                          content_index=0, part=part))
             else:
