@@ -5,10 +5,12 @@ calls as the whole text, however the text is cut into tokens."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from heron.entrypoints.openai.tools.chat import ChatTools
+from heron.engine.input_processor import InvalidRequestError
+from heron.entrypoints.openai.tools.chat import ChatTools, template_messages
 from heron.entrypoints.openai.tools.choice import ToolChoice
 from heron.entrypoints.openai.tools.parsers import PARSERS, parser_for_template
 from heron.entrypoints.openai.tools.prompting import write_tools_in
@@ -176,3 +178,80 @@ def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
     assert read_chat_template(None) is None
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+# calls that closed, then text that is not one: a call cut by max_tokens, one that does not parse, words after
+MIXED = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{oops}\n</tool_call>',
+     'Sure.\n\n<tool_call>\n{oops}\n</tool_call>', [("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "argu',
+     '\n<tool_call>\n{"name": "get_time", "argu', [("get_weather", {"city": "Paris"})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Lima"}} I hope this helps',
+     " I hope this helps", [("get_weather", {"city": "Lima"})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Bern"}[TOOL_CALLS]get_time[ARGS]{"broken',
+     '[TOOL_CALLS]get_time[ARGS]{"broken', [("get_weather", {"city": "Bern"})]),
+]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize("name, text, content, calls", MIXED)
+def test_closed_calls_count_and_the_rest_is_content_streamed_or_not(name, text, content, calls, step):
+    # the stream sent the first call as it closed, then at the end the whole text as content, markup of the
+    # call already sent included; the whole text gave no call at all
+    tools = ChatTools(ToolChoice("auto", FUNCTIONS), PARSERS[name]())
+    whole_content, whole_calls = tools.calls(text)
+    assert (whole_content, calls_of(whole_calls)) == (content, calls)
+    assert stream_all(ToolChoice("auto", FUNCTIONS), name, text, step) == (content, calls, True)
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+@pytest.mark.parametrize("prefix, content", [("Sure.\n", "Sure.\n"), ("  \n", None)])
+def test_text_before_a_call_is_the_same_streamed_or_not(prefix, content, step):
+    text = prefix + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    tools = ChatTools(ToolChoice("auto", FUNCTIONS), PARSERS["hermes"]())
+    assert tools.calls(text)[0] == content  # it was stripped ("Sure."), where the stream sent "Sure.\n"
+    assert stream_all(ToolChoice("auto", FUNCTIONS), "hermes", text, step)[0] == (content or "")
+
+
+def test_nan_arguments_are_not_a_call():
+    # Python's json reads NaN; the arguments would not parse in a client's JSON.parse
+    text = '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>'
+    assert PARSERS["hermes"]().parse(text).calls == []
+
+
+def test_required_hoists_each_functions_definitions_to_the_root():
+    # pydantic writes nested models as "$defs" + "#/$defs/..." references: nested under the "required" list's
+    # items they did not resolve, and every such request got a 400 (a named choice, at the root, worked)
+    from heron.entrypoints.openai.tools.choice import tool_choice_of
+    from heron.structured_output.xgrammar_backend import validate_constraint
+
+    unit = {"$defs": {"Unit": {"enum": ["C", "F"]}}, "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}}}
+
+    def tool(name: str, parameters: dict):
+        return SimpleNamespace(function=SimpleNamespace(name=name, parameters=parameters))
+
+    constraint = tool_choice_of([tool("get_weather", unit), tool("get_time", {})], "required", None).constraint()
+    validate_constraint(*constraint.key())
+    assert constraint.json["$defs"] == {"Unit": {"enum": ["C", "F"]}}
+    clash = {**unit, "$defs": {"Unit": {"enum": ["K"]}}}
+    with pytest.raises(InvalidRequestError, match="Unit differently"):
+        tool_choice_of([tool("a", unit), tool("b", clash)], "required", None).constraint()
+    # parameters must describe an object (OpenAI's rule): "required" gave no call at all for a string schema
+    with pytest.raises(InvalidRequestError) as info:
+        tool_choice_of([tool("get_weather", unit), tool("f", {"type": "string"})], "auto", None)
+    assert info.value.param == "tools[1].function.parameters"
+
+
+def test_a_template_that_takes_tools_gets_past_arguments_as_objects():
+    # templates write them with `| tojson`: the JSON text came out as a quoted string
+    template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}" \
+               "{% endfor %}{% endfor %}{{ tools }}"
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+        {"id": "2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]}
+    messages, _ = template_messages([turn], [{"type": "function"}], template)
+    assert [call["function"]["arguments"] for call in messages[0]["tool_calls"]] == [{"city": "Paris"}, "not json"]
+    assert turn["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the request is not changed

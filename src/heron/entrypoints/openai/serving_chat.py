@@ -138,7 +138,8 @@ class _ChatBuilder:
         if self.tools is not None:
             content, calls = self.tools.calls(completion.text)
             if calls:
-                message = {"role": "assistant", "content": content or None,
+                # the echoed text too, as the stream of the same answer sends it
+                message = {"role": "assistant", "content": self.echo_text + (content or "") or None,
                            "tool_calls": [call.to_openai() for call in calls]}
             else:
                 message["content"] = self.echo_text + content if content is not None else self.echo_text or None

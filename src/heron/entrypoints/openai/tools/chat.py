@@ -4,6 +4,7 @@ constrained to, and the calls read back from the output."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,29 @@ def template_messages(
     """The messages and template arguments for ``template``: the tools as its
     ``tools`` variable if it takes them, else written into the messages."""
     if template_takes_tools(template):
-        return messages, ({"tools": tools} if tools else {})
+        return [_arguments_as_objects(message) for message in messages], ({"tools": tools} if tools else {})
     return write_tools_in(messages, tools), {}
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's call arguments as objects, not JSON text: templates
+    that take tools write them with ``| tojson`` (Llama 3.1, Qwen2.5), which
+    turned the text into a quoted string (as vLLM does; text that is not JSON
+    stays text)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(function, dict) and isinstance(arguments, str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
+            except ValueError:
+                pass
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
 
 
 @dataclass
@@ -64,7 +86,9 @@ class ChatTools:
             return None, self.choice.calls_from_constrained(text) or []
         parsed = self.parser.parse(text, final=True)
         calls = parsed.calls if self.choice.parallel else parsed.calls[:1]
-        return (parsed.content.strip(), calls) if calls else (text, [])
+        if not calls:
+            return text, []
+        return (parsed.content if parsed.content.strip() else None), calls
 
     def stream(self) -> ToolCallStream | None:
         return None if self.choice.mode == "none" else ToolCallStream(self.choice, self.parser)

@@ -38,10 +38,11 @@ class ToolChoice:
             assert self.named is not None
             return StructuredOutputsParams(json=self.functions[self.named])
         if self.mode == "required":
+            definitions: dict[str, Any] = {}
             calls = [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": name}, "parameters": schema},
+                    "properties": {"name": {"const": name}, "parameters": _without_definitions(schema, definitions)},
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
@@ -50,6 +51,8 @@ class ToolChoice:
             array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
             if not self.parallel:
                 array["maxItems"] = 1
+            if definitions:  # "#/$defs/..." references, made for each schema's root, resolve at the new root
+                array["$defs"] = definitions
             return StructuredOutputsParams(json=array)
         return None
 
@@ -58,9 +61,36 @@ class ToolChoice:
         short (by ``max_tokens`` or a stop string) keeps the calls it closed
         (None if it closed none)."""
         start = text.find("[")
-        found = json_values(text[start + 1:], ",") if start >= 0 else None
-        calls = [call_from_json(item) for item in found[0]] if found else []
+        found = json_values(text[start + 1:], ",") if start >= 0 else []
+        calls = [call_from_json(item) for item, _ in found]
         return [call for call in calls if call is not None] or None
+
+
+def _without_definitions(schema: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` without its ``$defs``, which join ``definitions`` (a function's
+    parameters nest inside the "required" schema, where its references to
+    ``#/$defs/...``, pydantic's way, would not resolve); the same name defined
+    two ways is an error the client can fix."""
+    own = schema.get("$defs")
+    if not isinstance(own, dict):
+        return schema
+    for name, definition in own.items():
+        if definitions.setdefault(name, definition) != definition:
+            raise InvalidRequestError(f"tools: two functions' parameters define $defs/{name} differently; "
+                                      "tool_choice 'required' needs them to agree", "tools")
+    return {key: value for key, value in schema.items() if key != "$defs"}
+
+
+def _parameters(tool: Any, index: int) -> dict[str, Any]:
+    """A function's parameters schema, which must describe an object (as OpenAI
+    requires): arguments are a JSON object."""
+    parameters = tool.function.parameters
+    if not parameters:  # none, or {}
+        return ANY_OBJECT
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise InvalidRequestError(f"tools[{index}].function.parameters must be the JSON schema of an object "
+                                  '({"type": "object", ...})', f"tools[{index}].function.parameters")
+    return parameters
 
 
 def tool_choice_of(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolChoice | None:
@@ -70,7 +100,7 @@ def tool_choice_of(tools: list[Any] | None, choice: Any, parallel: bool | None) 
         if choice not in (None, "none"):
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
         return None
-    functions = {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in tools}
+    functions = {tool.function.name: _parameters(tool, index) for index, tool in enumerate(tools)}
     if len(functions) != len(tools):
         raise InvalidRequestError("tools: function names must be unique", "tools")
     if choice is None or isinstance(choice, str):

@@ -6,9 +6,12 @@ Qwen2.5/Qwen3, Hermes, and heron's own prompt for templates without tools),
 then a JSON list, or ``name[ARGS]{...}`` per call).
 
 A parser reads the whole text, or the text so far while streaming
-(``final=False``: only calls already closed count). Text that is not a call
-stays content; a call whose JSON does not parse makes the whole text content
-(the model wrote something else), never an error."""
+(``final=False``: only calls already closed count). The calls are the ones that
+closed and parse, in order, up to the first that does not; the text before them
+and the text after them (a call cut by ``max_tokens``, one whose JSON does not
+parse, words after the calls) is content. With no call at all the whole text is
+content (the model wrote something else), never an error. So a stream, which
+sends each call as it closes, and the whole text agree."""
 
 from __future__ import annotations
 
@@ -40,6 +43,12 @@ class Parsed:
     started: bool  # a call's marker has been seen (while streaming: hold the text back)
 
 
+@dataclass
+class FoundCalls:
+    calls: list[ToolCall]  # the calls that closed and parse, in order
+    end: int  # where the text after them starts (in the text from the first marker)
+
+
 def call_from_json(value: Any) -> ToolCall | None:
     """``{"name": str, "arguments"|"parameters": object or JSON text}`` -> a call."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
@@ -55,21 +64,27 @@ def call_from_json(value: Any) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def json_values(text: str, separators: str) -> tuple[list[Any], str] | None:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity, which JSON.parse refuses
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def json_values(text: str, separators: str) -> list[tuple[Any, int]]:
     """The JSON values at the start of ``text``, joined by any of ``separators``
-    and whitespace, and the text after the last whole one; None if the text does
-    not start with one."""
-    decoder = json.JSONDecoder()
-    values: list[Any] = []
+    and whitespace, each with the position just after it (empty if the text does
+    not start with one)."""
+    values: list[tuple[Any, int]] = []
     position = 0
     while True:
         while position < len(text) and (text[position].isspace() or (values and text[position] in separators)):
             position += 1
         try:
-            value, position = decoder.raw_decode(text, position)
+            value, position = _DECODER.raw_decode(text, position)
         except ValueError:
-            return (values, text[position:]) if values else None
-        values.append(value)
+            return values
+        values.append((value, position))
 
 
 class ToolParser:
@@ -85,16 +100,20 @@ class ToolParser:
         start = self._first_marker(text)
         if start is None:
             return Parsed(text, [], False)
-        calls = self._calls(text[start:], final)
-        if calls is None:  # not calls after all
-            return Parsed(text if final else text[:start], [], not final)
-        return Parsed(text[:start], calls, True)
+        found = self._calls(text[start:], final)
+        if not final:
+            return Parsed(text[:start], found.calls, True)
+        if not found.calls:  # not calls after all
+            return Parsed(text, [], False)
+        rest = text[start + found.end:]
+        return Parsed(text[:start] + (rest if rest.strip() else ""), found.calls, True)
 
     def _first_marker(self, text: str) -> int | None:
         found = [text.find(marker) for marker in self.markers if marker in text]
         return min(found) if found else None
 
-    def _calls(self, text: str, final: bool) -> list[ToolCall] | None:
+    def _calls(self, text: str, final: bool) -> FoundCalls:
+        """The calls at the start of ``text`` (which starts with a marker)."""
         raise NotImplementedError
 
 
@@ -103,20 +122,20 @@ class HermesParser(ToolParser):
     markers = ("<tool_call>",)
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
-    def _calls(self, text: str, final: bool) -> list[ToolCall] | None:
-        calls: list[ToolCall] = []
+    def _calls(self, text: str, final: bool) -> FoundCalls:
+        found = FoundCalls([], 0)
         for match in self._BLOCK.finditer(text):
-            closed = match.group(0).endswith("</tool_call>")
-            if not closed and not final:
-                break  # still being written
+            if not match.group(0).endswith("</tool_call>") and not final:
+                break  # still being written (at the end, a whole call the model did not close counts)
             try:
-                call = call_from_json(json.loads(match.group(1)))
+                call = call_from_json(_DECODER.decode(match.group(1).strip()))
             except ValueError:
                 call = None
             if call is None:
-                return None if final else calls
-            calls.append(call)
-        return calls
+                break
+            found.calls.append(call)
+            found.end = match.end()
+        return found
 
 
 class Llama3JsonParser(ToolParser):
@@ -130,15 +149,16 @@ class Llama3JsonParser(ToolParser):
             return Parsed(text, [], False)
         return super().parse(stripped, final)
 
-    def _calls(self, text: str, final: bool) -> list[ToolCall] | None:
-        found = json_values(text.removeprefix("<|python_tag|>"), ";")
-        if found is None:
-            return None if final else []
-        values, rest = found
-        calls = [call_from_json(value) for value in values]
-        if any(call is None for call in calls) or (final and rest.strip()):
-            return None if final else []
-        return [call for call in calls if call is not None]
+    def _calls(self, text: str, final: bool) -> FoundCalls:
+        body = text.removeprefix("<|python_tag|>")
+        found = FoundCalls([], 0)
+        for value, end in json_values(body, ";"):
+            call = call_from_json(value)
+            if call is None:
+                break
+            found.calls.append(call)
+            found.end = len(text) - len(body) + end
+        return found
 
 
 class MistralParser(ToolParser):
@@ -147,22 +167,32 @@ class MistralParser(ToolParser):
     skip_special_tokens = False
     _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)\[ARGS\]")
 
-    def _calls(self, text: str, final: bool) -> list[ToolCall] | None:
-        body = text.removeprefix("[TOOL_CALLS]").strip()
-        if body.startswith("["):  # [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]
-            found = json_values(body, "")
-            if found is None or not isinstance(found[0][0], list):
-                return None if final else []
-            listed = [call_from_json(value) for value in found[0][0]]
-            return None if any(c is None for c in listed) else [c for c in listed if c is not None]
-        calls: list[ToolCall] = []  # [TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
-        for piece in body.split("[TOOL_CALLS]"):
-            match = self._NAMED.match(piece)
-            found = json_values(piece[match.end():], "") if match else None
-            if match is None or found is None or not isinstance(found[0][0], dict):
-                return None if final else calls
-            calls.append(ToolCall(match.group(1), json.dumps(found[0][0], ensure_ascii=False)))
-        return calls
+    def _calls(self, text: str, final: bool) -> FoundCalls:
+        body = text.removeprefix("[TOOL_CALLS]").lstrip()
+        offset = len(text) - len(body)
+        found = FoundCalls([], 0)
+        if body.startswith("["):  # [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]: all of the list or none
+            values = json_values(body, "")
+            listed = [call_from_json(value) for value in values[0][0]] if values and isinstance(
+                values[0][0], list) else []
+            if listed and all(call is not None for call in listed):
+                found.calls = [call for call in listed if call is not None]
+                found.end = offset + values[0][1]
+            return found
+        position = 0  # [TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+        while True:
+            if found.calls:
+                after = body[position:].lstrip()
+                if not after.startswith("[TOOL_CALLS]"):
+                    return found
+                position = len(body) - len(after) + len("[TOOL_CALLS]")
+            match = self._NAMED.match(body, position)
+            values = json_values(body[match.end():], "") if match else []
+            if match is None or not values or not isinstance(values[0][0], dict):
+                return found
+            found.calls.append(ToolCall(match.group(1), json.dumps(values[0][0], ensure_ascii=False)))
+            position = match.end() + values[0][1]
+            found.end = offset + position
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}

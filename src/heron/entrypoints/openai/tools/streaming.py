@@ -2,8 +2,11 @@
 as it comes until a call may be starting (a marker, or the start of one, at
 the end of the text so far); from there the text is held, and each call is
 sent whole (name and arguments in one delta) once its closing is generated.
-A named function's arguments stream token by token, as OpenAI's do. What
-turns out not to be a call is sent as content when the choice ends."""
+Content that is only whitespace so far is held too (before a call it is no
+content at all). A named function's arguments stream token by token, as
+OpenAI's do. What turns out not to be a call (a cut or broken one, words after
+the calls) is sent as content when the choice ends: the same content and calls
+as the parse of the whole text (``ChatTools.calls``)."""
 
 from __future__ import annotations
 
@@ -74,7 +77,9 @@ class ToolCallStream:
             return ToolDeltas()
         parsed = self.parser.parse(self.text, final=True)
         calls = self._limit(parsed.calls)
-        return self._content_to(parsed.content if calls or self.called else self.text, calls)
+        if calls and not parsed.content.strip():
+            return self._calls_out(calls)
+        return self._content_to(parsed.content, calls, final=True)
 
     def _limit(self, calls: list[ToolCall]) -> list[ToolCall]:
         return calls if self.choice.parallel else calls[:1]
@@ -87,9 +92,9 @@ class ToolCallStream:
                                       "function": {"name": name, "arguments": delta}}])
         return ToolDeltas(calls=[{"index": 0, "function": {"arguments": delta}}] if delta else [])
 
-    def _content_to(self, content: str, calls: list[ToolCall]) -> ToolDeltas:
+    def _content_to(self, content: str, calls: list[ToolCall], final: bool = False) -> ToolDeltas:
         out = ToolDeltas()
-        if len(content) > self.content_sent:
+        if len(content) > self.content_sent and (final or content.strip()):
             out.content = content[self.content_sent:]
             self.content_sent = len(content)
         return self._calls_out(calls, out)
