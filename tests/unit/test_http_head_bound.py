@@ -54,6 +54,22 @@ class Transport(asyncio.Transport):
         return 0
 
 
+async def settled(transport: Transport, quiet_s: float = 0.1, limit_s: float = 10.0) -> None:
+    """Until the connection has written nothing new for ``quiet_s`` (a fixed 0.05 s
+    wait, on a loaded machine, cut 300 pipelined answers off at 256)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    seen: tuple[int, bool] | None = None
+    quiet_since = loop.time()
+    while loop.time() < deadline:
+        state = (len(transport.written), transport.closing)
+        if state != seen:
+            seen, quiet_since = state, loop.time()
+        elif loop.time() - quiet_since >= quiet_s:
+            return
+        await asyncio.sleep(0.01)
+
+
 def feed(*reads: bytes) -> Transport:
     """The connection's answers to ``reads``, each one ``data_received`` call."""
 
@@ -67,7 +83,7 @@ def feed(*reads: bytes) -> Transport:
         protocol.connection_made(transport)
         for data in reads:
             protocol.data_received(data)
-            await asyncio.sleep(0.05)
+            await settled(transport)
         return transport
 
     return asyncio.run(run())
