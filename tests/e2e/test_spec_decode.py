@@ -69,6 +69,20 @@ def test_structured_output_with_drafts(engines):
     assert not spec.engine.engine_core.structured_output.matchers
 
 
+def test_a_draft_that_ends_the_grammar(engines):
+    # n-gram drafts copy the prompt's end-of-turn token after the JSON the prompt shows: the mask walk took
+    # the draft that completes the grammar, then asked the finished matcher for the next mask, which raised
+    # and stopped the engine core
+    plain, spec = engines
+    messages = [{"role": "user", "content": 'Reply with exactly this JSON and nothing else: {"answer": "yes"}'}]
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": schema})
+    expected = plain.chat([messages], params, use_tqdm=False)[0].outputs[0]
+    got = spec.chat([messages], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids and got.finish_reason == "stop"
+    assert json.loads(got.text) == {"answer": "yes"}
+
+
 def test_server_with_speculative_config_reports_metrics():
     server = ServerProcess("--max-model-len", "512", "--speculative-config", json.dumps(NGRAM))
     try:

@@ -147,6 +147,12 @@ def test_streamed_json_object_and_completions_structured_outputs(client):
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )
     assert completion.choices[0].text in {"yes", "no"}
+    # a plain-text response_format (some clients always send one) goes with structured_outputs: it was a 400
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=8,
+        response_format={"type": "text"}, extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert chat.choices[0].message.content in {"yes", "no"}
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ waiting state while the others run."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from heron.request import RequestStatus
@@ -119,3 +121,48 @@ def test_a_grammar_no_output_satisfies_fails_its_compile(embedded_tokenizer):
     with pytest.raises(ValueError, match="allows no output"):
         backend.compile("grammar", "root ::= root")
     assert backend.compile("grammar", 'root ::= "yes" | "no"') is not None
+
+
+def test_xgrammar_keeps_no_cache_of_its_own(embedded_tokenizer):
+    # its default cache has no bound: 1.8 MB a distinct schema here, for ever (the manager's LRU is bounded)
+    from heron.structured_output.xgrammar_backend import XGrammarBackend
+
+    backend = XGrammarBackend(embedded_tokenizer, len(embedded_tokenizer), [embedded_tokenizer.eos_token_id])
+    for bound in range(3):
+        backend.compile("json", json.dumps({"type": "string", "maxLength": bound + 1}))
+    assert backend._compiler.get_cache_size_bytes() == 0
+
+
+def test_a_slow_compile_does_not_hold_up_the_next_grammar():
+    """Two compile workers: a grammar that takes long to compile (seconds, for a
+    schema of large string bounds) kept every structured request queued behind it."""
+    import threading
+    import time
+
+    from heron.structured_output.manager import StructuredOutputManager
+
+    release = threading.Event()
+
+    class Backend:
+        def compile(self, kind: str, spec: str) -> str:
+            if spec == "slow":
+                release.wait(30)
+            return spec
+
+        def matcher(self, compiled: str) -> object:
+            return object()
+
+    manager = StructuredOutputManager(model_config=None)  # type: ignore[arg-type]
+    manager._backend = Backend()  # type: ignore[assignment]
+    slow = make_request(2, request_id="slow", structured_outputs={"regex": "slow"})
+    fast = make_request(2, request_id="fast", structured_outputs={"regex": "fast"})
+    try:
+        manager.add_request(slow)
+        manager.add_request(fast)
+        deadline = time.monotonic() + 10
+        while not manager.is_ready(fast) and time.monotonic() < deadline:
+            manager.wait_for_compile(0.05)
+        assert manager.is_ready(fast) and not manager.is_ready(slow)
+    finally:
+        release.set()
+        manager.shutdown()

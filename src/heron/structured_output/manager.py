@@ -10,6 +10,7 @@ time a structured request arrives, so unconstrained serving never pays for it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -23,18 +24,26 @@ from heron.structured_output.backend import GrammarMatcher, StructuredOutputBack
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256
+_COMPILE_WORKERS = 2
 
 
 class StructuredOutputManager:
     def __init__(self, model_config: ModelConfig) -> None:
         self.model_config = model_config
         self._backend: StructuredOutputBackend | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-grammar")
+        self._backend_lock = threading.Lock()
+        # two at once: a grammar that takes long to compile (a schema of large string bounds: seconds) does not
+        # hold up every other structured request behind it
+        self._executor = ThreadPoolExecutor(max_workers=_COMPILE_WORKERS, thread_name_prefix="heron-grammar")
         self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._pending: dict[str, Future[Any]] = {}
         self.matchers: dict[str, GrammarMatcher] = {}
 
     def _get_backend(self) -> StructuredOutputBackend:
+        with self._backend_lock:  # the compile workers may ask for it together
+            return self._backend_or_new()
+
+    def _backend_or_new(self) -> StructuredOutputBackend:
         if self._backend is None:
             from heron.loader.model_config import model_eos_token_ids
             from heron.loader.tokenizer import load_tokenizer
@@ -102,7 +111,7 @@ class StructuredOutputManager:
         after its first ``j`` drafts). The matcher walks the drafts to fill the
         rows and is rolled back, so it only ever advances on accepted tokens; a
         draft the grammar forbids leaves the rows after it unmasked (its own
-        row's mask already rejects it)."""
+        row's mask already rejects it), and so does a draft that ends the grammar."""
         if not request_ids:
             return None
         drafts = drafts or {}
@@ -111,17 +120,20 @@ class StructuredOutputManager:
         row = 0
         for request_id in request_ids:
             matcher = self.matchers[request_id]
+            request_drafts = drafts.get(request_id, ())
             matcher.fill_bitmask(bitmask, row)
-            row += 1
             walked = 0
-            for token_id in drafts.get(request_id, ()):
-                if matcher.is_terminated() or not matcher.accept_token(token_id):
+            for token_id in request_drafts:
+                if not matcher.accept_token(token_id):
                     break
                 walked += 1
-                matcher.fill_bitmask(bitmask, row)
-                row += 1
+                if matcher.is_terminated():
+                    # the draft ended the grammar (a stop token): nothing after it is sampled, and a finished
+                    # matcher has no next mask (asking for one raised, and stopped the engine core)
+                    break
+                matcher.fill_bitmask(bitmask, row + walked)
             matcher.rollback(walked)
-            row += len(drafts.get(request_id, ())) - walked  # rows left all-allowed
+            row += 1 + len(request_drafts)  # rows after the walk stay all-allowed
         return bitmask
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int]) -> None:

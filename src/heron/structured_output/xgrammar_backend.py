@@ -79,7 +79,9 @@ class XGrammarBackend(StructuredOutputBackend):
         xgr = _xgrammar()
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # no cache of xgrammar's own: its default has no bound (1.8 MB a schema on a 49k vocabulary, without
+        # end), and the manager keeps the compiled grammars it reuses in a bounded LRU
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
 
     def compile(self, kind: str, spec: str) -> Any:

@@ -186,7 +186,8 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
     """OpenAI's ``response_format`` (json_object, json_schema) or vLLM's
     ``structured_outputs`` (json, regex, choice, grammar) -> the engine's params."""
     fmt = request.response_format
-    if fmt is not None and request.structured_outputs is not None:
+    # a plain-text format says nothing to combine with (some clients always send it)
+    if fmt is not None and fmt.type != "text" and request.structured_outputs is not None:
         raise bad_request("give either response_format or structured_outputs, not both", "response_format")
     try:
         if request.structured_outputs is not None:
