@@ -28,6 +28,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id
+    error: str | None = None  # why the engine aborted it, where the client can act on it
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -82,6 +82,8 @@ class EngineCoreOutput:
     events: list[tuple[int, float]] | None = None
     # a finished prefill's blocks, leased to a decode engine (core/scheduler_kv.py)
     kv_transfer_params: dict[str, Any] | None = None
+    # why the engine ended the request, where the client can act on it (a constraint that did not compile)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -155,6 +155,14 @@ def test_streamed_json_object_and_completions_structured_outputs(client):
     assert chat.choices[0].message.content in {"yes", "no"}
 
 
+def test_a_constraint_that_fails_to_compile_ends_its_stream_with_the_reason(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True,
+            "structured_outputs": {"grammar": "root ::= root"}}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and "could not be compiled" in json.loads(lines[-2])["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "endpoint, body, param, fragment",
     [
@@ -167,6 +175,10 @@ def test_streamed_json_object_and_completions_structured_outputs(client):
          "got json, choice"),
         ("completions", {"structured_outputs": {"regex": "", "json_object": True}}, "structured_outputs",
          "got regex, json_object"),
+        # well-formed, but no output satisfies it: the compile against the vocabulary fails after admission,
+        # which answered 200 with empty text and finish_reason "abort", the reason only in the server's log
+        ("chat/completions", {"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs",
+         "could not be compiled"),
         ("completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs", "colour"),
         ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "yaml"),
         ("chat/completions", {"response_format": {"schema": {}}}, "response_format", "type"),

@@ -67,6 +67,9 @@ class FakeGrammars:
     def remove_request(self, request_id: str) -> None:
         self.removed.append(request_id)
 
+    def take_error(self, request_id: str) -> str | None:
+        return f"{request_id}'s grammar did not compile" if self.ready.get(request_id, False) is None else None
+
     def accept(self, request_id: str, token_id: int) -> bool:
         return True
 
@@ -103,7 +106,7 @@ def test_failed_grammar_aborts_only_that_request():
     out, result = step(scheduler)
     assert list(out.num_scheduled_tokens) == [plain.request_id]
     [aborted] = [o for o in result.outputs if o.request_id == broken.request_id]
-    assert aborted.finish_reason == "abort"
+    assert aborted.finish_reason == "abort" and aborted.error == f"{broken.request_id}'s grammar did not compile"
     assert broken.request_id not in scheduler.requests and grammars.removed == [broken.request_id]
     assert len(scheduler.waiting) == 0
     scheduler.kv_cache_manager.check_integrity()

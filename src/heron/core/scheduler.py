@@ -126,6 +126,7 @@ class Scheduler(SchedulerKVMixin):
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingCounters()
         self._failed_requests: list[Request] = []  # grammar or KV-load failures, reported at the next output
+        self._failure_errors: dict[str, str | None] = {}  # a failed request's reason, for its client
         # unfinished requests whose sampling reads their previous token on the host
         self._num_needing_latest_tokens = 0
 
@@ -369,6 +370,7 @@ class Scheduler(SchedulerKVMixin):
         if ready is None:
             request.status = RequestStatus.FINISHED_ABORTED
             self._failed_requests.append(request)
+            self._failure_errors[request.request_id] = self.structured_output.take_error(request.request_id)
             return False
         return ready
 
@@ -475,7 +477,8 @@ class Scheduler(SchedulerKVMixin):
     def take_failure_outputs(self) -> list[EngineCoreOutput]:
         """Final outputs of the requests failed since the last call (grammar, KV load)."""
         outputs = [EngineCoreOutput(failed.request_id, [], finish_reason="abort",
-                                    num_cached_tokens=max(failed.num_cached_tokens, 0))
+                                    num_cached_tokens=max(failed.num_cached_tokens, 0),
+                                    error=self._failure_errors.pop(failed.request_id, None))
                    for failed in self._failed_requests]
         self._failed_requests.clear()
         return outputs

@@ -23,7 +23,7 @@ from typing import Any
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, OwnedEngineCore
 from heron.engine.dp_client import DataParallelClient, start_engine_cores
-from heron.engine.input_processor import InputProcessor, ProcessedPrompt
+from heron.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.serialization import MessageKind, decode_outputs
 from heron.loader.tokenizer import load_tokenizer
@@ -243,6 +243,9 @@ class AsyncLLM:
             while True:
                 output = await collector.get()
                 finished = output.finished
+                error = next((sample.error for sample in output.outputs if sample.error), None)
+                if error is not None:  # the engine could not run it as asked (a constraint it could not compile)
+                    raise InvalidRequestError(error, "structured_outputs")
                 yield output
                 if finished:
                     return

@@ -95,6 +95,7 @@ class RequestState:
         self.sent_text_offset = 0
         self.sent_token_offset = 0
         self.sent_logprobs_offset = 0
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -103,6 +104,7 @@ class RequestState:
     def apply(self, output: EngineCoreOutput) -> bool:
         """Fold in one engine delta; True if a stop string finished the request here."""
         self.num_cached_tokens = output.num_cached_tokens
+        self.error = output.error or self.error
         if output.kv_transfer_params is not None:
             self.kv_transfer_params = output.kv_transfer_params
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
@@ -221,6 +223,7 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
 
 

@@ -116,6 +116,7 @@ def encode_outputs(outputs: EngineCoreOutputs) -> list[Any]:
                 o.num_cached_tokens,
                 o.events,
                 o.kv_transfer_params,
+                o.error,
             ]
             for o in outputs.outputs
         ],
@@ -137,8 +138,9 @@ def decode_outputs(values: list[Any]) -> EngineCoreOutputs:
             num_cached_tokens=cached,
             events=[tuple(e) for e in events] if events else None,
             kv_transfer_params=kv_params,
+            error=error,
         )
-        for rid, tokens, logprobs, prompt_logprobs, finish_reason, stop_reason, cached, events, kv_params
+        for rid, tokens, logprobs, prompt_logprobs, finish_reason, stop_reason, cached, events, kv_params, error
         in raw_outputs
     ]
     stats = None if raw_stats is None else SchedulerStats(**dict(zip(_STATS_FIELDS, raw_stats)))

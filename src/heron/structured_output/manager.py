@@ -38,6 +38,7 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._pending: dict[str, Future[Any]] = {}
         self.matchers: dict[str, GrammarMatcher] = {}
+        self._errors: dict[str, str] = {}  # why a request's grammar did not compile, until taken
 
     def _get_backend(self) -> StructuredOutputBackend:
         with self._backend_lock:  # the compile workers may ask for it together
@@ -83,8 +84,9 @@ class StructuredOutputManager:
         del self._pending[request.request_id]
         try:
             compiled = future.result()
-        except Exception as exc:  # validated up front, so this is unexpected
-            logger.error("compiling the grammar of %s failed: %s", request.request_id, exc)
+        except Exception as exc:  # xgrammar's parse passed it; its compile, against the vocabulary, did not
+            logger.warning("compiling the grammar of %s failed: %s", request.request_id, exc)
+            self._errors[request.request_id] = f"the output constraint could not be compiled: {exc}"
             return None
         matcher = self._get_backend().matcher(compiled)
         # a request resumed after preemption replays the tokens it already has
@@ -101,9 +103,14 @@ class StructuredOutputManager:
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
+    def take_error(self, request_id: str) -> str | None:
+        """Why the request's grammar did not compile (once)."""
+        return self._errors.pop(request_id, None)
+
     def remove_request(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._errors.pop(request_id, None)
 
     def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> torch.Tensor | None:
         """The tokens each request may sample next, in order: one row per
