@@ -198,3 +198,28 @@ def test_bad_constraints_get_400(server, endpoint, body, param, fragment):
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_a_slow_constraint_check_does_not_stall_the_server(server):
+    """xgrammar's parse of a large repetition bound takes seconds: on the event
+    loop it stalled every other request (a GET /health waited 13 s on a loaded
+    machine); it runs on a worker thread now."""
+    import threading
+    import time
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+            "structured_outputs": {"json": {"type": "string", "pattern": "[a-z]{1,5000}"}}}
+    answered: list[int] = []
+    slow = threading.Thread(target=lambda: answered.append(
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300).status_code))
+    started = time.monotonic()
+    slow.start()
+    time.sleep(0.3)
+    health = httpx.get(f"{server.base_url}/health", timeout=30)
+    waited = time.monotonic() - started
+    slow.join(300)
+    took = time.monotonic() - started
+    assert health.status_code == 200 and answered and answered[0] in (200, 400)
+    # the check took long enough to tell (else the machine is too fast for this test to see anything)
+    if took > 2.0:
+        assert waited < 1.5, (waited, took)

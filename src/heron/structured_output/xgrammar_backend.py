@@ -3,6 +3,7 @@ EBNF grammars, compiled against the model's tokenizer vocabulary."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -36,9 +37,13 @@ def _json_options(kind: str) -> dict[str, Any]:
     return {"any_whitespace": not compact, "max_whitespace_cnt": None if compact else MAX_JSON_WHITESPACE}
 
 
+@functools.lru_cache(maxsize=256)
 def validate_constraint(kind: str, spec: str) -> None:
     """Parse the constraint without a tokenizer; raise ValueError with xgrammar's
-    explanation if it is malformed. Cheap: used before a request is accepted."""
+    explanation if it is malformed. Used before a request is accepted; usually
+    cheap, but seconds for large repetition bounds (``[a-z]{1,12000}``), so the
+    server runs it on a worker thread first (``check_constraints``) and a
+    constraint that passed costs nothing the next time (failures are not kept)."""
     xgr = _xgrammar()
     try:
         if kind.split("-")[0] == "json":

@@ -16,6 +16,7 @@ from heron.entrypoints.openai.logprob_fields import chat_logprobs, check_prompt_
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
+    check_constraints,
     check_kv_transfer_params,
     check_request,
     final_outputs,
@@ -98,6 +99,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
     request_id, engine_id = request_ids(request.request_id, "chatcmpl")
+    await check_constraints([params])
     try:
         streams = start_generation(ctx, [prompt], [params], engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -279,6 +279,21 @@ def sse(payload: dict[str, Any]) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
+
+
+async def check_constraints(params: Sequence[SamplingParams]) -> None:
+    """Parse each request's output constraint on a worker thread before it is
+    added: xgrammar's parse of a schema with large repetition bounds takes
+    seconds, and on the event loop it stalled every other request and stream.
+    The engine's own check (input_processor) then finds it in the parse cache."""
+    from heron.structured_output.xgrammar_backend import validate_constraint
+
+    for sample in params:
+        if sample.structured_outputs is not None:
+            try:
+                await asyncio.to_thread(validate_constraint, *sample.structured_outputs.key())
+            except ValueError as exc:
+                raise bad_request(str(exc), "structured_outputs") from exc
 
 
 def start_generation(

@@ -21,6 +21,7 @@ from heron.entrypoints.openai.logprob_fields import (
 from heron.entrypoints.openai.protocol import CompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
+    check_constraints,
     check_kv_transfer_params,
     check_request,
     final_outputs,
@@ -86,6 +87,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     ]
     request_id, engine_id = request_ids(request.request_id, "cmpl")
     created = int(time.time())
+    await check_constraints(params)
     try:
         streams = start_generation(ctx, prompts, params, engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:

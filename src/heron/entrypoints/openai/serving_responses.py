@@ -28,6 +28,7 @@ from heron.entrypoints.openai.responses_store import StoredResponse
 from heron.entrypoints.openai.serving_chat import chat_prompt, request_tools
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
+    check_constraints,
     check_request,
     final_outputs,
     invalid_input,
@@ -119,6 +120,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
     response_id = f"resp_{uuid.uuid4().hex}"
+    await check_constraints([params])
     try:
         streams = start_generation(ctx, [prompt], [params], response_id, 0, None)
     except InvalidRequestError as exc:
