@@ -115,10 +115,9 @@ def sentencepiece_bpe_tokenizer(meta: dict[str, Any]) -> Any:
     scores: Sequence[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     token_types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {token: index for index, token in enumerate(tokens)}
-    unknown_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unknown_id] if isinstance(unknown_id, int) and 0 <= unknown_id < len(tokens) else None
     backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores, token_types, vocab),
-                                   unk_token=unk, fuse_unk=True, byte_fallback=True))
+                                   unk_token=_token_at(meta, "tokenizer.ggml.unknown_token_id"), fuse_unk=True,
+                                   byte_fallback=True))
     add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     steps: list[Any] = []
     if meta.get("tokenizer.ggml.remove_extra_whitespaces", False):
@@ -153,6 +152,13 @@ def _merges_by_score(tokens: Sequence[str], scores: Sequence[float], token_types
     return [(left, right) for _, _, _, left, right in ranked]
 
 
+def _token_at(meta: dict[str, Any], key: str) -> str | None:
+    """The token whose id the metadata ``key`` holds, if it names one."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    index = meta.get(key)
+    return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+
 def _with_special_tokens(backend: Any, meta: dict[str, Any], add_bos_by_default: bool) -> Any:
     """The transformers tokenizer over ``backend``: control tokens special, user-defined
     ones added text, BOS / EOS added where the file (or llama.cpp's default) says."""
@@ -168,11 +174,7 @@ def _with_special_tokens(backend: Any, meta: dict[str, Any], add_bos_by_default:
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_USER_DEFINED])
 
-    def token_at(key: str) -> str | None:
-        index = meta.get(key)
-        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
-
-    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
+    bos, eos = _token_at(meta, "tokenizer.ggml.bos_token_id"), _token_at(meta, "tokenizer.ggml.eos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_by_default)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
@@ -186,8 +188,8 @@ def _with_special_tokens(backend: Any, meta: dict[str, Any], add_bos_by_default:
         tokenizer_object=backend,
         bos_token=bos,
         eos_token=eos,
-        unk_token=token_at("tokenizer.ggml.unknown_token_id"),
-        pad_token=token_at("tokenizer.ggml.padding_token_id"),
+        unk_token=_token_at(meta, "tokenizer.ggml.unknown_token_id"),
+        pad_token=_token_at(meta, "tokenizer.ggml.padding_token_id"),
         chat_template=meta.get("tokenizer.chat_template"),
         clean_up_tokenization_spaces=False,
     )
