@@ -219,6 +219,8 @@ def test_nan_arguments_are_not_a_call():
     # Python's json reads NaN; the arguments would not parse in a client's JSON.parse
     text = '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>'
     assert PARSERS["hermes"]().parse(text).calls == []
+    as_text = '<tool_call>{"name": "get_time", "arguments": "{\\"x\\": Infinity}"}</tool_call>'  # arguments as text
+    assert PARSERS["hermes"]().parse(as_text).calls == []
 
 
 def test_required_hoists_each_functions_definitions_to_the_root():

@@ -56,7 +56,7 @@ def call_from_json(value: Any) -> ToolCall | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _DECODER.decode(arguments)  # NaN and Infinity are not JSON here either
         except ValueError:
             return None
     if not isinstance(arguments, dict):
