@@ -44,6 +44,44 @@ def test_a_text_answer_is_stored_continued_and_deleted(default_client):
     assert info.value.body["param"] == "previous_response_id"
 
 
+def test_a_responses_input_items_are_listed_as_openai_lists_them(default_client, default_server):
+    """GET /v1/responses/{id}/input_items (the SDK's input_items.list) was a 404."""
+    single = default_client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    [item] = default_client.responses.input_items.list(single.id).data
+    assert item.type == "message" and item.role == "user" and item.id.startswith("msg_")
+    assert [(part.type, part.text) for part in item.content] == [("input_text", "Hi")]
+    turns = [{"role": "user", "content": "Say a"}, {"role": "assistant", "content": "a"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}',
+              "id": "fc_given"},
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "cold"}]}]
+    answer = default_client.responses.create(model=MODEL, input=turns, tools=TOOLS, max_output_tokens=2)
+    newest_first = default_client.responses.input_items.list(answer.id).data  # "desc", OpenAI's default
+    assert [item.type for item in newest_first] == ["function_call_output", "function_call", "message", "message"]
+    assert newest_first[1].id == "fc_given" and newest_first[2].content[0].type == "output_text"
+    assert newest_first[0].output[0].text == "cold"
+    url = f"{default_server.base_url}/v1/responses/{answer.id}/input_items"
+    first = httpx.get(url, params={"order": "asc", "limit": 3}).json()
+    assert [item["id"] for item in first["data"]] == [item.id for item in newest_first[::-1][:3]]
+    assert first["has_more"] and first["first_id"] == first["data"][0]["id"]
+    rest = httpx.get(url, params={"order": "asc", "after": first["last_id"]}).json()
+    assert [item["type"] for item in rest["data"]] == ["function_call_output"] and not rest["has_more"]
+    for params, param in [({"after": "msg_nope"}, "after"), ({"limit": 0}, "limit"), ({"order": "up"}, "order")]:
+        bad = httpx.get(url, params=params)
+        assert bad.status_code == 400 and param in json.dumps(bad.json()["error"]), bad.text
+    assert httpx.get(f"{default_server.base_url}/v1/responses/resp_nope/input_items").status_code == 404
+
+
+def test_a_function_outputs_text_parts_are_its_result():
+    """OpenAI's newer form of a function's output (a list of text parts) got a
+    400 saying "Input should be 'message'"."""
+    from heron.entrypoints.openai.protocol_responses import ResponsesRequest
+    from heron.entrypoints.openai.serving_responses import input_messages
+
+    request = ResponsesRequest.model_validate({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_text", "text": "co"}, {"type": "input_text", "text": "ld"}]}]})
+    assert input_messages(request) == [{"role": "tool", "tool_call_id": "c", "content": "cold"}]
+
+
 def test_store_false_keeps_nothing(default_client):
     answer = default_client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
     with pytest.raises(NotFoundError):
@@ -133,6 +171,12 @@ def test_a_cut_answer_is_incomplete(default_client, default_server):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    # a schema xgrammar rejects, or whose pattern it would take minutes over, is the format's fault (it named
+    # vLLM's "structured_outputs", a field this API does not have)
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}},
+     "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": "string", "pattern": "[a-z]{1,12000}"}}}}, "text.format"),
     ({"input": "hi", "temperature": 3}, "temperature"),
     ({"input": "hi", "metadata": {f"key{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's bounds: kept whole
     ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),

@@ -187,7 +187,14 @@ def test_a_constraint_that_fails_to_compile_ends_its_stream_with_the_reason(serv
          "response_format", "schema"),
         ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}},
-         "structured_outputs", "json"),
+         "response_format", "json"),
+        # xgrammar's parse of this 60-byte schema took 53 s and its compile 44 s more, on threads nothing can
+        # stop: patterns are bounded by their written-out size before xgrammar sees them
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "[a-z]{1,12000}"}}}}, "response_format",
+         "patterns expand to 12000 characters"),
+        ("completions", {"structured_outputs": {"json": {"type": "object", "patternProperties": {
+            "^(ab|cd){1,5000}$": {"type": "string"}}}}}, "structured_outputs", "patterns expand"),
     ],
 )
 def test_bad_constraints_get_400(server, endpoint, body, param, fragment):
@@ -198,28 +205,3 @@ def test_bad_constraints_get_400(server, endpoint, body, param, fragment):
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
     assert httpx.get(f"{server.base_url}/health").status_code == 200
-
-
-def test_a_slow_constraint_check_does_not_stall_the_server(server):
-    """xgrammar's parse of a large repetition bound takes seconds: on the event
-    loop it stalled every other request (a GET /health waited 13 s on a loaded
-    machine); it runs on a worker thread now."""
-    import threading
-    import time
-
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1,
-            "structured_outputs": {"json": {"type": "string", "pattern": "[a-z]{1,5000}"}}}
-    answered: list[int] = []
-    slow = threading.Thread(target=lambda: answered.append(
-        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300).status_code))
-    started = time.monotonic()
-    slow.start()
-    time.sleep(0.3)
-    health = httpx.get(f"{server.base_url}/health", timeout=30)
-    waited = time.monotonic() - started
-    slow.join(300)
-    took = time.monotonic() - started
-    assert health.status_code == 200 and answered and answered[0] in (200, 400)
-    # the check took long enough to tell (else the machine is too fast for this test to see anything)
-    if took > 2.0:
-        assert waited < 1.5, (waited, took)

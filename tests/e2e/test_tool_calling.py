@@ -150,6 +150,9 @@ def test_a_conversation_with_a_call_and_its_result_round_trips(default_server, d
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    # parameters the grammar compiler rejects are the tools' fault (it named "structured_outputs")
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, "tools"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(default_client, fields, param):
     body = {"tools": TOOLS, **fields}

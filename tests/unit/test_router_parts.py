@@ -179,6 +179,20 @@ def test_the_response_id_is_found_however_the_answer_is_cut():
     assert affinity.replica_of(None) is None
 
 
+@pytest.mark.parametrize("path, response_id", [
+    ("/v1/responses/resp_1", "resp_1"),
+    ("/v1/responses/resp_1/input_items", "resp_1"),
+    ("/v1/responses", None),
+    ("/v1/responses/", None),
+    ("/v1/responses/resp_1/other", None),
+    ("/v1/responsesX/resp_1", None),
+])
+def test_the_paths_of_a_stored_response_name_it(path, response_id):
+    from heron.router.response_affinity import stored_response_id
+
+    assert stored_response_id(path) == response_id
+
+
 def test_each_failed_trial_doubles_the_rest_and_late_failures_change_nothing():
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=3, open_seconds=2.0, max_open_seconds=30.0, clock=clock)

@@ -1,6 +1,6 @@
 """Where each stored response lives. The Responses API is stateful: a
-follow-up (``previous_response_id``) and ``GET``/``DELETE
-/v1/responses/{id}`` must reach the replica that answered the response they
+follow-up (``previous_response_id``), ``GET``/``DELETE
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` must reach the replica that answered the response they
 name. The router learns a response's id from the first bytes of the answer
 it relays (the JSON body, or the ``response.created`` event, both name it
 early) and remembers the newest ``max_entries``."""
@@ -14,6 +14,15 @@ RESPONSES_PATH = "/v1/responses"
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9]+)"')
 # how far into an answer its id is looked for (it comes in the first event or field)
 SCAN_BYTES = 8192
+
+
+def stored_response_id(path: str) -> str | None:
+    """The response id of a path that reads or deletes a stored response
+    (``/v1/responses/{id}``, ``/v1/responses/{id}/input_items``), else None."""
+    parts = path[len(RESPONSES_PATH) + 1 :].split("/") if path.startswith(RESPONSES_PATH + "/") else []
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] == "input_items"):
+        return parts[0] or None
+    return None
 
 
 class ResponseAffinity:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from heron.structured_output.backend import GrammarMatcher, StructuredOutputBackend
+from heron.structured_output.pattern_size import PatternTooLarge, check_schema_patterns
 
 
 def _xgrammar() -> Any:
@@ -47,7 +48,7 @@ def validate_constraint(kind: str, spec: str) -> None:
     xgr = _xgrammar()
     try:
         if kind.split("-")[0] == "json":
-            json.loads(spec)
+            check_schema_patterns(json.loads(spec))
             xgr.Grammar.from_json_schema(spec, **_json_options(kind))
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
@@ -57,6 +58,8 @@ def validate_constraint(kind: str, spec: str) -> None:
             xgr.Grammar.from_ebnf(spec)
     except json.JSONDecodeError as exc:
         raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
+    except PatternTooLarge:
+        raise
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
         raise ValueError(f"invalid {kind} constraint: {str(exc).strip().splitlines()[0]}") from exc
 

@@ -27,6 +27,13 @@ class MessageItem(OpenAIModel):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
+    def listed(self, item_id: str) -> dict[str, Any]:
+        """The item as ``GET /v1/responses/{id}/input_items`` lists it."""
+        kind = "output_text" if self.role == "assistant" else "input_text"
+        parts = [{"type": kind, "text": self.content}] if isinstance(self.content, str) else [
+            {"type": kind if part.type == "text" else part.type, "text": part.text} for part in self.content]
+        return {"id": item_id, "type": "message", "role": self.role, "content": parts, "status": "completed"}
+
 
 class FunctionCallItem(OpenAIModel):
     """A call the model made earlier (as a response's output gave it)."""
@@ -38,13 +45,25 @@ class FunctionCallItem(OpenAIModel):
     id: str | None = None
     status: str | None = None
 
+    def listed(self, item_id: str) -> dict[str, Any]:
+        return {"id": self.id or item_id, "type": "function_call", "call_id": self.call_id, "name": self.name,
+                "arguments": self.arguments, "status": "completed"}
+
 
 class FunctionCallOutputItem(OpenAIModel):
     """What a function returned, for the call ``call_id``."""
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[InputText]  # text, or text parts (OpenAI's newer form)
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+    def listed(self, item_id: str) -> dict[str, Any]:
+        output = self.output if isinstance(self.output, str) else [part.model_dump() for part in self.output]
+        return {"id": item_id, "type": "function_call_output", "call_id": self.call_id, "output": output,
+                "status": "completed"}
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem

@@ -1,5 +1,5 @@
 """The responses a server keeps (``store``, the default): for
-``previous_response_id`` and ``GET /v1/responses/{id}``. Bounded: the newest
+``previous_response_id``, ``GET /v1/responses/{id}`` and its ``input_items``. Bounded: the newest
 ``max_entries`` are kept, the one used longest ago goes first. Each API-server
 process keeps its own (with ``--api-server-count`` > 1, a follow-up may reach
 another process: README says so)."""
@@ -7,14 +7,42 @@ another process: README says so)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 @dataclass
 class StoredResponse:
     response: dict[str, Any]  # the response object, as it was answered
     conversation: list[dict[str, Any]]  # chat messages up to and including its output, for a follow-up
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, as items with ids
+
+
+class UnknownItem(LookupError):
+    """A listing's ``after`` names no input item of the response."""
+
+
+def input_items_page(
+    items: list[dict[str, Any]], limit: int, order: Literal["asc", "desc"], after: str | None
+) -> dict[str, Any]:
+    """One page of a response's input items, as OpenAI lists them: ``order``
+    "desc" is newest first; ``after`` is the id of the last item of the page
+    before (the page starts past it)."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise UnknownItem(after)
+        start = ids.index(after) + 1
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(ordered),
+    }
 
 
 class ResponseStore:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -27,6 +27,7 @@ from heron.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from heron.entrypoints.openai.protocol_responses import ResponsesRequest
+from heron.entrypoints.openai.responses_store import UnknownItem, input_items_page
 from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
 from heron.entrypoints.openai.serving_common import ServingContext, invalid_input
 from heron.entrypoints.openai.serving_completion import create_completion
@@ -118,6 +119,23 @@ async def get_response(response_id: str, ctx: Serving) -> Any:
     if stored is None:
         raise response_not_found(response_id)
     return stored.response
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def get_response_input_items(
+    response_id: str,
+    ctx: Serving,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> dict[str, Any]:
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise response_not_found(response_id)
+    try:
+        return input_items_page(stored.input_items, limit, order, after)
+    except UnknownItem as exc:
+        raise bad_request(f"No input item with id {after!r} in response {response_id!r}", "after") from exc
 
 
 @router.delete("/v1/responses/{response_id}")

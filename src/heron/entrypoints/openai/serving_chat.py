@@ -19,10 +19,12 @@ from heron.entrypoints.openai.serving_common import (
     check_constraints,
     check_kv_transfer_params,
     check_request,
+    constraint_param,
     final_outputs,
     invalid_input,
     kv_transfer_field,
     merge_streams,
+    name_constraint_errors,
     request_ids,
     resolve_max_tokens,
     sampling_params,
@@ -99,11 +101,13 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
     request_id, engine_id = request_ids(request.request_id, "chatcmpl")
-    await check_constraints([params])
+    param = constraint_param(request, tools is not None and tools.choice.constraint() is not None)
+    await check_constraints([params], param)
     try:
         streams = start_generation(ctx, [prompt], [params], engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
+    streams = name_constraint_errors(streams, param)
     builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs, tools)
     if request.stream:
         return streaming_response(ctx, builder.stream(streams), engine_id, 1)

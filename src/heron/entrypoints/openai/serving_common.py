@@ -281,11 +281,21 @@ SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
 
 
-async def check_constraints(params: Sequence[SamplingParams]) -> None:
+def constraint_param(request: SamplingFields, by_tools: bool, format_param: str = "response_format") -> str:
+    """The request field an output constraint's error names: ``tools`` when the
+    tool choice made it, else the field that carried it (``format_param`` is
+    where the format lives: the Responses API's ``text.format``)."""
+    if by_tools:
+        return "tools"
+    return "structured_outputs" if request.structured_outputs is not None else format_param
+
+
+async def check_constraints(params: Sequence[SamplingParams], param: str) -> None:
     """Parse each request's output constraint on a worker thread before it is
     added: xgrammar's parse of a schema with large repetition bounds takes
     seconds, and on the event loop it stalled every other request and stream.
-    The engine's own check (input_processor) then finds it in the parse cache."""
+    The engine's own check (input_processor) then finds it in the parse cache.
+    A bad constraint is a 400 naming ``param``."""
     from heron.structured_output.xgrammar_backend import validate_constraint
 
     for sample in params:
@@ -293,7 +303,28 @@ async def check_constraints(params: Sequence[SamplingParams]) -> None:
             try:
                 await asyncio.to_thread(validate_constraint, *sample.structured_outputs.key())
             except ValueError as exc:
-                raise bad_request(str(exc), "structured_outputs") from exc
+                raise bad_request(str(exc), param) from exc
+
+
+def name_constraint_errors(
+    streams: list[AsyncIterator[RequestOutput]], param: str
+) -> list[AsyncIterator[RequestOutput]]:
+    """The streams, with a constraint the engine could not compile (after
+    admission) reported against ``param`` rather than ``structured_outputs``."""
+    if param == "structured_outputs":
+        return streams
+    return [_renamed_constraint_errors(stream, param) for stream in streams]
+
+
+async def _renamed_constraint_errors(stream: AsyncIterator[RequestOutput], param: str) -> AsyncGenerator[RequestOutput]:
+    async with aclosing(stream):  # type: ignore[type-var]
+        try:
+            async for output in stream:
+                yield output
+        except InvalidRequestError as exc:
+            if exc.param != "structured_outputs":
+                raise
+            raise InvalidRequestError(str(exc), param) from exc
 
 
 def start_generation(

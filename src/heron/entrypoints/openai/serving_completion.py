@@ -24,10 +24,12 @@ from heron.entrypoints.openai.serving_common import (
     check_constraints,
     check_kv_transfer_params,
     check_request,
+    constraint_param,
     final_outputs,
     invalid_input,
     kv_transfer_field,
     merge_streams,
+    name_constraint_errors,
     request_ids,
     resolve_max_tokens,
     sampling_params,
@@ -87,11 +89,13 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     ]
     request_id, engine_id = request_ids(request.request_id, "cmpl")
     created = int(time.time())
-    await check_constraints(params)
+    param = constraint_param(request, False)
+    await check_constraints(params, param)
     try:
         streams = start_generation(ctx, prompts, params, engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
+    streams = name_constraint_errors(streams, param)
     builder = _CompletionBuilder(ctx, request, prompts, request_id, created)
     if request.stream:
         return streaming_response(ctx, builder.stream(streams), engine_id, len(prompts))

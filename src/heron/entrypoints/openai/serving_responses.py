@@ -30,9 +30,11 @@ from heron.entrypoints.openai.serving_common import (
     ServingContext,
     check_constraints,
     check_request,
+    constraint_param,
     final_outputs,
     invalid_input,
     merge_streams,
+    name_constraint_errors,
     resolve_max_tokens,
     sampling_params,
     sse_stream,
@@ -66,8 +68,15 @@ def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return messages
+
+
+def listed_input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as ``input_items`` lists it: items with ids (an
+    item's own id where it has one)."""
+    items = [MessageItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    return [item.listed(f"{'fc' if item.type == 'function_call' else 'msg'}_{uuid.uuid4().hex}") for item in items]
 
 
 def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -120,11 +129,13 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
     response_id = f"resp_{uuid.uuid4().hex}"
-    await check_constraints([params])
+    param = constraint_param(chat, tools is not None and tools.choice.constraint() is not None, "text.format")
+    await check_constraints([params], param)
     try:
         streams = start_generation(ctx, [prompt], [params], response_id, 0, None)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
+    streams = name_constraint_errors(streams, param)
     builder = ResponseBuilder(ctx, request, response_id, tools, conversation)
     if request.stream:
         # a failure mid-stream ends it with response.failed; the Responses API has no [DONE]
@@ -232,8 +243,9 @@ class ResponseBuilder:
         incomplete = "max_output_tokens" if reason == "length" else None
         response = self.response("incomplete" if incomplete else "completed", output, usage, incomplete)
         if self.request.store:
+            conversation = self.conversation + output_as_messages(output)
             self.ctx.responses.put(self.response_id,
-                                   StoredResponse(response, self.conversation + output_as_messages(output)))
+                                   StoredResponse(response, conversation, listed_input_items(self.request)))
         return response
 
     async def events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[str, None]:

@@ -1,0 +1,116 @@
+"""Output constraints are checked before admission: their patterns' written-out
+size is bounded (xgrammar's parse time grows with its square), the check runs
+off the event loop, and every error names the field the constraint came from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from heron.engine.input_processor import InvalidRequestError
+from heron.entrypoints.openai import serving_common
+from heron.entrypoints.openai.errors import APIError
+from heron.sampling_params import SamplingParams
+from heron.structured_output import xgrammar_backend
+from heron.structured_output.pattern_size import (
+    MAX_PATTERN_EXPANSION,
+    PatternTooLarge,
+    check_schema_patterns,
+    expanded_size,
+    schema_patterns,
+)
+
+
+@pytest.mark.parametrize("pattern, size", [
+    ("abc", 3),
+    ("[a-z]{1,2000}", 2000),
+    ("([a-z]{1,30}){1,30}", 900),  # nested bounds multiply
+    ("[a-z]{1,1000}[0-9]{1,1000}", 2000),  # a sequence adds up
+    ("(abc|def|ghi){1,1000}", 9000),  # so do the branches of an alternation
+    (r"\d{4}-\d{2}-\d{2}", 10),
+    ("(?:ab){3}", 6),
+    ("[]a]{3}", 3),  # a leading ] is in the class
+    (r"[\]]{4}", 4),
+    ("^[A-Z][a-z]+$", 4),  # loops and anchors add nothing
+    ("a{3}{4}", 12),
+    ("a{x}", 4),  # a brace that is no bound is a literal
+    ("((a", 1),  # unclosed: xgrammar reports it, the size is what was read
+    ("x{1,99999999999999999999}", 10**12),
+])
+def test_expanded_size(pattern, size):
+    assert expanded_size(pattern) == size
+
+
+def test_patterns_are_found_at_any_depth_and_a_property_named_pattern_is_not_one():
+    schema = {"type": "object", "properties": {
+        "pattern": {"type": "string", "pattern": "x{3}"},
+        "list": {"type": "array", "items": [{"pattern": "y+"}]}},
+        "patternProperties": {"^a+$": {}}}
+    assert sorted(schema_patterns(schema)) == ["^a+$", "x{3}", "y+"]
+
+
+def test_the_bound_is_on_all_of_a_schemas_patterns_together():
+    half = {"type": "string", "pattern": "[a-z]{%d}" % (MAX_PATTERN_EXPANSION // 2)}
+    check_schema_patterns({"type": "array", "items": [half, half]})
+    with pytest.raises(PatternTooLarge, match="expand to 2001 characters"):
+        check_schema_patterns({"type": "array", "items": [half, half, {"pattern": "z"}]})
+
+
+def test_a_pattern_past_the_bound_is_refused_before_xgrammar_parses_it():
+    """Its parse took 53 s (and its compile 44 s more)."""
+    xgrammar_backend.validate_constraint.cache_clear()
+    spec = json.dumps({"type": "string", "pattern": "[a-z]{1,12000}"})
+    with pytest.raises(ValueError, match="patterns expand to 12000 characters"):
+        xgrammar_backend.validate_constraint("json", spec)
+    # a regex constraint of its own is compiled without expansion: no bound
+    xgrammar_backend.validate_constraint("regex", "[a-z]{1,12000}")
+
+
+def test_the_check_runs_off_the_event_loop_and_names_the_field(monkeypatch):
+    def slow_parse(kind: str, spec: str) -> None:
+        time.sleep(0.5)
+        raise ValueError("invalid json constraint: no")
+
+    monkeypatch.setattr(xgrammar_backend, "validate_constraint", slow_parse)
+    params = SamplingParams(structured_outputs={"json": {"type": "object"}})
+
+    async def main() -> tuple[int, APIError]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(APIError) as info:
+            await serving_common.check_constraints([params], "text.format")
+        ticker.cancel()
+        return ticks, info.value
+
+    ticks, error = asyncio.run(main())
+    assert ticks >= 10  # the loop kept running while the parse slept
+    assert error.body()["error"]["param"] == "text.format"
+
+
+def test_a_compile_failure_after_admission_names_the_field():
+    async def engine_stream():
+        yield "first"
+        raise InvalidRequestError("the output constraint could not be compiled: x", "structured_outputs")
+
+    async def main(param: str) -> tuple[list[str], InvalidRequestError]:
+        [stream] = serving_common.name_constraint_errors([engine_stream()], param)
+        seen = []
+        with pytest.raises(InvalidRequestError) as info:
+            async for output in stream:
+                seen.append(output)
+        return seen, info.value
+
+    seen, error = asyncio.run(main("tools"))
+    assert seen == ["first"] and error.param == "tools" and "could not be compiled" in str(error)
+    _, error = asyncio.run(main("structured_outputs"))
+    assert error.param == "structured_outputs"
