@@ -61,7 +61,7 @@ def test_bench_serve_counts_failures(tmp_path, capsys):
     rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "x", "--num-prompts", "3",
                "--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm",
                "--result-dir", str(tmp_path), "--result-filename", "down.json"])
-    assert rc == 0
+    assert rc == 1  # nothing measured: a script must see it
     result = json.loads((tmp_path / "down.json").read_text())
     assert result["completed"] == 0 and result["failed"] == 3 and len(result["errors"]) == 3
 

@@ -18,7 +18,8 @@ def load_results(paths: list[str]) -> list[dict[str, Any]]:
     for path in paths:
         with open(path, encoding="utf-8") as handle:
             result = json.load(handle)
-        result.setdefault("label", path)
+        if not result.get("label"):  # a run saved without --label has "label": null
+            result["label"] = path
         results.append(result)
     return results
 

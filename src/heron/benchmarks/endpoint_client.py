@@ -71,6 +71,7 @@ async def send_request(
     texts: list[str] = []
     usage_tokens: int | None = None
     ended = False  # the stream said it was done ([DONE]): one that just stops was cut
+    finished_at: float | None = None  # when a choice first carried its finish_reason
     try:
         async with client.post(url, json=body, headers=headers) as response:
             if response.status != 200:
@@ -94,6 +95,8 @@ async def send_request(
                 text = ""
                 for choice in payload.get("choices") or []:
                     text += ((choice.get("delta") or {}).get("content") or "") if chat else (choice.get("text") or "")
+                    if choice.get("finish_reason") and finished_at is None:
+                        finished_at = time.perf_counter()
                 if not text:
                     continue
                 now = time.perf_counter()
@@ -104,12 +107,17 @@ async def send_request(
                 last = now
                 result.chunk_times.append(now - bench_start)
                 texts.append(text)
+        if not texts and finished_at is not None:
+            # an answer of no text (an immediate end of sequence, a token that decodes to nothing) is an answer,
+            # as vLLM's client counts it: its first and last token came with its finish
+            last = finished_at
+            result.ttft = finished_at - started
         # to the last token, as vLLM's client: not to a usage chunk or [DONE] that a server may send later
         result.latency = last - started
         result.generated_text = "".join(texts)
         result.output_tokens = usage_tokens if usage_tokens is not None else count_tokens(result.generated_text)
-        result.success = bool(texts) and ended
-        if not texts:
+        result.success = (bool(texts) or finished_at is not None) and ended
+        if not texts and finished_at is None:
             result.error = "the server returned no text"
         elif not ended:
             result.error = "the stream ended without [DONE] (cut)"

@@ -154,11 +154,14 @@ def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
     return "\n".join(lines)
 
 
+def default_result_filename(result: dict[str, Any]) -> str:
+    concurrency = result.get("max_concurrency") or "inf"
+    model = str(result.get("model_id", "model")).replace("/", "_")
+    return f"heron-bench-{model}-rate{result['request_rate']}-conc{concurrency}-{result['date']}.json"
+
+
 def save_result(result: dict[str, Any], directory: str | None, filename: str | None) -> str:
-    if filename is None:
-        concurrency = result.get("max_concurrency") or "inf"
-        model = str(result.get("model_id", "model")).replace("/", "_")
-        filename = f"heron-bench-{model}-rate{result['request_rate']}-conc{concurrency}-{result['date']}.json"
+    filename = filename or default_result_filename(result)
     path = os.path.join(directory, filename) if directory else filename
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -13,6 +13,37 @@ from typing import Any
 from heron.engine.args import EngineArgs
 
 
+def _at_least(minimum: float, kind: type = int) -> Any:
+    """An argparse type: a number (``kind``) no smaller than ``minimum``; a
+    clear usage error otherwise (0 requests per second divided by zero, a
+    0-prefix dataset too, and --output-len 0 silently became the default)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= minimum:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+POSITIVE = _at_least(1)
+NON_NEGATIVE = _at_least(0)
+
+
 def add_bench_parsers(subcommands: Any) -> None:
     bench = subcommands.add_parser("bench", help="benchmarks: serve, throughput, latency, compare")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -31,9 +62,9 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--label", action="append", default=None, help="a name per --base-url for the report")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     _add_dataset_args(serve)
-    serve.add_argument("--request-rate", type=float, default=float("inf"))
-    serve.add_argument("--burstiness", type=float, default=1.0)
-    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--request-rate", type=_positive_float, default=float("inf"))
+    serve.add_argument("--burstiness", type=_positive_float, default=1.0)
+    serve.add_argument("--max-concurrency", type=POSITIVE, default=None)
     serve.add_argument("--ignore-eos", action="store_true")
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="e.g. ttft:500 tpot:50 e2el:3000 (ms)")
@@ -41,14 +72,14 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--save-result", action="store_true")
     serve.add_argument("--result-dir", default=None)
     serve.add_argument("--result-filename", default=None)
-    serve.add_argument("--plot", action="store_true", help="write PNG charts next to the result")
+    serve.add_argument("--plot", action="store_true", help="write PNG charts next to the result (saves it)")
     serve.add_argument("--disable-tqdm", action="store_true")
 
     throughput = kinds.add_parser("throughput", help="offline throughput through LLM (all requests at once)")
     EngineArgs.add_cli_args(throughput)
     _add_dataset_args(throughput)
-    throughput.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
-    throughput.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
+    throughput.add_argument("--input-len", type=POSITIVE, default=None, help="alias of --random-input-len")
+    throughput.add_argument("--output-len", type=POSITIVE, default=None, help="alias of --random-output-len")
     throughput.add_argument("--temperature", type=float, default=1.0)
     throughput.add_argument(
         "--structured-outputs",
@@ -62,11 +93,11 @@ def add_bench_parsers(subcommands: Any) -> None:
 
     latency = kinds.add_parser("latency", help="latency of one fixed batch, repeated")
     EngineArgs.add_cli_args(latency)
-    latency.add_argument("--batch-size", type=int, default=8)
-    latency.add_argument("--input-len", type=int, default=32)
-    latency.add_argument("--output-len", type=int, default=128)
-    latency.add_argument("--num-iters-warmup", type=int, default=2)
-    latency.add_argument("--num-iters", type=int, default=10)
+    latency.add_argument("--batch-size", type=POSITIVE, default=8)
+    latency.add_argument("--input-len", type=POSITIVE, default=32)
+    latency.add_argument("--output-len", type=POSITIVE, default=128)
+    latency.add_argument("--num-iters-warmup", type=NON_NEGATIVE, default=2)
+    latency.add_argument("--num-iters", type=POSITIVE, default=10)
     latency.add_argument("--output-json", default=None)
     latency.add_argument("--disable-tqdm", action="store_true")
 
@@ -84,18 +115,18 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix-repetition"])
     group.add_argument("--dataset-path", default=None)
-    group.add_argument("--num-prompts", type=int, default=100)
-    group.add_argument("--random-input-len", type=int, default=256)
-    group.add_argument("--random-output-len", type=int, default=64)
+    group.add_argument("--num-prompts", type=POSITIVE, default=100)
+    group.add_argument("--random-input-len", type=POSITIVE, default=256)
+    group.add_argument("--random-output-len", type=POSITIVE, default=64)
     group.add_argument("--random-range-ratio", type=float, default=0.0)
     group.add_argument("--random-output-range-ratio", type=float, default=None,
                        help="range ratio of output lengths (default: --random-range-ratio)")
-    group.add_argument("--random-prefix-len", type=int, default=0)
-    group.add_argument("--sharegpt-output-len", type=int, default=None)
-    group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    group.add_argument("--prefix-repetition-suffix-len", type=int, default=64)
-    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=4)
-    group.add_argument("--prefix-repetition-output-len", type=int, default=64)
+    group.add_argument("--random-prefix-len", type=NON_NEGATIVE, default=0)
+    group.add_argument("--sharegpt-output-len", type=POSITIVE, default=None)
+    group.add_argument("--prefix-repetition-prefix-len", type=NON_NEGATIVE, default=256)
+    group.add_argument("--prefix-repetition-suffix-len", type=POSITIVE, default=64)
+    group.add_argument("--prefix-repetition-num-prefixes", type=POSITIVE, default=4)
+    group.add_argument("--prefix-repetition-output-len", type=POSITIVE, default=64)
     if not any("--seed" in action.option_strings for action in parser._actions):
         group.add_argument("--seed", type=int, default=0)
 
@@ -129,8 +160,8 @@ def _samples(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
             tokenizer, args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
             args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.seed,
         )
-    input_len = getattr(args, "input_len", None) or args.random_input_len
-    output_len = getattr(args, "output_len", None) or args.random_output_len
+    input_len = args.random_input_len if getattr(args, "input_len", None) is None else args.input_len
+    output_len = args.random_output_len if getattr(args, "output_len", None) is None else args.output_len
     return random_dataset(tokenizer, args.num_prompts, input_len, output_len, args.random_range_ratio,
                           args.random_prefix_len, args.seed, args.random_output_range_ratio)
 
@@ -197,7 +228,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from heron.benchmarks.compare import comparison_table
     from heron.benchmarks.metrics import parse_goodput
-    from heron.benchmarks.serve import fetch_model_name, format_report, run_load, save_result, summarize
+    from heron.benchmarks.serve import default_result_filename, format_report, run_load, save_result, summarize
 
     base_urls = args.base_url or [f"http://{args.host}:{args.port}"]
     labels = args.label or []
@@ -215,7 +246,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     results = []
     for index, base_url in enumerate(base_urls):
-        model = args.model or asyncio.run(fetch_model_name(base_url, args.api_key))
+        model = args.model or _served_model(base_url, args.api_key)
         client_cpu_started, started_at = time.process_time(), time.time()
         raw, duration = asyncio.run(run_load(
             base_url, args.endpoint, model, samples,
@@ -228,7 +259,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "base_url": base_url,
             "endpoint": args.endpoint,
             "model_id": model,
-            "tokenizer_id": args.tokenizer or "embedded SmolLM2-135M-Instruct",
+            "tokenizer_id": args.tokenizer or local_model or "embedded SmolLM2-135M-Instruct",
             "dataset_name": args.dataset_name,
             "num_prompts": len(samples),
             "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
@@ -241,9 +272,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
         }
         result = summarize(raw, duration, goodput, percentiles, settings)
         print(format_report(result, percentiles))
-        if args.save_result or args.result_filename:
-            filename = args.result_filename
-            if filename and len(base_urls) > 1:
+        if args.save_result or args.result_filename or args.plot:
+            filename = args.result_filename or default_result_filename(result)
+            if len(base_urls) > 1:  # one file per server (runs within a second had one name, the last kept)
                 stem, ext = os.path.splitext(filename)
                 filename = f"{stem}-{labels[index] if labels else index}{ext}"
             path = save_result(result, args.result_dir, filename)
@@ -256,7 +287,22 @@ def _bench_serve(args: argparse.Namespace) -> int:
         results.append(result)
         failed = result["failed"]
         if failed:
-            print(f"{failed} requests failed; first error: {next(iter(result['errors']), '')}", file=sys.stderr)
+            first_error = next((error for error in result["errors"] if error), "")
+            print(f"{failed} requests failed; first error: {first_error}", file=sys.stderr)
     if len(results) > 1:
         print(comparison_table(results))
-    return 0
+    # nothing measured (no server, or every request failed) is not a result: a script must see it
+    return 1 if any(result["completed"] == 0 for result in results) else 0
+
+
+def _served_model(base_url: str, api_key: str | None) -> str:
+    """The server's first model, or a ValueError saying why there is none."""
+    import aiohttp
+
+    from heron.benchmarks.serve import fetch_model_name
+
+    try:
+        return asyncio.run(fetch_model_name(base_url, api_key))
+    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"cannot read the model name from {base_url}/v1/models ({type(exc).__name__}: {exc}); "
+                         "is the server up? (or give --model)") from exc

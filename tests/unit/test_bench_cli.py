@@ -1,0 +1,149 @@
+"""heron bench serve against a scripted server (aiohttp, on 127.0.0.1): an
+answer of no text is an answer, the first error reported is a real one, runs
+that measured nothing exit 1, several servers' results get a file each, and
+bad arguments are usage errors, not tracebacks."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+from aiohttp import web
+
+from heron.benchmarks.compare import load_results
+from heron.entrypoints.cli import main
+
+
+def _chunk(text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "finish_reason": finish}
+    return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+
+class ScriptedServer:
+    """Answers /v1/completions per ``mode``: "text" (two chunks), "empty" (a
+    finish chunk of no text, as an immediate end of sequence streams), or
+    "fail_after:N" (N good answers, then 500s)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.answered = itertools.count()
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        number = next(self.answered)
+        if self.mode.startswith("fail_after:") and number >= int(self.mode.split(":")[1]):
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if self.mode == "empty":
+            await response.write(_chunk("", "stop"))
+        else:
+            await response.write(_chunk("Hello"))
+            await response.write(_chunk(" world", "length"))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = runner.addresses[0][1]
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        self._started.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def scripted(request: pytest.FixtureRequest) -> Iterator[ScriptedServer]:
+    with ScriptedServer(request.param) as server:
+        yield server
+
+
+def bench(*args: str) -> int:
+    return main(["bench", "serve", "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "4",
+                 "--disable-tqdm", *args])
+
+
+@pytest.mark.parametrize("scripted", ["empty"], indirect=True)
+def test_an_answer_of_no_text_is_an_answer(scripted, tmp_path):
+    """It was a failure ("the server returned no text"); vLLM's client counts it."""
+    assert bench("--base-url", scripted.base_url, "--result-filename", str(tmp_path / "r.json")) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 0
+    assert all(ttft > 0 for ttft in result["ttfts"])
+
+
+@pytest.mark.parametrize("scripted", ["fail_after:1"], indirect=True)
+def test_the_first_error_reported_is_a_real_one(scripted, capsys):
+    """The first request succeeded, and the line read "first error: " (its empty error)."""
+    assert bench("--base-url", scripted.base_url, "--max-concurrency", "1") == 0
+    assert "3 requests failed; first error: HTTP 500" in capsys.readouterr().err
+
+
+def test_a_run_that_measured_nothing_exits_1(tmp_path, capsys):
+    assert bench("--base-url", "http://127.0.0.1:9", "--model", "x", "--result-filename",
+                 str(tmp_path / "down.json")) == 1
+    assert json.loads((tmp_path / "down.json").read_text())["failed"] == 4
+    # no --model and no server: a sentence, not aiohttp's traceback
+    assert bench("--base-url", "http://127.0.0.1:9") == 2
+    assert "cannot read the model name from http://127.0.0.1:9/v1/models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scripted", ["text"], indirect=True)
+def test_each_server_gets_its_own_result_file_and_unlabelled_runs_compare_by_file(scripted, tmp_path, capsys):
+    """Two --base-url runs within one second wrote one default file name (the
+    second overwrote the first), and compare labelled runs saved without
+    --label all "None"."""
+    assert bench("--base-url", scripted.base_url, "--base-url", scripted.base_url, "--save-result",
+                 "--result-dir", str(tmp_path)) == 0
+    files = sorted(str(path) for path in tmp_path.glob("*.json"))
+    assert len(files) == 2 and files[0].endswith("-0.json") and files[1].endswith("-1.json")
+    assert [result["label"] for result in load_results(files)] == files
+    capsys.readouterr()
+    assert main(["bench", "compare", *files]) == 0
+    assert f"{files[1]} / {files[0]}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--request-rate", "0"],
+    ["serve", "--burstiness", "0"],
+    ["serve", "--max-concurrency", "0"],
+    ["serve", "--dataset-name", "prefix-repetition", "--prefix-repetition-num-prefixes", "0"],
+    ["serve", "--num-prompts", "0"],
+    ["throughput", "--output-len", "0"],
+    ["latency", "--num-iters", "0"],
+    ["latency", "--batch-size", "x"],
+])
+def test_bad_arguments_are_usage_errors(args, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *args])
+    assert info.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
