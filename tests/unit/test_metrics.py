@@ -7,12 +7,13 @@ import json
 import pathlib
 import re
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from heron.metrics.logging_stats import LoggingStatLogger
 from heron.metrics.prometheus import EXPORTED_METRICS, PrometheusStatLogger
 from heron.metrics.stats import IterationStats, RequestTimes
-from heron.step_outputs import SchedulerStats
+from heron.step_outputs import EngineEventType, SchedulerStats
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -31,6 +32,32 @@ def one_finished_iteration() -> IterationStats:
     stats.observe_tokens(times, num_prompt_tokens=12, num_new_tokens=1, now=0.6)
     stats.observe_finished(times, "length", 12, 2, now=0.6)
     return stats
+
+
+def test_spans_are_taken_within_one_clock_when_the_engine_runs_on_another_machine():
+    """An engine core on another machine (Ray) stamps its events with a monotonic
+    clock of another origin: TTFT and end-to-end latency were the front end's
+    arrival subtracted from the engine's step time (-3599.9 s, an hour off)."""
+    offset = -3600.0  # the engine's clock reads an hour behind the front end's
+    stats = IterationStats()
+    times = RequestTimes(arrival=10.0)
+    times.apply_events([(EngineEventType.QUEUED, 10.01 + offset), (EngineEventType.SCHEDULED, 10.03 + offset)])
+    stats.observe_tokens(times, 12, 1, now=10.5, engine_now=10.45 + offset)
+    stats.observe_tokens(times, 12, 1, now=10.62, engine_now=10.55 + offset)
+    stats.observe_finished(times, "length", 12, 2, now=10.62, engine_now=10.55 + offset)
+    assert stats.time_to_first_tokens == [pytest.approx(0.5)]  # the front end's clock: what a client sees
+    assert stats.inter_token_latencies == [pytest.approx(0.1)]  # the engine's: between its own steps
+    [done] = stats.finished_requests
+    assert done.e2e_latency == pytest.approx(0.62)
+    assert (done.queue_time, done.prefill_time, done.decode_time) == pytest.approx((0.02, 0.42, 0.1))
+    # aborted in the front end (no engine time): the engine's spans end at its last event
+    aborted = IterationStats()
+    times = RequestTimes(arrival=10.0)
+    times.apply_events([(EngineEventType.QUEUED, 10.01 + offset), (EngineEventType.SCHEDULED, 10.03 + offset)])
+    aborted.observe_finished(times, "abort", 12, 0, now=11.0)
+    [done] = aborted.finished_requests
+    assert done.e2e_latency == pytest.approx(1.0) and done.queue_time == pytest.approx(0.02)
+    assert done.prefill_time == 0.0 and done.inference_time == 0.0
 
 
 def test_exporter_records_everything_it_declares():

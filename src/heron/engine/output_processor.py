@@ -274,9 +274,9 @@ class OutputProcessor:
         return engine_ids
 
     def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float | None = None) -> ProcessedOutputs:
-        """Fold in one step's outputs; ``timestamp`` (monotonic) is when the engine
-        produced them."""
-        now = time.monotonic() if timestamp is None else timestamp
+        """Fold in one step's outputs; ``timestamp`` (monotonic, the engine core's
+        clock, perhaps another machine's) is when the engine produced them."""
+        now = time.monotonic()
         result = ProcessedOutputs()
         stats = result.iteration_stats
         for output in outputs:
@@ -286,14 +286,16 @@ class OutputProcessor:
             if output.events:
                 state.times.apply_events(output.events)
             num_prompt_tokens = len(state.prompt.token_ids)
-            stats.observe_tokens(state.times, num_prompt_tokens, len(output.new_token_ids), now)
+            stats.observe_tokens(state.times, num_prompt_tokens, len(output.new_token_ids), now, timestamp)
             if state.apply(output):
                 result.request_ids_to_abort.append(output.request_id)
             request_output = self._make_output(state)
             if state.finished:
                 del self.requests[output.request_id]
                 assert state.finish_reason is not None
-                stats.observe_finished(state.times, state.finish_reason, num_prompt_tokens, len(state.token_ids), now)
+                stats.observe_finished(
+                    state.times, state.finish_reason, num_prompt_tokens, len(state.token_ids), now, timestamp
+                )
             if request_output is not None:
                 result.request_outputs.append(request_output)
         return result
