@@ -375,7 +375,7 @@ class ModelRunner:
             return None  # a batch of plain decodes reads every row
         if any(state.sampling_params.prompt_logprobs is not None for state in step.states):
             return None
-        index, _ = step.logits_rows()
+        index, _ = step.logits_rows
         if len(index) == num_tokens or (len(index) > 1 and bool(np.any(np.diff(index) <= 0))):
             return None
         return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
@@ -455,7 +455,7 @@ class ModelRunner:
                 return decode_logits, offsets
             return decode_logits[on_device(step.sample_rows, torch.int64, self.device)], offsets
         assert hidden is not None
-        index, offsets = step.logits_rows()
+        index, offsets = step.logits_rows
         return self.model.compute_logits(hidden.index_select(0, on_device(index, torch.int64, self.device))), offsets
 
     @staticmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -63,10 +64,13 @@ class StepInputs:
     pending_positions: list[int]
     pending_rows: list[int]
 
+    @cached_property
     def logits_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The flat token positions whose logits are needed (each sample row's
         last token, preceded by one per draft it verifies), and the offsets of
-        each sample row's logits rows in that list (``[len(sample_rows) + 1]``)."""
+        each sample row's logits rows in that list (``[len(sample_rows) + 1]``).
+        Computed once a step: the model's last layer (``output_rows``) and the
+        logits selection both read it."""
         sample_rows = np.asarray(self.sample_rows, dtype=np.int64)
         if not any(self.drafts):  # one logits row per sample row, its last token
             return self.query_start_loc[1:][sample_rows] - 1, np.arange(len(sample_rows) + 1, dtype=np.int64)
