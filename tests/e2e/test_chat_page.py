@@ -94,6 +94,58 @@ def test_stop_ends_the_stream_and_the_server_aborts_it(browser, default_server):
     page.close()
 
 
+def test_new_chat_and_stop_leave_no_trace_in_the_next_request(browser, default_server):
+    """New chat while an answer streamed put that answer into the new chat's
+    history (the aborted send pushed it after the reset), and Stop before the
+    first token sent the page's note "(stopped)" to the model as its answer."""
+    page = browser.new_page()
+    sent = chat_requests(page)
+    page.goto(default_server.base_url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('SmolLM2')")
+    page.fill("#max-tokens", "1500")
+    ask(page, "Write a very long story about a heron.")
+    page.wait_for_function("document.querySelectorAll('.message.assistant')[0].textContent.length > 20",
+                           timeout=60_000)
+    page.click("#new-chat")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    # the next answer is held before its first byte (the route never continues), then stopped
+    held: list = []
+    page.route("**/v1/chat/completions", lambda route: held.append(route))
+    ask(page, "Say nothing yet.")
+    page.wait_for_function("document.getElementById('stop').disabled === false")
+    page.click("#stop")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    assert "(stopped)" in last_answer(page)
+    page.unroute("**/v1/chat/completions")
+    page.fill("#max-tokens", "8")
+    ask(page, "Hi")
+    page.wait_for_function("document.querySelectorAll('.message.assistant').length === 2 && "
+                           "!document.getElementById('send').disabled", timeout=60_000)
+    assert sent[-1]["messages"] == [{"role": "user", "content": "Hi"}], sent[-1]["messages"]
+    page.close()
+
+
+def test_a_server_out_of_reach_at_first_is_waited_for(browser, default_server):
+    """A network error while the page asked for the model name ended its retries
+    (an uncaught rejection), and the first question sent then vanished."""
+    page = browser.new_page()
+    failures = {"left": 2}
+
+    def flaky(route):
+        if failures["left"]:
+            failures["left"] -= 1
+            route.abort("connectionrefused")
+        else:
+            route.continue_()
+
+    page.route("**/v1/models", flaky)
+    page.goto(default_server.base_url + "/")
+    page.wait_for_function("document.getElementById('model').textContent === 'SmolLM2-135M-Instruct'",
+                           timeout=30_000)
+    assert failures["left"] == 0
+    page.close()
+
+
 def test_a_server_with_keys_gets_the_key_field(browser):
     server = ServerProcess("--max-model-len", "2048", "--api-key", "page-key")
     try:

@@ -120,3 +120,55 @@ def test_a_reader_that_lags_holds_one_merged_output_not_one_per_delta():
     assert merged.outputs[0].text == " w" * 20_000
     # ~43 bytes a token (an int object, its list slot, 2 characters); a queued RequestOutput per step: several hundred
     assert held < 20_000 * 64, held
+
+
+def test_an_indented_comment_is_no_key_and_a_key_that_can_never_match_is_refused(tmp_path):
+    """An indented "# retired: old-key" line became a valid key; a non-ASCII key
+    could never match the header a client sends (read as latin-1)."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("real-key\n  # retired: old-key\n")
+    assert collect_api_keys(None, str(key_file)) == ["real-key"]
+    with pytest.raises(ValueError, match="printable ASCII"):
+        collect_api_keys(["clé-secrète"], None)
+
+
+@pytest.mark.parametrize("allow, seen", [(None, "127.0.0.1"), ("127.0.0.1", "10.0.0.7")])
+def test_x_forwarded_for_names_the_client_only_from_a_trusted_proxy(allow, seen):
+    """uvicorn's default trusted X-Forwarded-For from 127.0.0.1: without API keys
+    (the rate limit keyed by the client's address) a local client named itself
+    anyone and got a fresh bucket each request."""
+    import asyncio
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.server import GatewaySettings, uvicorn_config
+
+    clients: list[str] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        clients.append(scope["client"][0])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["serve", "--port", str(port)] + (["--forwarded-allow-ips", allow] if allow else [])
+    server = uvicorn.Server(uvicorn_config(app, build_parser().parse_args(argv), GatewaySettings(api_keys=[])))
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient() as client:
+            await client.get(f"http://127.0.0.1:{port}/", headers={"X-Forwarded-For": "10.0.0.7"})
+        server.should_exit = True
+        await serving
+
+    asyncio.run(main())
+    assert clients == [seen]

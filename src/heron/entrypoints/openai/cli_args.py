@@ -50,6 +50,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument(
         "--rate-limit-burst", type=float, default=None, help="burst size (default: 2x the rate, at least 1)"
     )
+    gateway.add_argument(
+        "--forwarded-allow-ips", default=None, metavar="IPS",
+        help="trust X-Forwarded-For / X-Forwarded-Proto from these proxy addresses (comma separated, '*' for any) "
+             "for the client's address (the rate limit's key without API keys); by default the headers are "
+             "ignored: any client on this host could name itself anyone and pass the limit",
+    )
     gateway.add_argument("--max-waiting-requests", type=int, default=None,
                          help="requests without a first token beyond which new ones get 429")
     gateway.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
@@ -69,7 +75,13 @@ def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[s
     keys += envs.api_keys()
     if key_file:
         with open(key_file, encoding="utf-8") as handle:
-            keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+            lines = [line.strip() for line in handle]
+        keys += [line for line in lines if line and not line.startswith("#")]  # an indented comment is one too
+    for key in keys:
+        if not key.isascii() or not key.isprintable():
+            # HTTP headers carry bytes a client may encode any way: such a key could never match
+            raise ValueError("an API key must be printable ASCII (a key with other characters can never match "
+                             "the Authorization header a client sends)")
     return list(dict.fromkeys(keys))
 
 

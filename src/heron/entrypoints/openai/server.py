@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -175,6 +176,29 @@ def _register_on_ray(args: argparse.Namespace) -> object:
     return register_replica(url)
 
 
+def uvicorn_config(app: Any, args: argparse.Namespace, settings: GatewaySettings) -> Any:
+    """How uvicorn serves ``app`` for ``heron serve``'s arguments."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        # uvicorn's own lines, its access log among them, with --log-level DEBUG
+        log_level="debug" if args.log_level == "DEBUG" else "warning",
+        # the request head a connection buffers is bounded (http_limits.py)
+        http=bounded_http_protocol(settings.max_header_bytes) or "auto",
+        h11_max_incomplete_event_size=head_limit(settings.max_header_bytes),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        # uvicorn trusts X-Forwarded-For from 127.0.0.1 by default: without keys, a local client (an SSH tunnel,
+        # a TCP proxy) got a fresh rate-limit bucket a request by naming another address
+        proxy_headers=args.forwarded_allow_ips is not None,
+        forwarded_allow_ips=args.forwarded_allow_ips,
+    )
+
+
 async def serve_api(
     args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings,
     started: Sequence[StartedEngineCore] | None = None, role: APIServerRole | None = None,
@@ -185,21 +209,7 @@ async def serve_api(
     # created inside the event loop: its ZMQ sockets belong to this loop
     engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started,
                       record_engine_stats=role is None or role.index == 0)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(engine, settings, role),
-            host=args.host,
-            port=args.port,
-            # uvicorn's own lines, its access log among them, with --log-level DEBUG
-            log_level="debug" if args.log_level == "DEBUG" else "warning",
-            # the request head a connection buffers is bounded (http_limits.py)
-            http=bounded_http_protocol(settings.max_header_bytes) or "auto",
-            h11_max_incomplete_event_size=head_limit(settings.max_header_bytes),
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-    )
+    server = uvicorn.Server(uvicorn_config(build_app(engine, settings, role), args, settings))
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{args.host}:{args.port}"
     name = config.model.served_model_name
@@ -232,12 +242,14 @@ async def serve_api(
 
     watchers = [asyncio.create_task(announce_when_ready()), asyncio.create_task(exit_when_the_engine_dies())]
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _after_graceful_stop) if main_thread else None
+    # both stop it gracefully, and heron then exits 0 (Ctrl-C was a KeyboardInterrupt, code 130)
+    stop_signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, _after_graceful_stop) for sig in stop_signals} if main_thread else {}
     try:
         await server.serve(sockets=[role.listen_socket] if role else None)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for watcher in watchers:
             watcher.cancel()
         engine.shutdown()
@@ -245,7 +257,7 @@ async def serve_api(
 
 
 def _after_graceful_stop(signum: int, frame: object) -> None:
-    """SIGTERM's handler under uvicorn's while it serves: uvicorn stops gracefully
+    """SIGTERM's (and SIGINT's) handler under uvicorn's while it serves: uvicorn stops gracefully
     on the signal (--shutdown-timeout), then raises it again for the handler it
     found. With the default one there, that killed the process (code -15) before
     the engine's shutdown ran; the stop is done by then, so this does nothing and
