@@ -114,6 +114,10 @@ def test_the_openai_client_streams_through_the_router(fleet):
     assert "Tokyo" in text
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
     assert client.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
+    # the chat page, whose relative requests then come through the router too (it was a 404)
+    page = httpx.get(f"{router.base_url}/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'fetch("v1/chat/completions"' in page.text
 
 
 def test_stored_responses_are_followed_to_the_replica_that_holds_them(fleet):
@@ -128,6 +132,10 @@ def test_stored_responses_are_followed_to_the_replica_that_holds_them(fleet):
         answer = list(stream)[-1].response if turn % 2 == 1 else stream
         assert answer.status in ("completed", "incomplete")
     assert client.responses.retrieve(answer.id).id == answer.id
+    # its input items too, with their query (order, limit) passed on: the path was a 404 at the router
+    for _ in range(4):
+        [item] = client.responses.input_items.list(answer.id, order="asc", limit=5).data
+        assert item.content[0].text.startswith("And another (5)")
     client.responses.delete(answer.id)
     assert httpx.get(f"{router.base_url}/v1/responses/{answer.id}", timeout=10).status_code == 404
 

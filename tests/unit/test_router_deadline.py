@@ -90,3 +90,32 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
         assert created.pop()["request_timeout"] == timeout
     with pytest.raises(ValueError, match="--request-timeout"):
         run_router(parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--request-timeout", "-1"]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replica", "localhost:18151"], "must be http://HOST"),  # taken, then every request was a 503
+    (["--replica", "http://127.0.0.1:99999"], "out of range"),
+    (["--replica", "http://127.0.0.1:1", "--prefill", "ftp://x"], "must be http://HOST"),
+    (["--replica", "http://127.0.0.1:1", "--port", "99999"], "not a TCP port"),
+])
+def test_a_replica_url_or_port_the_router_cannot_use_is_refused_at_start(flags, message):
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers())
+    with pytest.raises(ValueError, match=message):
+        run_router(parser.parse_args(["router", "--policy", "round_robin", *flags]))
+
+
+def test_a_port_in_use_is_a_sentence_not_a_traceback():
+    import socket
+
+    from heron.router.replica import ReplicaSet
+    from heron.router.server import RouterServer
+    from heron.routing.policies import Router
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = RouterServer(ReplicaSet(["http://127.0.0.1:1"], {}), Router("round_robin"), None)
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            asyncio.run(server.run("127.0.0.1", port))

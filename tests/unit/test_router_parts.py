@@ -19,9 +19,9 @@ class FakeClock:
         return self.now
 
 
-def test_client_errors_never_open_the_breaker():
+def test_client_errors_and_a_requests_own_answers_never_open_the_breaker():
     breaker = CircuitBreaker(failure_threshold=2)
-    for status in (400, 404, 422, 429, 400, 413):
+    for status in (400, 404, 422, 429, 400, 413, 504, 501, 505):
         breaker.record(status)
     assert breaker.state is BreakerState.CLOSED and breaker.allows()
 
@@ -163,6 +163,28 @@ def test_the_router_hashes_chat_prompts_but_never_runs_a_clients_template():
     assert hasher.block_hashes(CHAT_PATH, {**body, "chat_template": spin}, block_size=16) == []
 
 
+def test_a_long_prompt_is_hashed_by_its_beginning_as_the_whole_would_be():
+    """A whole 8 MB prompt took 38 s to hash on the router's event loop; only
+    its leading blocks decide affinity, and they are the whole text's."""
+    from heron.router.prompt_hashes import MAX_HASHED_CHARS, PromptHasher, leading_text
+
+    hasher = PromptHasher(None)
+    words = " ".join(f"word{i % 97} and more" for i in range(12000))  # ~170 KB
+    assert len(words) > 2 * MAX_HASHED_CHARS
+    cut, was_cut = leading_text(words)
+    assert was_cut and len(cut) <= MAX_HASHED_CHARS and words.startswith(cut) and words[len(cut)] == " "
+    assert leading_text("short") == ("short", False)
+    hashes = hasher.block_hashes("/v1/completions", {"prompt": words}, block_size=16)
+    whole = hasher._encode(words, True)  # noqa: SLF001
+    from heron.core.hashing import prompt_block_hashes
+
+    expected = prompt_block_hashes(whole, 16, None)
+    assert 0 < len(hashes) < len(expected) and hashes == expected[: len(hashes)]
+    assert len(hashes) >= MAX_HASHED_CHARS // 5 // 16  # about the whole bound's worth of blocks
+    ids = [i % 1000 for i in range(100000)]
+    assert len(hasher.block_hashes("/v1/completions", {"prompt": ids}, block_size=16)) == (1 << 14) // 16
+
+
 def test_the_response_id_is_found_however_the_answer_is_cut():
     from heron.router.response_affinity import ResponseAffinity, ResponseIdScanner
 
@@ -224,3 +246,55 @@ def test_expectations_never_confirmed_are_dropped_as_they_lapse():
     clock.now = 129.5
     index.expect([])
     assert list(index.expected) == [bytes([70]) * 32]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL_TURNS = [
+    {"role": "system", "content": "You help with the weather."},
+    {"role": "user", "content": "How is Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 degrees and sunny"},
+]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": TOOL_TURNS[1:2], "tools": [TOOL]}),  # tools, no system message
+    ("/v1/chat/completions", {"messages": TOOL_TURNS, "tools": [TOOL]}),  # a call and its result
+    ("/v1/chat/completions", {"messages": TOOL_TURNS}),  # tool turns without tools
+    ("/v1/responses", {"input": "How is Paris?", "instructions": "Be brief.",
+                       "tools": [{"type": "function", "name": "get_weather", "parameters": TOOL["function"][
+                           "parameters"]}]}),
+    ("/v1/responses", {"input": [{"role": "user", "content": "Hi"},
+                                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                 {"type": "function_call_output", "call_id": "c", "output": "ok"}]}),
+])
+@pytest.mark.parametrize("chat_template", [None, "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"])
+def test_the_router_hashes_the_prompt_the_replica_renders(path, body, chat_template):
+    """Tools (written into the system message) and tool turns were rendered
+    without them (0 of 10 leading blocks matched the replica's); Responses
+    requests were not hashed at all; a replica's --chat-template had no
+    counterpart in the router. The replica's own rendering is the reference."""
+    from types import SimpleNamespace
+
+    from heron.core.hashing import prompt_block_hashes
+    from heron.entrypoints.openai.protocol import ChatCompletionRequest
+    from heron.entrypoints.openai.protocol_responses import ResponsesRequest
+    from heron.entrypoints.openai.serving_chat import chat_prompt
+    from heron.entrypoints.openai.serving_responses import chat_request, input_messages
+    from heron.router.prompt_hashes import PromptHasher
+
+    hasher = PromptHasher(None, chat_template=chat_template)
+    processor = PromptHasher(None).processor  # the replica's, with the model's own template
+    ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=processor.tokenizer, input_processor=processor),
+                          chat_template=chat_template, trust_request_chat_template=False)
+    if path == "/v1/responses":
+        request = ResponsesRequest.model_validate(body)
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        chat = chat_request(request, system + input_messages(request))
+    else:
+        chat = ChatCompletionRequest.model_validate(body)
+    expected = prompt_block_hashes(chat_prompt(ctx, chat).token_ids, 4, None)
+    assert len(expected) > 3
+    assert hasher.block_hashes(path, body, block_size=4) == expected

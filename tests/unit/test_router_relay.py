@@ -260,6 +260,20 @@ def test_a_5xx_before_the_first_byte_is_retried_on_another_replica():
     run_with_router(test, [FakeReplica(fail_with=503), FakeReplica()], OneBlockHasher())
 
 
+def test_a_replicas_own_504_is_its_answer_not_its_failure():
+    """A replica's --request-timeout 504 was retried (one long request ran on
+    every replica, the client got 503 'no replica') and counted against the
+    replica: a few such requests opened healthy replicas' breakers."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(4):
+                assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 504
+        assert fakes[0].requests == 4 and server.metrics.retries._value.get() == 0  # noqa: SLF001
+        assert server.replicas.replicas[0].breaker.consecutive_failures == 0
+
+    run_with_router(test, [FakeReplica(fail_with=504)])
+
+
 def test_a_kept_alive_connection_the_replica_closed_is_not_the_replicas_failure():
     async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
         async with httpx.AsyncClient(base_url=url) as client:

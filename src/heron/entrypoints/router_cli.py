@@ -30,6 +30,9 @@ def add_router_parser(subcommands: Any) -> None:
     router.add_argument("--model", default=None,
                         help="the replicas' model, for its tokenizer and chat template (default: the embedded one)")
     router.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
+    router.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="the chat template the replicas were started with (their --chat-template), so the "
+                             "router renders chats as they do (else no chat prompt's blocks match theirs)")
     router.add_argument("--replica-api-key", default=None,
                         help="key for the replicas' /metrics and /v1/kv_events (clients send their own)")
     router.add_argument("--cache-weight", type=float, default=2.0,
@@ -62,10 +65,18 @@ def run_router(args: argparse.Namespace) -> int:
         raise ValueError("--shutdown-timeout must be >= 0 (0: cut requests under way at once)")
     if not args.replica and not args.ray_address:
         raise ValueError("give the replicas: --replica URL (repeatable) and/or --ray-address")
+    for url in args.replica + args.prefill:
+        _check_replica_url(url)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
     replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval,
                           discover=_ray_discovery(args.ray_address) if args.ray_address else None)
-    hasher = PromptHasher(args.model, args.tokenizer) if args.policy in ("kv_aware", "session") else None
+    from heron.entrypoints.openai.cli_args import read_chat_template
+
+    chat_template = read_chat_template(args.chat_template)
+    hasher = (PromptHasher(args.model, args.tokenizer, chat_template) if args.policy in ("kv_aware", "session")
+              else None)
     router = Router(args.policy, cache_weight=args.cache_weight, imbalance_threshold=args.imbalance_threshold)
     prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval)
                         if args.prefill else None)
@@ -76,6 +87,21 @@ def run_router(args: argparse.Namespace) -> int:
                 f"; prompts prefilled first on {', '.join(args.prefill)}" if args.prefill else "")
     asyncio.run(server.run(args.host, args.port, args.shutdown_timeout))
     return 0
+
+
+def _check_replica_url(url: str) -> None:
+    """A replica URL the router can reach: http(s)://host[:port], else a
+    ValueError (a URL without its scheme was taken, and every request got 503
+    with nothing said)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number or out of range)
+    except ValueError as exc:
+        raise ValueError(f"replica URL {url!r}: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"replica URL {url!r} must be http://HOST[:PORT] or https://HOST[:PORT]")
 
 
 def _ray_discovery(address: str) -> Callable[[], Awaitable[list[str]]]:

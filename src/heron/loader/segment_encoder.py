@@ -20,6 +20,9 @@ from typing import Any
 
 # pieces shorter than this are encoded every time: cheap, and they would churn the cache
 MIN_CACHED_CHARS = 64
+# the cache's bound in characters too: 4,096 entries of any size held gigabytes (a 100 KB piece keeps about
+# 0.8 MB of ids), with prompts a server then refused among them
+MAX_CACHED_TOTAL_CHARS = 4 << 20
 
 _SAMPLE = ("{s}system\nYou are a careful assistant.  Answer briefly.\n{e}\n{s}user\nWhat's 2+2? "
            "Ünïcode, emoji 🦩 and   spaces\t{e}\n{s}assistant\n")
@@ -33,6 +36,7 @@ class SegmentEncoder:
                                   + ")") if added else None
         self.max_entries = max_entries
         self._cache: dict[str, list[int]] = {}
+        self._cached_chars = 0
         # a post-processor that adds tokens around the whole text (BOS, say): such encodings go whole
         self._adds_special_tokens = (backend.encode("a", add_special_tokens=True).ids
                                      != backend.encode("a", add_special_tokens=False).ids)
@@ -88,7 +92,12 @@ class SegmentEncoder:
             return list(self.backend.encode(text, add_special_tokens=False).ids)
         ids = self._cache.get(text)
         if ids is None:
-            if len(self._cache) >= self.max_entries:
+            ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+            if len(text) > MAX_CACHED_TOTAL_CHARS // 16:  # a document, not a shared beginning: not kept
+                return ids
+            if len(self._cache) >= self.max_entries or self._cached_chars + len(text) > MAX_CACHED_TOTAL_CHARS:
                 self._cache.clear()  # simplest bound; a workload's shared pieces come back at once
-            ids = self._cache[text] = list(self.backend.encode(text, add_special_tokens=False).ids)
+                self._cached_chars = 0
+            self._cache[text] = ids
+            self._cached_chars += len(text)
         return ids

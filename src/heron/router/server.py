@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
 from typing import Any
 
 import aiohttp
@@ -37,12 +40,15 @@ from heron.router.disaggregation import PrefillStage, prefills_first
 from heron.router.http_front import HttpRequest, ResponseWriter, error_body, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
-from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner
+from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
 from heron.router.upstream import UpstreamConnection, UpstreamCut, UpstreamFailed, UpstreamPool
+from heron.routing.health import is_replica_failure
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
 
+# bodies up to this size are hashed on the event loop (a fraction of a millisecond); larger on a thread
+INLINE_HASH_BYTES = 16384
 GENERATION_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
 MODELS_PATH = "/v1/models"  # and /v1/models/{id}, forwarded too
 FORWARDED_PATHS = (MODELS_PATH, "/tokenize", "/detokenize", "/version")
@@ -51,6 +57,12 @@ _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 # the replica's framing and connection headers: the router frames its own answer
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
+
+
+@functools.cache
+def chat_page() -> bytes:
+    """``heron serve``'s chat page, served by the router too (read once)."""
+    return (resources.files("heron.entrypoints.openai") / "static" / "chat.html").read_bytes()
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -95,6 +107,8 @@ class RouterServer:
         self.session: aiohttp.ClientSession | None = None
         self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry)
                         if prefill_replicas is not None else None)
+        # large prompts are hashed here, one at a time, off the event loop
+        self._hash_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-router-hash")
         self._requests_under_way = 0
         self._all_answered = asyncio.Event()
         self._all_answered.set()
@@ -103,7 +117,11 @@ class RouterServer:
         """Serves until SIGINT or SIGTERM; then stops listening, gives the requests
         under way up to ``shutdown_timeout`` seconds to finish, and cuts the rest."""
         await self.start()
-        server = await serve(self.counted_handle, host, port)
+        try:
+            server = await serve(self.counted_handle, host, port)
+        except OSError as exc:  # the port taken, an address not of this machine, a host that does not resolve
+            await self.stop()
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -146,6 +164,7 @@ class RouterServer:
         if self.prefill is not None:
             await self.prefill.replicas.stop()
         self.upstream.close()
+        self._hash_executor.shutdown(wait=False, cancel_futures=True)
         if self.session is not None:
             await self.session.close()
 
@@ -160,10 +179,13 @@ class RouterServer:
             await self.generate(request, writer)
         elif path in FORWARDED_PATHS or path.startswith(MODELS_PATH + "/"):
             await self._proxy(request, writer, request.body, [], None, deadline=self._deadline())
-        elif path.startswith(RESPONSES_PATH + "/") and path.count("/") == 3:
-            # GET or DELETE of a stored response: to the replica that holds it
-            pinned = self.responses.replica_of(path.rsplit("/", 1)[1])
+        elif (response_id := stored_response_id(path)) is not None:
+            # GET or DELETE of a stored response, or its input items: to the replica that holds it
+            pinned = self.responses.replica_of(response_id)
             await self._proxy(request, writer, request.body, [], None, pinned, self._deadline())
+        elif path == "/" and request.method in ("GET", "HEAD"):
+            # the chat page: its requests (v1/models, v1/chat/completions) are relative, so they come here too
+            writer.send(200, chat_page(), "text/html; charset=utf-8")
         elif path == "/health" and request.method in ("GET", "HEAD"):
             usable = self.replicas.usable()
             writer.send_json(200 if usable else 503, {"status": "ok" if usable else "no replica available",
@@ -186,7 +208,7 @@ class RouterServer:
         raw = request.body
         started = time.perf_counter()
         body = _json_object(raw)
-        hashes = self.hasher.block_hashes(request.path, body, self.replicas.block_size) if self.hasher and body else []
+        hashes = await self._block_hashes(request.path, body, len(raw)) if self.hasher and body else []
         session = (body.get("user") if body else None) or request.headers.get("x-session-id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if self.prefill is not None and body is not None and prefills_first(request.path, body):
@@ -199,6 +221,15 @@ class RouterServer:
         pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
         await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned,
                           deadline)
+
+    async def _block_hashes(self, path: str, body: dict[str, Any], body_bytes: int) -> list[Any]:
+        """The prompt's block hashes: on the loop for a small body (fast), on the
+        hashing thread for a large one, so other clients' streams keep flowing."""
+        assert self.hasher is not None
+        if body_bytes <= INLINE_HASH_BYTES:
+            return self.hasher.block_hashes(path, body, self.replicas.block_size)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._hash_executor, self.hasher.block_hashes, path, body, self.replicas.block_size)
 
     def _prometheus(self) -> bytes:
         for replica in self.replicas.replicas:
@@ -283,7 +314,7 @@ class RouterServer:
                 return False
             status, upstream_headers = connection.head.result()
             self.replicas.record(replica, status)
-            if status >= 500:  # nothing reached the client yet: another replica may serve it
+            if is_replica_failure(status):  # nothing reached the client yet: another replica may serve it
                 connection.stream_to(_discard)
                 await _until(connection.done, deadline)
                 return False

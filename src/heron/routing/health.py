@@ -23,10 +23,17 @@ class BreakerState(enum.Enum):
     HALF_OPEN = "half_open"
 
 
+# server errors that say the replica is unwell; the others answer the request itself: 504 is a replica's own
+# --request-timeout (its work ran too long, another replica would take as long), 501/505 a request it cannot
+# serve. Retrying a 504 ran one long request on every replica, and a few opened healthy replicas' breakers.
+REPLICA_FAILURES = frozenset({500, 502, 503})
+
+
 def is_replica_failure(status: int | None) -> bool:
-    """Whether an outcome counts against the replica: no response at all (None)
-    or a server error. Client errors (4xx, 429 included) never do."""
-    return status is None or status >= 500
+    """Whether an outcome counts against the replica (and another may be tried):
+    no response at all (None) or a 500, 502 or 503. Client errors (4xx, 429
+    included) never do, nor a 504, 501 or 505 (the request's own answer)."""
+    return status is None or status in REPLICA_FAILURES
 
 
 @dataclass
