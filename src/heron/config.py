@@ -106,6 +106,9 @@ class CacheConfig:
             raise ValueError("kv_offloading_size must be >= 0")
         if (self.kv_offloading_bytes or self.kv_offloading_dir) and not self.enable_prefix_caching:
             raise ValueError("a KV offload tier keeps prefix-cache blocks: it needs prefix caching on")
+        if self.kv_offloading_dir is not None and not self.kv_offloading_dir.strip():
+            # an empty path started with no disk tier and no word (the engine tests its truth, this its None)
+            raise ValueError("kv_offloading_dir is empty: give a directory (or leave it out for no disk tier)")
         if self.kv_offloading_dir is not None and self.kv_offloading_dir_bytes <= 0:
             raise ValueError("kv_offloading_dir_size must be positive")
         if self.kv_load_failure_policy not in ("recompute", "fail"):

@@ -105,6 +105,15 @@ def test_a_client_that_reuses_a_request_id_is_answered(disaggregated):
     context.term()
 
 
+def test_a_streamed_prefill_for_another_engine_is_a_400(disaggregated):
+    """The handle comes in the finished body: a stream never carried it, and the
+    prefill server held the blocks for nothing until the lease ran out."""
+    prefill, _, _ = disaggregated
+    response = httpx.post(f"{prefill.base_url}/v1/completions", json={
+        "prompt": "hi", "max_tokens": 1, "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream", response.text
+
+
 def test_a_dead_prefill_server_costs_a_recompute_not_a_request(disaggregated):
     prefill, decode, router = disaggregated
     prefill.process.send_signal(signal.SIGKILL)

@@ -192,6 +192,40 @@ def test_prompt_logprobs_compute_the_prompt_here(llama):
     books_balance(decode)
 
 
+def released_soon(prefill: LLM, seconds: float = 3.0) -> bool:
+    """Whether the prefill engine's leases are all released within ``seconds``
+    (well before they would expire, 10 s by default)."""
+    engine = prefill.engine.engine_core
+    deadline = time.monotonic() + seconds
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            return False
+        engine.step()
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("case", ["block_size_mismatch", "aborted_before_its_pull"])
+def test_a_handle_that_will_never_be_pulled_releases_the_lease(llama, case):
+    """A decode engine of another block size, or a request aborted before it
+    tried its pull, never told the prefill engine: its blocks stayed leased
+    until the lease expired, pushing out leases about to be pulled."""
+    directory, prompts, expected = llama
+    prefill, decode = engines(directory, {"block_size": 16} if case == "block_size_mismatch" else None)
+    handle, = prefill_handles(prefill, prompts[:1])
+    if case == "block_size_mismatch":
+        output, = decode_with(decode, prompts[:1], [handle])
+        assert output.outputs[0].token_ids == expected[tuple(prompts[0])]  # recomputed here
+    else:
+        params = SamplingParams(max_tokens=2, temperature=0, kv_transfer_params=handle)
+        decode.engine.add_request("gone", ProcessedPrompt(None, list(prompts[0])), params)
+        decode.engine.abort_request("gone")
+        decode.engine.step()  # the release goes out with the next step
+    assert released_soon(prefill)
+    books_balance(prefill)
+    books_balance(decode)
+
+
 def test_an_id_still_loading_is_not_reused(llama):
     directory, prompts, _ = llama
     _, decode = engines(directory)

@@ -178,3 +178,23 @@ def test_a_client_request_id_names_the_answer_and_an_empty_one_counts_as_none():
     assert answer == "mine" and engine.startswith("mine-") and engine != answer
     answer, engine = request_ids("", "cmpl")  # was an answer whose id was ""
     assert answer.startswith("cmpl-") and answer == engine
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(kv_offloading_size=float("inf")), "kv_offloading_size must be a finite"),  # an OverflowError traceback
+    (dict(kv_offloading_size=float("nan")), "kv_offloading_size must be a finite"),  # named no option
+    (dict(kv_offloading_dir="/tmp/x", kv_offloading_dir_size=float("inf")), "kv_offloading_dir_size"),
+    (dict(kv_offloading_dir=""), "kv_offloading_dir is empty"),  # started with no disk tier and no word
+])
+def test_kv_tier_options_that_are_no_size_or_place_are_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(device="cpu", **args).create_engine_config()
+
+
+def test_a_block_server_that_cannot_listen_names_the_option():
+    import torch
+
+    from heron.worker.kv_transfer import KVBlockServer
+
+    with pytest.raises(ValueError, match="kv_ip must be an address of this machine"):
+        KVBlockServer([torch.zeros(2, 4, 2, 1, 8)], b"f", "bogus host", 0)

@@ -171,3 +171,28 @@ def test_running_out_of_sockets_fails_that_pull_and_not_the_puller(context):
     finally:
         loader.close()
         peer.close()
+
+
+def test_a_stalled_engine_holds_only_its_share_of_the_pulls(context, monkeypatch):
+    """128 pulls to a silent prefill engine took every place, and a pull from a
+    healthy one waited out their timeout (4.8 s of a 5 s timeout)."""
+    monkeypatch.setattr(kv_pull, "MAX_PULLS", 4)
+    monkeypatch.setattr(kv_pull, "MAX_PULLS_PER_PEER", 2)
+    silent = ScriptedPeer(context, lambda message: [])
+    good = ScriptedPeer(context, blocks_of(7))
+    reports = LoadReports()
+    loader = RemoteKVLoader([pool()], FINGERPRINT, reports, timeout_s=5)
+    try:
+        loader.load([job(silent.address, f"s{i}", [i]) for i in range(4)])
+        time.sleep(0.2)
+        assert len(silent.pulls) == 2  # its share under way, the rest in line
+        started = time.monotonic()
+        loader.load([job(good.address, "healthy", [7])])
+        assert wait_reports(reports, 1, timeout=3) == [("healthy", [])]
+        assert time.monotonic() - started < 2
+        failed = wait_reports(reports, 4, timeout=30)  # the silent ones still end, each reported once
+        assert sorted(name for name, hashes in failed if hashes) == [f"s{i}" for i in range(4)]
+    finally:
+        loader.close()
+        silent.close()
+        good.close()

@@ -81,13 +81,16 @@ class DiskIndex:
         if self.capacity < 1:
             raise ValueError(f"kv_offloading_dir_size {max_bytes} bytes holds no block file of "
                              f"{layout.file_bytes} bytes")
-        self._held: OrderedDict[BlockHash, None] = OrderedDict.fromkeys(layout.scan()[-self.capacity:])
+        found = layout.scan()  # least recently written first
+        self._held: OrderedDict[BlockHash, None] = OrderedDict.fromkeys(found[-self.capacity:])
         self._pins: dict[BlockHash, int] = {}
         # (pool block id, hash) registered while the step being scheduled is planned
         # (it computes them), then while the step before was (complete now)
         self._next_writes: list[tuple[int, BlockHash]] = []
         self._ready_writes: list[tuple[int, BlockHash]] = []
-        self._ops = DiskOps()
+        # files past the bound (left by a run with a larger one, or by replicas sharing the directory: each start
+        # added its bound's worth) are deleted by the first step's ops, oldest first
+        self._ops = DiskOps(deletes=found[: max(0, len(found) - self.capacity)])
         self.stats = DiskTierStats()
         self.on_drop = on_drop
         self._probe = DiskProbe(layout)

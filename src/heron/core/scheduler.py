@@ -166,6 +166,7 @@ class Scheduler(SchedulerKVMixin):
     def _free_request(self, request: Request, keep_blocks: bool = False) -> None:
         """``keep_blocks``: leased to a decode engine (freed by ``release_leases``)."""
         self._num_needing_latest_tokens -= request.sampling_params.needs_latest_tokens
+        self._release_unpulled(request)
         if self.structured_output is not None:
             self.structured_output.remove_request(request.request_id)
         if request.request_id not in self.loading and not keep_blocks:  # else freed when its load is done

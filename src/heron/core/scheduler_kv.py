@@ -146,6 +146,7 @@ class SchedulerKVMixin:
             logger.warning("%s: the prefill engine's blocks hold %s tokens, ours %d (%s)", request.request_id,
                            params.get("remote_block_size"), block_size, self.kv_load_failure_policy)
             request.remote_prefill_tried = True
+            self._release_remote(request, params)  # nothing will be pulled: its lease held the blocks till expiry
             if self.kv_load_failure_policy == "fail":
                 self.waiting.pop()  # the head of the queue: this request
                 self._fail_request(request)
@@ -171,6 +172,16 @@ class SchedulerKVMixin:
                                              str(params["remote_request_id"]), len(hits.blocks), blocks))
         self._to_loading(request, num_blocks * block_size)
         return True
+
+    def _release_unpulled(self, request: Request) -> None:
+        """A request that ends before it tried its pull (aborted while it waited)
+        releases the prefill engine's lease: else the blocks stayed held there
+        until the lease expired, pushing out leases about to be pulled."""
+        params = request.sampling_params.kv_transfer_params
+        if (params and params.get("do_remote_prefill") and not request.remote_prefill_tried
+                and self.kv_transfer is not None and self.kv_transfer.consumes):
+            request.remote_prefill_tried = True
+            self._release_remote(request, params)
 
     def _release_remote(self, request: Request, params: dict[str, Any]) -> None:
         """Tell the prefill engine it may free its copy: nothing will be pulled."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -199,9 +200,9 @@ class EngineArgs:
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                kv_offloading_bytes=int(self.kv_offloading_size * (1 << 30)),
+                kv_offloading_bytes=_gib_to_bytes(self.kv_offloading_size, "kv_offloading_size"),
                 kv_offloading_dir=self.kv_offloading_dir,
-                kv_offloading_dir_bytes=int(self.kv_offloading_dir_size * (1 << 30)),
+                kv_offloading_dir_bytes=_gib_to_bytes(self.kv_offloading_dir_size, "kv_offloading_dir_size"),
                 kv_load_failure_policy=self.kv_load_failure_policy,
                 kv_cache_dtype_name=resolve_kv_cache_dtype(self.kv_cache_dtype, device, model_config),
                 kv_cache_memory_fraction=self.kv_cache_memory_fraction,
@@ -306,3 +307,11 @@ def _without_none(hint: Any) -> Any:
         if len(remaining) == 1:
             return remaining[0]
     return hint
+
+
+def _gib_to_bytes(gib: float, name: str) -> int:
+    """A size in GiB as bytes; a ValueError naming the option for one that is no
+    size (inf was an OverflowError traceback, nan a sentence naming nothing)."""
+    if not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"{name} must be a finite number of GiB >= 0, got {gib}")
+    return int(gib * (1 << 30))

@@ -41,7 +41,11 @@ class HostKVStore:
         self.pinned = bool(caches) and caches[0].device.type == "cuda"
         shapes = [(num_slots, cache.shape[0], *cache.shape[2:]) for cache in caches]
         sizes = [torch.Size(shape).numel() * cache.element_size() for shape, cache in zip(shapes, caches, strict=True)]
-        backing = torch.empty(sum(sizes), dtype=torch.uint8)
+        try:
+            backing = torch.empty(sum(sizes), dtype=torch.uint8)
+        except RuntimeError as exc:  # the allocator's own message names no option
+            raise ValueError(f"kv_offloading_size: cannot allocate the host tier of {sum(sizes) / (1 << 30):.1f} "
+                             f"GiB ({str(exc).splitlines()[0]})") from exc
         if self.pinned:
             _pin(self, backing, caches[0].device)
         self.store: list[torch.Tensor] = []

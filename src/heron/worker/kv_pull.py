@@ -5,7 +5,9 @@ pool (the protocol is in ``worker/kv_transfer.py``).
 One thread runs every pull at once, each on its own ZMQ socket, so a prefill
 engine that is slow, stalled or gone delays only the requests whose blocks it
 holds, never the pulls from other engines (up to ``MAX_PULLS`` run at once,
-the rest wait their turn). A pull asks for at most
+``MAX_PULLS_PER_PEER`` of them from one prefill engine; the rest wait their
+turn, and a job whose engine is at its share lets later jobs for other engines
+start first). A pull asks for at most
 ``chunk_bytes`` of blocks at a time (the next run once the last one is
 written), and gives up when a prefill engine does not answer one run within
 the timeout. Every job is reported exactly once (``LoadReports``): its blocks
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32 << 20  # one pull's blocks at most (at least one block)
 MAX_PULLS = 128  # under way at once, each on its own socket; the rest wait their turn
+# under way at once from one prefill engine: one that stalls holds no more places than this (it held all of
+# them, and a pull from a healthy engine waited out the stalled ones' timeout)
+MAX_PULLS_PER_PEER = 32
 
 
 @dataclass(slots=True)
@@ -101,13 +106,32 @@ class RemoteKVLoader:
                     if self._wake_read in ready:
                         stopping = self._take_jobs(waiting)
                     self._advance(poller, pulls, ready)
-                    while waiting and len(pulls) < MAX_PULLS:
-                        self._start(poller, pulls, waiting[0])
-                        waiting.popleft()  # after: a job _start failed on is still reported by _fail_all
+                    self._start_waiting(poller, pulls, waiting)
                 except Exception:  # a bug here must not leave requests waiting for ever
                     logger.exception("the KV puller failed: failing the pulls under way")
                     self._fail_all(poller, pulls, waiting, "the puller failed")
             self._fail_all(poller, pulls, waiting, "the engine is shutting down")
+
+    def _start_waiting(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull], waiting: deque[RemoteLoad]) -> None:
+        """Start waiting jobs in order, within ``MAX_PULLS`` and each engine's
+        ``MAX_PULLS_PER_PEER`` (a job over its engine's share stays in line)."""
+        if not waiting or len(pulls) >= MAX_PULLS:
+            return
+        per_peer: dict[str, int] = {}
+        for pull in pulls.values():
+            per_peer[pull.job.address] = per_peer.get(pull.job.address, 0) + 1
+        held: deque[RemoteLoad] = deque()
+        try:
+            while waiting and len(pulls) < MAX_PULLS:
+                job = waiting[0]
+                if per_peer.get(job.address, 0) >= MAX_PULLS_PER_PEER:
+                    held.append(waiting.popleft())
+                    continue
+                self._start(poller, pulls, job)
+                waiting.popleft()  # after: a job _start failed on is still reported by _fail_all
+                per_peer[job.address] = per_peer.get(job.address, 0) + 1
+        finally:
+            waiting.extendleft(reversed(held))  # back at the head, in their order (and reported if all fail)
 
     def _take_jobs(self, waiting: deque[RemoteLoad]) -> bool:
         """Queue the new jobs (releases go out at once); True once told to stop."""

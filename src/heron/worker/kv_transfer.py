@@ -53,11 +53,17 @@ class KVBlockServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._socket.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self._socket.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._socket.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self._socket.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:  # a host not of this machine, a port taken: ZMQ's traceback named neither
+            self._socket.close(0)
+            self._context.term()
+            raise ValueError(f"kv_transfer_config: cannot serve blocks on {host}:{port or '*'} ({exc}); "
+                             "kv_ip must be an address of this machine and kv_port free") from exc
         self.host = host
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-block-server", daemon=True)

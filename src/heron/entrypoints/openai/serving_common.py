@@ -140,6 +140,11 @@ def check_kv_transfer_params(ctx: ServingContext, request: SamplingFields, num_p
         raise bad_request("kv_transfer_params takes one prompt and n = 1", "kv_transfer_params")
     if params.get("do_remote_decode") and not config.produces:
         raise bad_request("this server is a kv_consumer: it does not keep prefills for others", "kv_transfer_params")
+    if params.get("do_remote_decode") and request.stream:
+        # the handle is in the finished answer's body: a stream never carried it, and the prefill's blocks were
+        # held for nothing until their lease ran out
+        raise bad_request("kv_transfer_params.do_remote_decode answers with the handle in its body: send it "
+                          "without stream", "stream")
     if params.get("do_remote_prefill"):
         if not config.consumes:
             raise bad_request("this server is a kv_producer: it does not pull prefills", "kv_transfer_params")
