@@ -52,6 +52,8 @@ def test_a_killed_engine_fails_every_request_then_the_server_exits_for_its_super
         assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "engine_dead"
         late = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=10)
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+        # a dead engine runs nothing: the gauges kept its last step's figures (2 running)
+        assert server.metric("heron:num_requests_running") == 0 and server.metric("heron:kv_cache_usage_perc") == 0
         assert server.process.wait(GRACE + 15) == 1
         assert time.monotonic() - killed >= GRACE  # clients saw the 503s first
         assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] == "Z"

@@ -382,6 +382,7 @@ class AsyncLLM:
         if self._dead is not None and not self._dead.done():
             self._dead.set_result(None)
         logger.error("%s", reason)
+        self.metrics.engine_gone()
         error = EngineDeadError(reason)
         for collector in self._collectors.values():
             collector.put(error)

@@ -168,6 +168,13 @@ class PrometheusStatLogger:
                                       sorted(labels), registry=self.registry, multiprocess_mode="livemax")
         self.compute_path.labels(**labels).set(1)
 
+    def engine_gone(self) -> None:
+        """The engine core is dead: it runs and holds nothing any more (the gauges
+        kept its last step's figures, a dead server reporting requests running)."""
+        if self.record_engine_stats:
+            for gauge in (self.running, self.waiting, self.kv_usage):
+                gauge.labels(self.model_name).set(0)
+
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
         name = self.model_name
         if scheduler_stats is not None and self.record_engine_stats:
