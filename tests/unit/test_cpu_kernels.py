@@ -157,6 +157,21 @@ def test_kernel_sources_ship_in_the_package():
         assert any(fnmatch.fnmatch(f"csrc/{name}", pattern) for pattern in patterns), name
 
 
+def test_the_kernel_cache_keeps_the_newest_builds(tmp_path):
+    """Each kernel edit, upgrade or instruction set added a build directory (about
+    220 KB) for ever; the cache keeps the most recently built or used."""
+    import os
+
+    for age in range(5):
+        build = tmp_path / f"build{age}"
+        build.mkdir()
+        (build / "libheron_cpu.so").write_bytes(b"x")
+        os.utime(build, (1000 - age, 1000 - age))  # build0 the newest
+    (tmp_path / "stray-file").write_text("not a build")
+    cpu_library._prune(str(tmp_path), keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build0", "build1", "build2", "stray-file"]
+
+
 @pytest.mark.parametrize("shape", [(40, 64), (13, 96), (1, 32)])
 def test_int4_packing_in_c_equals_the_torch_formula(shape):
     """Load-time packing (csrc/quantize_weights.c) gives the torch path's tiles,

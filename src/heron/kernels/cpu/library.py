@@ -61,6 +61,8 @@ def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> st
     target_dir = os.path.join(_cache_dir(), digest.hexdigest()[:16])
     target = os.path.join(target_dir, "libheron_cpu.so")
     if os.path.exists(target):
+        with contextlib.suppress(OSError):
+            os.utime(target_dir)  # in use: the newest are the ones pruning keeps
         return target
     with tempfile.TemporaryDirectory() as scratch:
         for file in files:
@@ -74,12 +76,29 @@ def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> st
         try:
             os.makedirs(target_dir, exist_ok=True)
             _install(partial, target)
+            _prune(_cache_dir(), KEPT_BUILDS)
         except OSError as exc:
             target = os.path.join(_private_dir(), f"{digest.hexdigest()[:16]}.so")
             _install(partial, target)
             logger.warning("cannot write the kernel cache (%s); this build is kept in %s until the process exits "
                            "(set HERON_CACHE_DIR to a writable directory to keep builds between starts)", exc, target)
     return target
+
+
+# builds kept in the cache (one per source version, compiler and instruction set: about 220 KB each); every
+# upgrade or edit of the kernels added one, for ever
+KEPT_BUILDS = 16
+
+
+def _prune(cache_dir: str, keep: int) -> None:
+    """Remove all but the ``keep`` most recently built or used builds. (A process
+    that loaded a removed one keeps its mapping; one about to load it finds it
+    gone and builds it again.)"""
+    with contextlib.suppress(OSError):
+        builds = [entry for entry in os.scandir(cache_dir) if entry.is_dir(follow_symlinks=False)]
+        builds.sort(key=lambda entry: entry.stat().st_mtime, reverse=True)
+        for entry in builds[keep:]:
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _install(built: str, target: str) -> None:
