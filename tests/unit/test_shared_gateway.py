@@ -117,7 +117,7 @@ def _admit_many(path: str, index: int, limit: int, seconds: float, start, result
         if own and round_number % 3 == 2:
             own -= 1
             state.publish_waiting(own)
-    results.put((admitted, most_seen))
+    results.put((admitted, most_seen, round_number))
     state.close()
 
 
@@ -126,8 +126,10 @@ def test_admissions_in_two_processes_never_overshoot_the_bound(state_file):
     with the check alone shared, two processes that both see one free place
     both take it, and the next check sees more waiting than the bound."""
     outcomes = in_two_processes(_admit_many, state_file, 4, 0.5)
-    assert all(admitted > 0 for admitted, _ in outcomes), outcomes
-    assert max(most_seen for _, most_seen in outcomes) <= 4, outcomes
+    # both contended for the places (which one gets in is up to the scheduler: on a loaded machine one process
+    # could hold all four places the whole time, and "each admitted some" failed with the bound kept)
+    assert all(rounds > 0 for _, _, rounds in outcomes) and sum(admitted for admitted, _, _ in outcomes) > 0, outcomes
+    assert max(most_seen for _, most_seen, _ in outcomes) <= 4, outcomes
 
 
 def test_not_a_state_file_is_refused(tmp_path):
