@@ -53,7 +53,7 @@ def test_patterns_are_found_at_any_depth_and_a_property_named_pattern_is_not_one
 
 
 def test_the_bound_is_on_all_of_a_schemas_patterns_together():
-    half = {"type": "string", "pattern": "[a-z]{%d}" % (MAX_PATTERN_EXPANSION // 2)}
+    half = {"type": "string", "pattern": f"[a-z]{{{MAX_PATTERN_EXPANSION // 2}}}"}
     check_schema_patterns({"type": "array", "items": [half, half]})
     with pytest.raises(PatternTooLarge, match="expand to 2001 characters"):
         check_schema_patterns({"type": "array", "items": [half, half, {"pattern": "z"}]})
