@@ -43,9 +43,15 @@ def children(pid: int) -> list[int]:
 
 
 def test_two_engine_cores_place_by_prefix_and_spread_what_arrives_together():
-    server = ServerProcess("--data-parallel-size", "2", "--max-num-seqs", "8")
+    events = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}'
+    server = ServerProcess("--data-parallel-size", "2", "--max-num-seqs", "8", "--kv-events-config", events)
     try:
         assert len(children(server.process.pid)) == 2
+        # a router follows both engines' caches (it saw rank 0's alone)
+        info = httpx.get(f"{server.base_url}/v1/kv_events", timeout=5).json()
+        ranks = info["ranks"]
+        assert len(ranks) == 2 and ranks[0]["endpoint"] == info["endpoint"]
+        assert len({rank["endpoint"] for rank in ranks}) == 2
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
         answer = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of Japan?"}],

@@ -211,6 +211,32 @@ def test_a_subscription_that_ended_is_started_again_and_the_probes_outlive_odd_a
     run_replica_set(test)
 
 
+def test_every_data_parallel_engine_of_a_replica_is_followed():
+    """A replica of --data-parallel-size N published rank 0's events alone: a
+    prompt cached on another engine never matched at the router."""
+    second = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+
+    async def test(replica: EventfulReplica, replicas: ReplicaSet) -> None:
+        rank_1 = {"endpoint": second.endpoint, "replay_endpoint": second.replay_endpoint, "topic": "",
+                  "epoch": second.epoch}
+        replica.kv_events_answer = {**replica.info(), "ranks": [replica.info(), rank_1]}
+        tracked = replicas.replicas[0]
+        tracked.unfollow()  # subscribed before the answer changed: again, now with both ranks
+        await until(lambda: len(tracked.rank_indexes) == 1)
+        replica.publisher.publish([BlockStored([X], None, [1], 1)])
+        second.publish([BlockStored([Y], None, [1], 1), BlockStored([Z], Y, [1], 1)])
+        await until(lambda: tracked.matched_blocks([Y, Z]) == 2 and tracked.matched_blocks([X]) == 1)
+        assert tracked.matched_blocks([X, Z]) == 1 and tracked.cached_blocks == 3  # no engine holds X then Z
+        for _ in range(3):
+            replicas.record(tracked, None)  # out: every rank's index goes with it
+        assert tracked.matched_blocks([Y]) == 0 and not tracked.rank_subscriptions
+
+    try:
+        run_replica_set(test)
+    finally:
+        second.shutdown()
+
+
 @pytest.mark.parametrize("body", [b"", b"ok", b"[1]", b'{"kv_events_epoch": 3}'])
 def test_a_health_body_without_an_epoch_is_no_restart(body):
     from heron.router.replica import _epoch

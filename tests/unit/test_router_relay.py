@@ -23,8 +23,9 @@ from heron.routing.policies import Router
 class FakeReplica:
     """A replica whose /v1/completions does what the request's ``mode`` says."""
 
-    def __init__(self, fail_with: int | None = None) -> None:
+    def __init__(self, fail_with: int | None = None, silent: bool = False) -> None:
         self.fail_with = fail_with
+        self.silent = silent
         self.release = asyncio.Event()
         self.client_left = asyncio.Event()
         self.sent_bytes = 0
@@ -55,6 +56,9 @@ class FakeReplica:
         if self.fail_with is not None:
             return web.json_response({"error": "down"}, status=self.fail_with)
         mode = json.loads(raw).get("mode", "echo")
+        if self.silent:  # a hung host: no answer at all until the test says so
+            await self.release.wait()
+            return web.json_response({"late": True})
         if mode == "echo":
             return web.json_response({"bytes": len(raw), "query": request.query_string,
                                       "auth": request.headers.get("Authorization")})
@@ -258,6 +262,26 @@ def test_a_5xx_before_the_first_byte_is_retried_on_another_replica():
         assert server.metrics.retries._value.get() >= 2  # noqa: SLF001 (the counter's value)
 
     run_with_router(test, [FakeReplica(fail_with=503), FakeReplica()], OneBlockHasher())
+
+
+def test_a_request_waiting_on_a_replica_taken_out_goes_elsewhere():
+    """A replica that stops answering (a hung host, a partition) held the
+    requests waiting for its answer until their clients gave up, though its
+    breaker had opened and no byte had reached them."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        hung = server.replicas.replicas[0]
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+            waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+            while not hung.head_waiters:
+                await asyncio.sleep(0.01)
+            for _ in range(3):  # its probes fail
+                server.replicas.record(hung, None)
+            answer = await waiting
+        assert answer.status_code == 200 and answer.json()["bytes"] > 0  # served by the other replica
+        assert fakes[1].requests == 1 and not hung.head_waiters and server.metrics.retries._value.get() == 1  # noqa: SLF001
+        fakes[0].release.set()
+
+    run_with_router(test, [FakeReplica(silent=True), FakeReplica()])
 
 
 def test_a_replicas_own_504_is_its_answer_not_its_failure():

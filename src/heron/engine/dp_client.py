@@ -187,11 +187,14 @@ class DataParallelClient:
             self._subscriptions.append(asyncio.create_task(subscriber.run(), name=f"heron-dp-kv-{engine.rank}"))
         if len(self._ready) == len(self.engines):
             first = self._ready[0]
-            # the private IPC events are this client's; an outside router sees rank 0's TCP ones
-            kv_events = first.get("kv_events") if self.config.kv_events.publishes else None
+            # the private IPC events are this client's; an outside router follows the ranks' TCP ones
+            publishes = self.config.kv_events.publishes
+            kv_events = first.get("kv_events") if publishes else None
             merged = {
                 **first,
                 "kv_events": kv_events,
+                "kv_events_ranks": [self._ready[rank].get("kv_events") for rank in sorted(self._ready)]
+                if publishes else None,
                 "num_kv_blocks": sum(p.get("num_kv_blocks", 0) for p in self._ready.values()),
                 "pid": [self._ready[rank].get("pid") for rank in sorted(self._ready)],
                 "data_parallel_size": len(self.engines),

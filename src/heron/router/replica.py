@@ -51,19 +51,36 @@ class Replica:
     index: KVBlockIndex = field(default_factory=KVBlockIndex)
     subscriber: KVEventSubscriber | None = None
     subscription: asyncio.Task[None] | None = None
+    # a replica of several data-parallel engines: the other ranks' caches (``index`` is rank 0's), each
+    # followed on its own; the replica sends a prompt to the engine that holds most of it
+    rank_indexes: list[KVBlockIndex] = field(default_factory=list)
+    rank_subscriptions: list[asyncio.Task[None]] = field(default_factory=list)
     num_requests: int = 0
+    # requests waiting for its answer's head: told when its breaker opens, to go elsewhere
+    head_waiters: set[asyncio.Future[None]] = field(default_factory=set)
 
     @property
     def name(self) -> str:
         return self.url
 
     def matched_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
-        return self.index.matched_blocks(block_hashes)
+        """The leading blocks its best-placed engine holds."""
+        matched = self.index.matched_blocks(block_hashes)
+        for index in self.rank_indexes:
+            matched = max(matched, index.matched_blocks(block_hashes))
+        return matched
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self.index.blocks) + sum(len(index.blocks) for index in self.rank_indexes)
 
     def stop_subscription(self) -> None:
         if self.subscription is not None:
             self.subscription.cancel()
+        for task in self.rank_subscriptions:
+            task.cancel()
         self.subscription = self.subscriber = None
+        self.rank_subscriptions, self.rank_indexes = [], []
 
     def unfollow(self) -> None:
         """Stop following its events and forget its cache (gone, or to be replayed afresh)."""
@@ -103,6 +120,9 @@ class ReplicaSet:
             logger.warning("replica %s is out (circuit open after %d failures)", replica.url,
                            replica.breaker.consecutive_failures)
             replica.unfollow()
+            for waiter in replica.head_waiters:  # no answer yet from it: another replica may serve them
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         await self._round(session)
@@ -223,4 +243,15 @@ class ReplicaSet:
         replica.subscriber = KVEventSubscriber(self.context, endpoint, replay_endpoint, str(info.get("topic", "")),
                                                replica.index, epoch=info.get("epoch"))
         replica.subscription = asyncio.create_task(replica.subscriber.run(), name=f"kv-events {replica.url}")
-        logger.info("following %s's KV-cache events at %s", replica.url, info["endpoint"])
+        ranks = info.get("ranks")
+        for rank, rank_info in enumerate(ranks[1:] if isinstance(ranks, list) else [], start=1):
+            if not isinstance(rank_info, dict) or not isinstance(rank_info.get("endpoint"), str):
+                continue
+            index = KVBlockIndex()
+            subscriber = KVEventSubscriber(self.context, rank_info["endpoint"], str(rank_info["replay_endpoint"]),
+                                           str(rank_info.get("topic", "")), index, epoch=rank_info.get("epoch"))
+            replica.rank_indexes.append(index)
+            replica.rank_subscriptions.append(
+                asyncio.create_task(subscriber.run(), name=f"kv-events {replica.url} rank {rank}"))
+        logger.info("following %s's KV-cache events at %s", replica.url,
+                    ", ".join(r["endpoint"] for r in ranks) if isinstance(ranks, list) else info["endpoint"])

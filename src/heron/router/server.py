@@ -22,12 +22,14 @@ not on a request's latency path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import json
 import logging
 import signal
 import time
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import Any
@@ -245,7 +247,7 @@ class RouterServer:
 
     def _replica_states(self, replicas: ReplicaSet | None = None) -> list[dict[str, Any]]:
         return [{"url": r.url, "state": r.breaker.state.value, "in_flight": r.load.in_flight,
-                 "load": r.load.score(), "cached_blocks": len(r.index.blocks), "requests": r.num_requests,
+                 "load": r.load.score(), "cached_blocks": r.cached_blocks, "requests": r.num_requests,
                  "kv_events": r.subscription is not None} for r in (replicas or self.replicas).replicas]
 
     # ---- proxying ----------------------------------------------------------------
@@ -297,8 +299,8 @@ class RouterServer:
             scope = asyncio.timeout_at(deadline)
             try:
                 async with scope:
-                    connection = await self.upstream.request(replica.url, request.method, request.path_qs,
-                                                             headers, raw)
+                    connection = await self._head_unless_taken_out(
+                        replica, self.upstream.request(replica.url, request.method, request.path_qs, headers, raw))
             except TimeoutError:
                 if not scope.expired():
                     raise
@@ -324,6 +326,28 @@ class RouterServer:
             replica.load.release(uncached_blocks)
             if connection is not None:
                 self.upstream.release(replica.url, connection)  # closed unless its answer ended cleanly
+
+    @staticmethod
+    async def _head_unless_taken_out(replica: Replica, head: Coroutine[Any, Any, UpstreamConnection]
+                                     ) -> UpstreamConnection:
+        """``head``'s connection, or UpstreamFailed if the replica's breaker opens
+        first (its probes fail: a hung host, a partition). A request waiting on
+        such a replica waited until its client gave up, though no byte had
+        reached the client and another replica could serve it."""
+        waiter = asyncio.get_running_loop().create_future()
+        replica.head_waiters.add(waiter)
+        task = asyncio.ensure_future(head)
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise UpstreamFailed("taken out (its circuit opened) before it answered")
+            return task.result()
+        finally:
+            replica.head_waiters.discard(waiter)
+            if not task.done():
+                task.cancel()  # the upstream request closes its connection
+                with contextlib.suppress(BaseException):
+                    await task
 
     def _timed_out(self, writer: ResponseWriter) -> None:
         """The deadline passed before the answer's head: 504."""

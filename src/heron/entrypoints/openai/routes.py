@@ -183,10 +183,18 @@ async def kv_events(ctx: Serving, raw_request: Request) -> dict[str, Any]:
     }
     if info is not None:
         host = raw_request.url.hostname or "127.0.0.1"
-        body.update(endpoint=connectable(info["endpoint"], host),
-                    replay_endpoint=connectable(info["replay_endpoint"], host), topic=info["topic"],
-                    epoch=info.get("epoch"))
+        body.update(_dialled(info, host))
+        ranks = ctx.engine.engine_info.get("kv_events_ranks")
+        if ranks and len(ranks) > 1:  # data parallelism: every engine's cache, rank 0's first (the fields above)
+            body["ranks"] = [_dialled(rank, host) for rank in ranks if rank is not None]
     return body
+
+
+def _dialled(info: dict[str, Any], host: str) -> dict[str, Any]:
+    """One engine's event endpoints as a router dials them."""
+    return {"endpoint": connectable(info["endpoint"], host),
+            "replay_endpoint": connectable(info["replay_endpoint"], host), "topic": info["topic"],
+            "epoch": info.get("epoch")}
 
 
 @router.get("/metrics")
