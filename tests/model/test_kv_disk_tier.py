@@ -244,3 +244,34 @@ def test_another_layout_gets_its_own_directory(llama, tmp_path):
     other = LLM(directory, kv_offloading_dir=str(tmp_path), **{**POOL, "block_size": 16})
     assert len(core(other).scheduler.kv_cache_manager.disk) == 0
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+
+
+def test_another_draft_model_gets_its_own_directory(llama, tmp_path):
+    """A block carries the draft model's caches too: an engine with another
+    draft of the same shape shared the files, and its drafts' K/V was another
+    model's (acceptance 31/151 where its own gave 66/66)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, with_prefix, _, expected = llama
+    other_draft = tmp_path / "other-draft"
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01)
+    model.save_pretrained(other_draft)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(directory) / name).exists():
+            (other_draft / name).write_bytes((Path(directory) / name).read_bytes())
+    tier = tmp_path / "tier"
+
+    def with_draft(draft: Path | str) -> LLM:
+        return LLM(directory, kv_offloading_dir=str(tier), **POOL,
+                   speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+
+    first = with_draft(directory)
+    check(first, with_prefix[:1], expected)
+    core(first).shutdown()
+    second = with_draft(other_draft)
+    assert len(core(second).scheduler.kv_cache_manager.disk) == 0
+    assert len([p for p in tier.iterdir() if p.is_dir()]) == 2

@@ -95,12 +95,18 @@ class EngineCore:
         )
 
     def _layout_fingerprint(self) -> bytes:
-        """What engines must share to exchange K/V blocks (disk tier, P/D)."""
+        """What engines must share to exchange K/V blocks (disk tier, P/D): the
+        model, its cache layout, and the draft model whose caches a block also
+        carries (another draft of the same shape shared the files: its K/V was
+        wrong for this one, and acceptance fell from 66/66 to 31/151)."""
         config = self.config
+        speculative = config.speculative
+        draft = ([layout_fingerprint(speculative.model, None, [speculative.quantization]).hex()]
+                 if speculative is not None and speculative.method == "draft_model" and speculative.model else [])
         return layout_fingerprint(
             config.model.model, config.model.hf_config,
             [config.model.dtype_name, config.model.quantization, config.cache.block_size,
-             *self.model_runner.kv_cache_layout()],
+             *self.model_runner.kv_cache_layout(), *draft],
         )
 
     def _disk_tier_layout(self, fingerprint: bytes, bytes_per_block: int) -> DiskTierLayout:

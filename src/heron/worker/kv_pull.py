@@ -227,7 +227,8 @@ class RemoteKVLoader:
             if not header[0]:
                 return str(header[1]) if len(header) > 1 else "refused"
             if len(header) < 4 or header[1] != self.fingerprint:
-                return "the prefill engine runs another model or cache layout"
+                return ("the prefill engine runs another model or cache layout (with speculative decoding, both "
+                        "engines need the same draft model: its caches travel with the blocks)")
             if header[2:4] != [pull.job.first + pull.done, pull.asked]:
                 return f"blocks {header[2:4]} answered, not [{pull.job.first + pull.done}, {pull.asked}]"
             blocks = frames[1:]
