@@ -116,6 +116,12 @@ def test_periodic_log_line():
     assert "Running: 3 reqs" in line and "Waiting: 1 reqs" in line
     assert "KV cache usage: 50.0%" in line and "Prefix cache hit rate: 25.0%" in line
     assert "Spec" not in line  # no speculative decoding: no acceptance figures
+    # one of several API servers counts its own requests' tokens, and says so (two lines 3 s apart read 3.2 and
+    # 0.0 tokens/s for one server)
+    scoped = LoggingStatLogger(interval_s=10.0, scope="API server 2 of 2 (its requests)")
+    scoped.record(None, one_finished_iteration())
+    line = scoped.maybe_log(now=scoped._window_start + 10.0)
+    assert line is not None and line.startswith("API server 2 of 2 (its requests): Avg prompt throughput")
 
 
 def test_periodic_log_line_reports_spec_acceptance():

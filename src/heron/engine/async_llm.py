@@ -107,12 +107,14 @@ class AsyncLLM:
         log_stats_interval_s: float = 10.0,
         started: StartedEngineCore | Sequence[StartedEngineCore] | None = None,
         record_engine_stats: bool = True,
+        stats_scope: str = "",
     ) -> None:
         """``started``: the engine core(s) already started on ``config``'s
         arguments (one per data-parallel rank): processes this object owns, or
         endpoints of processes another one owns (``--api-server-count``).
         ``record_engine_stats``: put the engines' statistics in this process's
-        metrics (one API server of several does)."""
+        metrics (one API server of several does). ``stats_scope``: what the
+        periodic log line's throughput covers, when not the whole server."""
         self.config = config
         # start the engine cores first: they load the model while we load the tokenizer
         self.client: EngineCoreClient | DataParallelClient
@@ -126,7 +128,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = PrometheusStatLogger(config.model.served_model_name, record_engine_stats=record_engine_stats)
-        self.stat_logger = LoggingStatLogger(log_stats_interval_s)
+        self.stat_logger = LoggingStatLogger(log_stats_interval_s, stats_scope)
         self._collectors: dict[str, RequestOutputCollector] = {}
         # requests sent to the engine that have produced no token yet
         self._not_started: set[str] = set()

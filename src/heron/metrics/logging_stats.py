@@ -20,8 +20,11 @@ logger = logging.getLogger("heron.stats")
 
 
 class LoggingStatLogger:
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, scope: str = "") -> None:
+        """``scope``: the requests the throughput counts, when not all the server's
+        (each of several API servers counts its own: its line says so)."""
         self.interval_s = interval_s
+        self.scope = scope
         self._window_start = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -63,7 +66,8 @@ class LoggingStatLogger:
         if not (idle and self._last_logged_idle):
             hit_rate = self._window_hits / self._window_queries if self._window_queries else 0.0
             line = (
-                f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
+                (f"{self.scope}: " if self.scope else "")
+                + f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
                 f"KV cache usage: {stats.kv_cache_usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}"

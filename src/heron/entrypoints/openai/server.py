@@ -207,8 +207,10 @@ async def serve_api(
     import uvicorn
 
     # created inside the event loop: its ZMQ sockets belong to this loop
+    # each of several API servers counts the tokens of its own requests: its periodic line says whose
+    scope = f"API server {role.index + 1} of {role.count} (its requests)" if role is not None else ""
     engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started,
-                      record_engine_stats=role is None or role.index == 0)
+                      record_engine_stats=role is None or role.index == 0, stats_scope=scope)
     server = uvicorn.Server(uvicorn_config(build_app(engine, settings, role), args, settings))
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{args.host}:{args.port}"
