@@ -43,6 +43,16 @@ def ask(page, question: str) -> None:
     page.press("#input", "Enter")
 
 
+def start_a_long_answer(page, server) -> None:
+    """Open the page and ask for a long answer; return once it is streaming."""
+    page.goto(server.base_url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('SmolLM2')")
+    page.fill("#max-tokens", "1500")
+    ask(page, "Write a very long story about a heron.")
+    page.wait_for_function("document.querySelectorAll('.message.assistant')[0].textContent.length > 20",
+                           timeout=60_000)
+
+
 def last_answer(page) -> str:
     return page.locator(".message.assistant").last.inner_text()
 
@@ -75,12 +85,7 @@ def test_a_question_streams_its_answer_and_the_conversation_carries_on(browser, 
 
 def test_stop_ends_the_stream_and_the_server_aborts_it(browser, default_server):
     page = browser.new_page()
-    page.goto(default_server.base_url + "/")
-    page.wait_for_function("document.getElementById('model').textContent.startsWith('SmolLM2')")
-    page.fill("#max-tokens", "1500")
-    ask(page, "Write a very long story about a heron.")
-    page.wait_for_function("document.querySelectorAll('.message.assistant')[0].textContent.length > 20",
-                           timeout=60_000)
+    start_a_long_answer(page, default_server)
     page.click("#stop")
     page.wait_for_function("!document.getElementById('send').disabled")
     assert "(stopped)" in last_answer(page)
@@ -100,12 +105,7 @@ def test_new_chat_and_stop_leave_no_trace_in_the_next_request(browser, default_s
     first token sent the page's note "(stopped)" to the model as its answer."""
     page = browser.new_page()
     sent = chat_requests(page)
-    page.goto(default_server.base_url + "/")
-    page.wait_for_function("document.getElementById('model').textContent.startsWith('SmolLM2')")
-    page.fill("#max-tokens", "1500")
-    ask(page, "Write a very long story about a heron.")
-    page.wait_for_function("document.querySelectorAll('.message.assistant')[0].textContent.length > 20",
-                           timeout=60_000)
+    start_a_long_answer(page, default_server)
     page.click("#new-chat")
     page.wait_for_function("!document.getElementById('send').disabled")
     # the next answer is held before its first byte (the route never continues), then stopped
