@@ -61,7 +61,8 @@ class FakeReplica:
             return web.json_response({"late": True})
         if mode == "echo":
             return web.json_response({"bytes": len(raw), "query": request.query_string,
-                                      "auth": request.headers.get("Authorization")})
+                                      "auth": request.headers.get("Authorization"),
+                                      "forwarded_for": request.headers.get("X-Forwarded-For")})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -153,7 +154,11 @@ def test_requests_on_one_connection_are_answered_in_order_pipelined_or_not():
                 answer = (await client.post("/v1/completions?x=1", content=json.dumps({"pad": "p" * size}),
                                             headers={"Authorization": "Bearer k"})).json()
                 assert answer == {"bytes": len(json.dumps({"pad": "p" * size})), "query": "x=1",
-                                  "auth": "Bearer k"}
+                                  "auth": "Bearer k", "forwarded_for": "127.0.0.1"}
+            # the client's address joins those of the proxies before the router (a replica trusting the
+            # router keys its rate limit by it: every client behind the router shared one bucket)
+            answer = (await client.post("/v1/completions", json={}, headers={"X-Forwarded-For": "10.0.0.7"})).json()
+            assert answer["forwarded_for"] == "10.0.0.7, 127.0.0.1"
         # three requests in one write, the last closing the connection: three answers, in order
         pipelined = (post("/v1/completions", {"a": 1}) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
                      + post("/v1/completions", {"abc": 1}, close=True))

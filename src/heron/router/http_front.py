@@ -57,6 +57,7 @@ class HttpRequest:
     query: str  # the raw query string, '' when none
     headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
     body: bytes
+    client: str = ""  # the peer's address ('' where the transport has none)
 
     @property
     def path_qs(self) -> str:
@@ -163,6 +164,7 @@ class FrontConnection(asyncio.Protocol):
         self._handler = handler
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
+        self._client = ""
         self._queue: deque[tuple[HttpRequest, bool, bool]] = deque()  # request, keep-alive, HTTP/1.0
         self._task: asyncio.Task[None] | None = None
         self._writer: ResponseWriter | None = None
@@ -176,6 +178,8 @@ class FrontConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        peer = transport.get_extra_info("peername")
+        self._client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         send_at_once(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -264,6 +268,7 @@ class FrontConnection(asyncio.Protocol):
             query=(url.query or b"").decode("latin-1"),
             headers=self._headers,
             body=b"".join(self._body),
+            client=self._client,
         )
         keep_alive = self._parser.should_keep_alive()
         self._queue.append((request, keep_alive, self._parser.get_http_version() == "1.0"))

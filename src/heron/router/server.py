@@ -446,7 +446,15 @@ def _event_boundary(tail: bytes) -> bytes:
 
 
 def _passed_headers(request: HttpRequest) -> list[tuple[str, str]]:
-    return [(name, value) for name, value in request.headers.items() if name in _PASSED_HEADERS]
+    """The client's headers a replica needs, and X-Forwarded-For with the
+    client's address added (a replica started with ``--forwarded-allow-ips``
+    naming the router keys its rate limit by it; else every client behind the
+    router shared the router's one bucket)."""
+    passed = [(name, value) for name, value in request.headers.items() if name in _PASSED_HEADERS]
+    if request.client:
+        earlier = request.headers.get("x-forwarded-for")
+        passed.append(("x-forwarded-for", f"{earlier}, {request.client}" if earlier else request.client))
+    return passed
 
 
 def _discard(_: bytes) -> None:
