@@ -103,7 +103,8 @@ def test_a_compile_failure_after_admission_names_the_field():
         raise InvalidRequestError("the output constraint could not be compiled: x", "structured_outputs")
 
     async def main(param: str) -> tuple[list[str], InvalidRequestError]:
-        [stream] = serving_common.name_constraint_errors([engine_stream()], param)
+        constrained = SamplingParams(structured_outputs={"regex": "a+"})
+        [stream] = serving_common.name_constraint_errors([engine_stream()], [constrained], param)
         seen = []
         with pytest.raises(InvalidRequestError) as info:
             async for output in stream:

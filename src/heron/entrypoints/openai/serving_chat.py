@@ -107,7 +107,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         streams = start_generation(ctx, [prompt], [params], engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
-    streams = name_constraint_errors(streams, param)
+    streams = name_constraint_errors(streams, [params], param)
     builder = _ChatBuilder(ctx, request, prompt, request_id, int(time.time()), top_logprobs, tools)
     if request.stream:
         return streaming_response(ctx, builder.stream(streams), engine_id, 1)

@@ -312,11 +312,12 @@ async def check_constraints(params: Sequence[SamplingParams], param: str) -> Non
 
 
 def name_constraint_errors(
-    streams: list[AsyncIterator[RequestOutput]], param: str
+    streams: list[AsyncIterator[RequestOutput]], params: Sequence[SamplingParams], param: str
 ) -> list[AsyncIterator[RequestOutput]]:
     """The streams, with a constraint the engine could not compile (after
-    admission) reported against ``param`` rather than ``structured_outputs``."""
-    if param == "structured_outputs":
+    admission) reported against ``param`` rather than ``structured_outputs``
+    (wrapped only where a request is constrained)."""
+    if param == "structured_outputs" or all(sample.structured_outputs is None for sample in params):
         return streams
     return [_renamed_constraint_errors(stream, param) for stream in streams]
 

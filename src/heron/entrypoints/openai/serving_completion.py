@@ -95,7 +95,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         streams = start_generation(ctx, prompts, params, engine_id, request.priority, request.cache_salt)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
-    streams = name_constraint_errors(streams, param)
+    streams = name_constraint_errors(streams, params, param)
     builder = _CompletionBuilder(ctx, request, prompts, request_id, created)
     if request.stream:
         return streaming_response(ctx, builder.stream(streams), engine_id, len(prompts))

@@ -135,7 +135,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
         streams = start_generation(ctx, [prompt], [params], response_id, 0, None)
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
-    streams = name_constraint_errors(streams, param)
+    streams = name_constraint_errors(streams, [params], param)
     builder = ResponseBuilder(ctx, request, response_id, tools, conversation)
     if request.stream:
         # a failure mid-stream ends it with response.failed; the Responses API has no [DONE]
