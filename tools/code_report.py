@@ -41,8 +41,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("compute", ("heron.attention", "heron.models", "heron.sample")),
     ("worker", ("heron.worker", "heron.spec_decode")),
     ("engine", ("heron.engine", "heron.metrics")),
-    ("router", ("heron.router",)),
-    ("entrypoints", ("heron.entrypoints", "heron.benchmarks")),
+    # the servers: the API server and the router, which renders a request's prompt as the API server does (the
+    # same chat request shapes, tool rewriting and Responses input, imported where it hashes such a request)
+    ("servers", ("heron.router", "heron.entrypoints", "heron.benchmarks")),
 ]
 # Modules every layer may import because they only re-export lazily.
 LAYER_EXEMPT = {"heron"}
