@@ -11,37 +11,7 @@ import time
 from typing import Any
 
 from heron.engine.args import EngineArgs
-
-
-def _at_least(minimum: float, kind: type = int) -> Any:
-    """An argparse type: a number (``kind``) no smaller than ``minimum``; a
-    clear usage error otherwise (0 requests per second divided by zero, a
-    0-prefix dataset too, and --output-len 0 silently became the default)."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value >= minimum:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value
-
-
-POSITIVE = _at_least(1)
-NON_NEGATIVE = _at_least(0)
+from heron.entrypoints.arg_types import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
 
 
 def add_bench_parsers(subcommands: Any) -> None:
@@ -62,9 +32,9 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--label", action="append", default=None, help="a name per --base-url for the report")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     _add_dataset_args(serve)
-    serve.add_argument("--request-rate", type=_positive_float, default=float("inf"))
-    serve.add_argument("--burstiness", type=_positive_float, default=1.0)
-    serve.add_argument("--max-concurrency", type=POSITIVE, default=None)
+    serve.add_argument("--request-rate", type=POSITIVE_FLOAT, default=float("inf"))
+    serve.add_argument("--burstiness", type=POSITIVE_FLOAT, default=1.0)
+    serve.add_argument("--max-concurrency", type=POSITIVE_INT, default=None)
     serve.add_argument("--ignore-eos", action="store_true")
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="e.g. ttft:500 tpot:50 e2el:3000 (ms)")
@@ -78,8 +48,8 @@ def add_bench_parsers(subcommands: Any) -> None:
     throughput = kinds.add_parser("throughput", help="offline throughput through LLM (all requests at once)")
     EngineArgs.add_cli_args(throughput)
     _add_dataset_args(throughput)
-    throughput.add_argument("--input-len", type=POSITIVE, default=None, help="alias of --random-input-len")
-    throughput.add_argument("--output-len", type=POSITIVE, default=None, help="alias of --random-output-len")
+    throughput.add_argument("--input-len", type=POSITIVE_INT, default=None, help="alias of --random-input-len")
+    throughput.add_argument("--output-len", type=POSITIVE_INT, default=None, help="alias of --random-output-len")
     throughput.add_argument("--temperature", type=float, default=1.0)
     throughput.add_argument(
         "--structured-outputs",
@@ -93,11 +63,11 @@ def add_bench_parsers(subcommands: Any) -> None:
 
     latency = kinds.add_parser("latency", help="latency of one fixed batch, repeated")
     EngineArgs.add_cli_args(latency)
-    latency.add_argument("--batch-size", type=POSITIVE, default=8)
-    latency.add_argument("--input-len", type=POSITIVE, default=32)
-    latency.add_argument("--output-len", type=POSITIVE, default=128)
-    latency.add_argument("--num-iters-warmup", type=NON_NEGATIVE, default=2)
-    latency.add_argument("--num-iters", type=POSITIVE, default=10)
+    latency.add_argument("--batch-size", type=POSITIVE_INT, default=8)
+    latency.add_argument("--input-len", type=POSITIVE_INT, default=32)
+    latency.add_argument("--output-len", type=POSITIVE_INT, default=128)
+    latency.add_argument("--num-iters-warmup", type=NON_NEGATIVE_INT, default=2)
+    latency.add_argument("--num-iters", type=POSITIVE_INT, default=10)
     latency.add_argument("--output-json", default=None)
     latency.add_argument("--disable-tqdm", action="store_true")
 
@@ -115,18 +85,18 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix-repetition"])
     group.add_argument("--dataset-path", default=None)
-    group.add_argument("--num-prompts", type=POSITIVE, default=100)
-    group.add_argument("--random-input-len", type=POSITIVE, default=256)
-    group.add_argument("--random-output-len", type=POSITIVE, default=64)
+    group.add_argument("--num-prompts", type=POSITIVE_INT, default=100)
+    group.add_argument("--random-input-len", type=POSITIVE_INT, default=256)
+    group.add_argument("--random-output-len", type=POSITIVE_INT, default=64)
     group.add_argument("--random-range-ratio", type=float, default=0.0)
     group.add_argument("--random-output-range-ratio", type=float, default=None,
                        help="range ratio of output lengths (default: --random-range-ratio)")
-    group.add_argument("--random-prefix-len", type=NON_NEGATIVE, default=0)
-    group.add_argument("--sharegpt-output-len", type=POSITIVE, default=None)
-    group.add_argument("--prefix-repetition-prefix-len", type=NON_NEGATIVE, default=256)
-    group.add_argument("--prefix-repetition-suffix-len", type=POSITIVE, default=64)
-    group.add_argument("--prefix-repetition-num-prefixes", type=POSITIVE, default=4)
-    group.add_argument("--prefix-repetition-output-len", type=POSITIVE, default=64)
+    group.add_argument("--random-prefix-len", type=NON_NEGATIVE_INT, default=0)
+    group.add_argument("--sharegpt-output-len", type=POSITIVE_INT, default=None)
+    group.add_argument("--prefix-repetition-prefix-len", type=NON_NEGATIVE_INT, default=256)
+    group.add_argument("--prefix-repetition-suffix-len", type=POSITIVE_INT, default=64)
+    group.add_argument("--prefix-repetition-num-prefixes", type=POSITIVE_INT, default=4)
+    group.add_argument("--prefix-repetition-output-len", type=POSITIVE_INT, default=64)
     if not any("--seed" in action.option_strings for action in parser._actions):
         group.add_argument("--seed", type=int, default=0)
 

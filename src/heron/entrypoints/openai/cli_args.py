@@ -7,6 +7,7 @@ import os
 
 from heron import envs
 from heron.engine.args import parse_size
+from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_INT
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
 
@@ -30,12 +31,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template in chat requests (a Jinja template the server renders: sandboxed, "
                             "but its loops run on the server's CPU); without it such requests get 400")
-    group.add_argument("--api-server-count", type=_positive_int, default=1,
+    group.add_argument("--api-server-count", type=POSITIVE_INT, default=1,
                        help="API-server processes sharing the port (SO_REUSEPORT), each talking to every engine core")
-    group.add_argument("--dead-engine-grace", type=_non_negative_float, default=5.0, metavar="SECONDS",
+    group.add_argument("--dead-engine-grace", type=NON_NEGATIVE_FLOAT, default=5.0, metavar="SECONDS",
                        help="when the engine core dies: seconds the server goes on answering 503 (so clients and "
                             "load balancers see it) before it exits with code 1, for a supervisor to restart it")
-    group.add_argument("--shutdown-timeout", type=_non_negative_float, default=5.0, metavar="SECONDS",
+    group.add_argument("--shutdown-timeout", type=NON_NEGATIVE_FLOAT, default=5.0, metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
                             "are refused meanwhile) before the rest are cut; 0 cuts them at once. A supervisor's "
                             "kill timeout (Kubernetes' terminationGracePeriodSeconds) should exceed it")
@@ -59,7 +60,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--max-waiting-requests", type=int, default=None,
                          help="requests without a first token beyond which new ones get 429")
     gateway.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
-    gateway.add_argument("--stream-stall-timeout", type=_non_negative_float, default=60.0, metavar="SECONDS",
+    gateway.add_argument("--stream-stall-timeout", type=NON_NEGATIVE_FLOAT, default=60.0, metavar="SECONDS",
                          help="end a stream (abort its request, close the connection) whose client has taken no "
                               "bytes for this long while the server had some to send; 0 disables")
     gateway.add_argument("--max-request-body-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -108,23 +109,3 @@ def read_chat_template(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value

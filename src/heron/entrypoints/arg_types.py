@@ -1,0 +1,31 @@
+"""Argparse types for bounded numbers: a value out of bounds (or no number at
+all) is a usage error naming the flag, not a ZeroDivisionError later on."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def number_at_least(kind: type[int] | type[float], minimum: float, *, above: bool = False) -> Callable[[str], float]:
+    """A type reading ``kind`` no smaller than ``minimum`` (greater than it when
+    ``above``); NaN is refused too."""
+    bound = f"> {minimum:g}" if above else f">= {minimum:g}"
+    name = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}") from None
+        if not (value > minimum if above else value >= minimum):
+            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = number_at_least(int, 1)
+NON_NEGATIVE_INT = number_at_least(int, 0)
+POSITIVE_FLOAT = number_at_least(float, 0, above=True)
+NON_NEGATIVE_FLOAT = number_at_least(float, 0)
