@@ -101,7 +101,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
     request_id, engine_id = request_ids(request.request_id, "chatcmpl")
-    param = constraint_param(request, tools is not None and tools.choice.constraint() is not None)
+    param = constraint_param(request, tools is not None and tools.choice.constrains)
     await check_constraints([params], param)
     try:
         streams = start_generation(ctx, [prompt], [params], engine_id, request.priority, request.cache_salt)

@@ -129,7 +129,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
     response_id = f"resp_{uuid.uuid4().hex}"
-    param = constraint_param(chat, tools is not None and tools.choice.constraint() is not None, "text.format")
+    param = constraint_param(chat, tools is not None and tools.choice.constrains, "text.format")
     await check_constraints([params], param)
     try:
         streams = start_generation(ctx, [prompt], [params], response_id, 0, None)

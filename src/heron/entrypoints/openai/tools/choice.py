@@ -33,6 +33,11 @@ class ToolChoice:
     named: str | None = None
     parallel: bool = True
 
+    @property
+    def constrains(self) -> bool:
+        """Whether the output is constrained to calls (``constraint`` is not None)."""
+        return self.mode in ("named", "required")
+
     def constraint(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
             assert self.named is not None

@@ -73,7 +73,7 @@ class ToolCallStream:
 
     def finish(self) -> ToolDeltas:
         """What is left to send once the choice has ended."""
-        if self.choice.mode in ("named", "required"):
+        if self.choice.constrains:
             return ToolDeltas()
         parsed = self.parser.parse(self.text, final=True)
         calls = self._limit(parsed.calls)
