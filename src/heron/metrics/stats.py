@@ -88,8 +88,8 @@ class IterationStats:
         """``engine_now`` None with engine events recorded (an abort seen only by
         the front end): the engine spans end at its last known time."""
         if engine_now is None:
-            engine_now = times.last_engine_time() if times.queued is not None else now
-        end = engine_now if engine_now is not None else now
+            engine_now = times.last_engine_time()
+        end = now if engine_now is None else engine_now  # no engine event at all: nothing but this clock
         scheduled = times.scheduled if times.scheduled is not None else end
         queued = times.queued if times.queued is not None else scheduled
         first = times.first_token if times.first_token is not None else end
