@@ -243,6 +243,7 @@ class ReplicaSet:
         replica.subscriber = KVEventSubscriber(self.context, endpoint, replay_endpoint, str(info.get("topic", "")),
                                                replica.index, epoch=info.get("epoch"))
         replica.subscription = asyncio.create_task(replica.subscriber.run(), name=f"kv-events {replica.url}")
+        followed = [endpoint]
         ranks = info.get("ranks")
         for rank, rank_info in enumerate(ranks[1:] if isinstance(ranks, list) else [], start=1):
             if not isinstance(rank_info, dict) or not isinstance(rank_info.get("endpoint"), str):
@@ -253,5 +254,5 @@ class ReplicaSet:
             replica.rank_indexes.append(index)
             replica.rank_subscriptions.append(
                 asyncio.create_task(subscriber.run(), name=f"kv-events {replica.url} rank {rank}"))
-        logger.info("following %s's KV-cache events at %s", replica.url,
-                    ", ".join(r["endpoint"] for r in ranks) if isinstance(ranks, list) else info["endpoint"])
+            followed.append(rank_info["endpoint"])
+        logger.info("following %s's KV-cache events at %s", replica.url, ", ".join(followed))

@@ -60,11 +60,11 @@ _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
-
 @functools.cache
 def chat_page() -> bytes:
     """``heron serve``'s chat page, served by the router too (read once)."""
     return (resources.files("heron.entrypoints.openai") / "static" / "chat.html").read_bytes()
+
 
 class RouterMetrics:
     def __init__(self) -> None:
