@@ -138,3 +138,26 @@ def test_kv_transfer_params_a_server_cannot_honour_are_400s(disaggregated, body,
     assert response.status_code == 400
     error = response.json()["error"]
     assert message in error["message"] and error["param"] == "kv_transfer_params"
+
+
+def test_a_failed_pull_under_the_fail_policy_is_a_500_naming_why():
+    """The engine serves on; the client is told, not handed an empty 200 with
+    finish_reason "abort" (the reason only in the server's log), and the metric
+    counts it as finished_reason "error"."""
+    strict = ServerProcess(*kv_role("kv_consumer"), "--kv-load-failure-policy", "fail")
+    try:
+        handle = {"do_remote_prefill": True, "remote_engine_address": "tcp://127.0.0.1:9",
+                  "remote_request_id": "r", "remote_num_blocks": 5, "remote_block_size": 8}  # this engine's are 16
+        body = {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": handle}
+        url = f"{strict.base_url}/v1/completions"
+        response = httpx.post(url, json=body, timeout=60)
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert error["code"] == "engine_error" and "blocks hold 8 tokens" in error["message"]
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as streamed:
+            lines = [line for line in streamed.iter_lines() if line]
+        assert streamed.status_code == 200 and "blocks hold 8 tokens" in lines[-2] and lines[-1] == "data: [DONE]"
+        assert strict.metric("heron:request_success_total", finished_reason="error") == 2
+        assert complete(strict.base_url).choices[0].finish_reason == "length"  # it serves on
+    finally:
+        strict.stop()

@@ -194,7 +194,8 @@ def test_unusable_files_fail_the_request_when_asked(llama, tmp_path):
     llm, with_prefix, expected = _written_then_damaged(llama, tmp_path, _flip_a_payload_byte,
                                                        kv_load_failure_policy="fail")
     failed, = generate(llm, with_prefix[1:2])
-    assert failed.finish_reason == "abort" and failed.token_ids == []
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert "KV blocks could not be loaded (kv_load_failure_policy 'fail')" in failed.error
     settle(llm)
     check(llm, with_prefix[2:], expected)  # the damaged blocks are forgotten: recomputed, not failed again
 

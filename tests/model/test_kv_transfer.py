@@ -110,7 +110,8 @@ def test_a_vanished_prefill_engine_is_recomputed_or_fails_per_policy(llama):
     strict = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 1},
                  kv_load_failure_policy="fail", **POOL)
     failed, = decode_with(strict, prompts[:1], [params])
-    assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    assert "KV blocks could not be loaded" in failed.outputs[0].error
     books_balance(strict)
 
 
@@ -250,7 +251,8 @@ def test_a_block_size_mismatch_fails_the_request_under_the_fail_policy(llama):
                  kv_load_failure_policy="fail", **POOL)
     handle = {**_handle("tcp://127.0.0.1:9"), "remote_block_size": 16}
     failed, = decode_with(strict, prompts[:1], [handle])
-    assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    assert "blocks hold 16 tokens, this engine's" in failed.outputs[0].error
     books_balance(strict)
 
 

@@ -477,7 +477,7 @@ class Scheduler(SchedulerKVMixin):
 
     def take_failure_outputs(self) -> list[EngineCoreOutput]:
         """Final outputs of the requests failed since the last call (grammar, KV load)."""
-        outputs = [EngineCoreOutput(failed.request_id, [], finish_reason="abort",
+        outputs = [EngineCoreOutput(failed.request_id, [], finish_reason=failed.status.finish_reason,
                                     num_cached_tokens=max(failed.num_cached_tokens, 0),
                                     error=self._failure_errors.pop(failed.request_id, None))
                    for failed in self._failed_requests]
@@ -489,7 +489,7 @@ class Scheduler(SchedulerKVMixin):
         assert self.structured_output is not None
         if not self.structured_output.accept(request.request_id, token_id):
             logger.error("%s sampled token %d that its grammar forbids", request.request_id, token_id)
-            request.status = RequestStatus.FINISHED_ABORTED
+            request.status = RequestStatus.FINISHED_ERROR
             return True
         if self.structured_output.is_terminated(request.request_id):
             request.status = RequestStatus.FINISHED_STOPPED

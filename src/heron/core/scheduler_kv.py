@@ -44,6 +44,7 @@ class SchedulerKVMixin:
     waiting: RequestQueue
     requests: dict[str, Request]
     _failed_requests: list[Request]
+    _failure_errors: dict[str, str | None]
 
     def _free_request(self, request: Request, keep_blocks: bool = False) -> None: ...
 
@@ -105,7 +106,7 @@ class SchedulerKVMixin:
                 self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
                 request.num_cached_tokens = -1  # what is found again when it is admitted
                 if self.kv_load_failure_policy == "fail":
-                    self._fail_request(request)
+                    self._fail_request(request, f"{len(failed)} of its prompt's KV blocks could not be loaded")
                     continue
             else:
                 request.num_computed_tokens = num_computed
@@ -149,7 +150,8 @@ class SchedulerKVMixin:
             self._release_remote(request, params)  # nothing will be pulled: its lease held the blocks till expiry
             if self.kv_load_failure_policy == "fail":
                 self.waiting.pop()  # the head of the queue: this request
-                self._fail_request(request)
+                self._fail_request(request, f"the prefill engine's KV blocks hold {params.get('remote_block_size')} "
+                                            f"tokens, this engine's {block_size}")
                 return True
             return None
         if request.sampling_params.prompt_logprobs is not None:
@@ -188,10 +190,12 @@ class SchedulerKVMixin:
         self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
                                              str(params["remote_request_id"]), 0, []))
 
-    def _fail_request(self, request: Request) -> None:
-        """End a request whose prefix could not be had (``kv_load_failure_policy`` "fail")."""
-        request.status = RequestStatus.FINISHED_ABORTED
+    def _fail_request(self, request: Request, reason: str) -> None:
+        """End a request whose prefix could not be had (``kv_load_failure_policy``
+        "fail"): finished "error", ``reason`` for its client."""
+        request.status = RequestStatus.FINISHED_ERROR
         self._failed_requests.append(request)
+        self._failure_errors[request.request_id] = f"{reason} (kv_load_failure_policy 'fail')"
         self._free_request(request)
 
     def _to_loading(self, request: Request, num_hit_tokens: int) -> None:

@@ -47,6 +47,12 @@ class EngineNotReadyError(RuntimeError):
     """The engine core is still loading the model."""
 
 
+class EngineRequestError(RuntimeError):
+    """The engine could not serve one request (finish reason "error": its KV
+    blocks could not be loaded under ``kv_load_failure_policy`` "fail"); the
+    engine itself serves on."""
+
+
 class RequestOutputCollector:
     """Hands outputs from the output loop to one request's consumer. DELTA outputs
     that pile up are merged, so memory per request stays bounded."""
@@ -245,6 +251,9 @@ class AsyncLLM:
             while True:
                 output = await collector.get()
                 finished = output.finished
+                failed = next((sample for sample in output.outputs if sample.finish_reason == "error"), None)
+                if failed is not None:
+                    raise EngineRequestError(failed.error or "the engine failed the request")
                 error = next((sample.error for sample in output.outputs if sample.error), None)
                 if error is not None:  # the engine could not run it as asked (a constraint it could not compile)
                     raise InvalidRequestError(error, "structured_outputs")

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from heron.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError
+from heron.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError, EngineRequestError
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import (
     APIError,
@@ -426,6 +426,8 @@ def engine_error(exc: BaseException) -> APIError | None:
         return unavailable(str(exc), "model_loading")
     if isinstance(exc, InvalidRequestError):
         return invalid_input(exc)
+    if isinstance(exc, EngineRequestError):
+        return APIError(500, f"The engine could not serve the request: {exc}", "server_error", code="engine_error")
     return None
 
 
