@@ -7,6 +7,7 @@ host-tier saves."""
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -97,6 +98,25 @@ def test_a_delete_the_file_system_refuses_leaves_the_writer_running(tmp_path):
     assert store.flush(timeout=10)
     assert layout.path_for(b"c" * 32).is_file() and blocked.is_dir()
     store.close()
+
+
+def test_writers_sharing_a_directory_never_share_a_temporary_file(tmp_path, monkeypatch):
+    """Temporary files were named by PID alone: two engines in one process (or
+    replicas in separate PID namespaces on one shared file system) writing the
+    same block truncated each other's file, and a reader could see half a block."""
+    renamed: list[str] = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append(os.fspath(src)), replace(src, dst))[1])
+    pool = caches()
+    layout = DiskTierLayout.create(tmp_path, b"f" * 16, BlockCodec(pool).block_bytes)
+    stores = [DiskKVStore(layout, pool, LoadReports()) for _ in range(2)]
+    for store in stores:
+        store.apply(DiskOps(writes=[(1, bytes([len(renamed)]) * 32)]))
+        assert store.flush(timeout=10)
+        store.close()
+    suffixes = [name.split(".kv", 1)[1] for name in renamed]  # the part after the block's own name
+    assert len(suffixes) == 2 and suffixes[0] != suffixes[1]
+    assert all(suffix.endswith(".tmp") and str(os.getpid()) in suffix for suffix in suffixes)
 
 
 def test_blocks_saved_to_the_host_tier_leave_before_a_disk_load_refills_them(tmp_path, monkeypatch):

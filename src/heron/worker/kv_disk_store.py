@@ -7,8 +7,9 @@ copies blocks out of the pool.
   row per block) and queues each row; queues deletes after
   the writes (in one FIFO, so a delete never overtakes a write of the same
   block); queues the loads.
-- The writer writes ``<name>.<pid>.tmp`` then renames it over the block's file
-  (a reader sees a whole file or none), skipping blocks already on disk
+- The writer writes ``<name>.<pid>-<random>.tmp`` then renames it over the
+  block's file (a reader sees a whole file or none; the random part keeps
+  replicas in other PID namespaces sharing the directory apart), skipping blocks already on disk
   (another replica wrote them). A failed write (disk full) loses that block
   only: a later load of it fails and is handled by the load-failure policy.
 - The loader reads each block, from the writer's queue when not written yet,
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -63,6 +65,7 @@ class DiskKVStore:
             raise ValueError(f"the disk tier's layout holds {layout.payload_bytes} bytes per block, "
                              f"the caches {self.codec.block_bytes}")
         self.max_buffered_bytes = max_buffered_bytes
+        self._tmp_suffix = f".{os.getpid()}-{secrets.token_hex(4)}.tmp"  # this writer's alone
         self._lock = threading.Condition()
         self._buffered: dict[BlockHash, torch.Tensor] = {}  # captured, not written yet
         self._buffered_bytes = 0
@@ -164,7 +167,7 @@ class DiskKVStore:
         path = self.layout.path_for(block_hash)
         path.parent.mkdir(exist_ok=True)
         payload = memoryview(buffer.numpy().data)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(path.name + self._tmp_suffix)
         try:
             with open(tmp, "wb") as file:
                 file.write(self.layout.header(block_hash, payload))
