@@ -17,6 +17,12 @@ MAX_LOGPROBS = 20
 # tensors there): a top_k past them stopped the engine core.
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+# The sampler works in float32: a temperature past float32's range became inf
+# (a banned token's -inf / inf is NaN: the whole row NaN, token 0 "sampled"), and a
+# repetition penalty near 0 divided a logit into inf. Within these bounds every
+# logit stays finite; beyond them sampling is already uniform or one-hot.
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 _EPS = 1e-5
 
 
@@ -157,8 +163,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not isinstance(getattr(self, name), (int, float)) or not math.isfinite(getattr(self, name)):
                 fail(name, f"must be a finite number, got {getattr(self, name)!r}")  # NaN passes every comparison
-        if self.temperature < 0.0:
-            fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            fail("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
@@ -169,8 +175,9 @@ class SamplingParams:
             fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            fail("repetition_penalty", f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

@@ -19,6 +19,9 @@ from heron.sampling_params import SamplingParamError, SamplingParams
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"frequency_penalty": -3.0}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty"),  # 0 in float32: logits divided into inf
+        ({"repetition_penalty": 1e7}, "repetition_penalty"),
+        ({"temperature": 1e39}, "temperature"),  # inf in float32: -inf / inf made the row NaN
         ({"logprobs": 21}, "logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),

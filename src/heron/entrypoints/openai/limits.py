@@ -11,7 +11,7 @@ against the prompt by the handlers)."""
 
 from __future__ import annotations
 
-from heron.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+from heron.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE
 
 # choices per prompt (OpenAI's own bound)
 MAX_N = 128
@@ -26,6 +26,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_TOOLS = 128
 # logprobs (completions), top_logprobs (chat) and prompt_logprobs: the engine's bound
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
+# temperature and repetition_penalty: where the sampler's float32 arithmetic stays finite
+MAX_SAMPLING_TEMPERATURE = MAX_TEMPERATURE
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = REPETITION_PENALTY_RANGE
 
 # top_k, seed and priority: integers every JSON implementation reads exactly
 # (I-JSON, RFC 7493), so the schema's bounds are exact too (FastAPI writes them as

@@ -17,11 +17,14 @@ from heron.entrypoints.openai.limits import (
     MAX_INT,
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
+    MAX_REPETITION_PENALTY,
+    MAX_SAMPLING_TEMPERATURE,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     MIN_INT,
+    MIN_REPETITION_PENALTY,
 )
 
 Int64 = Annotated[int, Field(ge=MIN_INT, le=MAX_INT)]
@@ -66,7 +69,7 @@ class SamplingFields(OpenAIModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_SAMPLING_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -80,7 +83,7 @@ class SamplingFields(OpenAIModel):
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
