@@ -96,10 +96,17 @@ def test_completions_n2_logprobs_and_echo(client):
         assert "".join(lp.tokens) == choice.text
         assert all(len(top) >= 2 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
     assert response.usage.completion_tokens == 4 * 6
+    # the top 2 and the token itself, sampled (at temperature 1) below them or not (OpenAI: up to logprobs+1)
+    for choice in response.choices:
+        lp = choice.logprobs
+        assert all(token in top and len(top) <= 3 for token, top in zip(lp.tokens, lp.top_logprobs))
+    assert any(len(top) == 3 for choice in response.choices for top in choice.logprobs.top_logprobs)
     echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, echo=True,
                                      logprobs=1)
     assert echo.choices[0].text.startswith("Hello there")
-    assert echo.choices[0].logprobs.token_logprobs[0] is None
+    lp = echo.choices[0].logprobs
+    assert lp.token_logprobs[0] is None
+    assert all(token in top for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
 
 
 def test_chat_logprobs_shape(client):

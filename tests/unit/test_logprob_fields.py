@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from heron.entrypoints.openai.errors import APIError
 from heron.entrypoints.openai.logprob_fields import (
+    TextOffsets,
     chat_logprobs,
     check_prompt_logprobs,
     completion_token_label,
@@ -91,3 +92,14 @@ def test_completion_labels_name_a_partial_character_by_its_bytes(embedded_tokeni
     partial = [token_id for token_id in range(300) if "\ufffd" in embedded_tokenizer.decode([token_id])]
     assert len(partial) > 10
     assert len({completion_token_label(embedded_tokenizer, token_id) for token_id in partial}) == len(partial)
+
+
+def test_text_offsets_count_a_split_character_once(embedded_tokenizer):
+    """Each offset is the number of whole characters before the token; the
+    pieces of a character split over tokens each counted one U+FFFD, so the
+    offsets ran past the text (and disagreed with a stream's)."""
+    ids = embedded_tokenizer.encode(TEXT, add_special_tokens=False)
+    offsets = TextOffsets(embedded_tokenizer, 7)
+    got = [offsets.advance(token_id, embedded_tokenizer.decode([token_id])) for token_id in ids]
+    assert got == [7 + len(embedded_tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert offsets.offset == 7 + len(TEXT)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import codecs
 from functools import lru_cache
 from typing import Any
 
@@ -65,11 +66,41 @@ def completion_token_label(tokenizer: Any, token_id: int, text: str | None = Non
     if "\ufffd" not in text:
         return text
     raw = token_bytes(tokenizer).of(token_id)
+    if not _is_partial(raw):
+        return text  # a real U+FFFD
+    return "bytes:" + "".join(chr(byte) if 0x20 <= byte < 0x7F else f"\\x{byte:02x}" for byte in raw)
+
+
+class TextOffsets:
+    """Completions' ``text_offset``: where each token's text starts in the
+    answer, in characters. A token holding part of a character adds nothing
+    until the token that completes it adds the character (its text alone,
+    U+FFFD, counted one character per piece: the offsets ran past the text and
+    disagreed with a stream's, which counts the text delivered)."""
+
+    def __init__(self, tokenizer: Any, start: int) -> None:
+        self._table = token_bytes(tokenizer)
+        self._pending = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = start
+
+    def advance(self, token_id: int, text: str) -> int:
+        """The offset of this token (``text``: its text alone); moves past it."""
+        here = self.offset
+        raw = self._table.of(token_id) if "\ufffd" in text else None
+        if raw is not None and _is_partial(raw):
+            self.offset += len(self._pending.decode(raw))
+        else:
+            self.offset += len(self._pending.decode(b"", final=True)) + len(text)
+            self._pending.reset()
+        return here
+
+
+def _is_partial(raw: bytes) -> bool:
     try:
         raw.decode("utf-8")
-        return text  # a real U+FFFD
+        return False
     except UnicodeDecodeError:
-        return "bytes:" + "".join(chr(byte) if 0x20 <= byte < 0x7F else f"\\x{byte:02x}" for byte in raw)
+        return True
 
 
 def _logprob_entry(lp: Logprob) -> dict[str, Any]:

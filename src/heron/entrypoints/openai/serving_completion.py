@@ -14,6 +14,7 @@ from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.logprob_fields import (
     MIN_LOGPROB,
+    TextOffsets,
     check_prompt_logprobs,
     completion_token_label,
     prompt_logprobs_field,
@@ -162,22 +163,23 @@ class _CompletionBuilder:
             entries = prompt_logprobs or [None] * len(prompt_ids)
             pairs += list(zip(prompt_ids, entries))
         pairs += list(zip(token_ids, logprobs))
-        offset = text_offset
+        offset = TextOffsets(self.tokenizer, text_offset)
         num_top = self.request.logprobs or 0
         for token_id, entry in pairs:
             text = self.tokenizer.decode([token_id])
             tokens.append(completion_token_label(self.tokenizer, token_id, text))
-            offsets.append(offset)
-            offset += len(text)
+            offsets.append(offset.advance(token_id, text))
             if entry is None:
                 token_logprobs.append(None)
                 top.append(None)
                 continue
             token_logprobs.append(max(entry[token_id].logprob, MIN_LOGPROB))
+            # the top `logprobs` and the token itself (OpenAI: "up to logprobs+1 elements"): cutting the ranked
+            # entries at `logprobs` dropped a sampled token ranked below them
             ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
             top.append({
                 completion_token_label(self.tokenizer, tid, lp.decoded_token): max(lp.logprob, MIN_LOGPROB)
-                for tid, lp in ranked[: max(num_top, 1)]
+                for place, (tid, lp) in enumerate(ranked) if place < num_top or tid == token_id
             })
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
