@@ -14,9 +14,12 @@ import pytest
 from heron.entrypoints.openai.limits import (
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
+    MAX_REPETITION_PENALTY,
+    MAX_SAMPLING_TEMPERATURE,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
 )
 from tests.e2e.server_process import ServerProcess
 
@@ -87,6 +90,17 @@ def test_logprobs(server):
     assert_rejected(complete(server, "/v1/chat/completions", logprobs=True, top_logprobs=MAX_TOP_LOGPROBS + 1),
                     "top_logprobs")
     assert_rejected(complete(server, prompt_logprobs=MAX_TOP_LOGPROBS + 1), "prompt_logprobs")
+
+
+def test_temperature_and_repetition_penalty_keep_the_sampler_finite(server):
+    for fields in ({"temperature": MAX_SAMPLING_TEMPERATURE, "min_tokens": 1},
+                   {"repetition_penalty": MIN_REPETITION_PENALTY}, {"repetition_penalty": MAX_REPETITION_PENALTY}):
+        response = complete(server, max_tokens=2, seed=1, **fields)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"], response.text
+    assert_rejected(complete(server, temperature=MAX_SAMPLING_TEMPERATURE * 10), "temperature")
+    assert_rejected(complete(server, repetition_penalty=MIN_REPETITION_PENALTY / 10), "repetition_penalty")
+    assert_rejected(complete(server, "/v1/chat/completions", repetition_penalty=MAX_REPETITION_PENALTY * 10),
+                    "repetition_penalty")
 
 
 def test_max_tokens_fills_the_context_and_no_more(server):
