@@ -1,12 +1,11 @@
 """Speculative decoding on a tiny random Llama, float32: greedy output with
 n-gram or draft-model drafts is token-identical to transformers' greedy decoding in every
 batching situation (chunked prefill, prefix-cache hits, preemption, mixed with
-requests that have no drafts), and sampled output with drafts follows the same
-next-token distribution as without them."""
+requests that have no drafts), and seeded sampled output with drafts is the
+output without them."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -94,37 +93,36 @@ def test_draft_model_greedy_is_identical_in_every_batching_situation(tiny_model_
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_next_tokens_follow_the_same_distribution(tiny_model_dir, method):
-    """Two-sample chi-square test on each generated token after the first (the
-    ones drafts can cover) over many seeded samples, with and without n-gram
-    drafts; top_k keeps the support small enough to count. (The tiny random
-    model repeats itself, so its own outputs give the n-gram drafts.)"""
+def test_seeded_samples_are_the_tokens_drawn_without_drafts(tiny_model_dir, method):
+    """Many seeded samples (top_k keeps some drafts accepted, some rejected), with
+    and without drafts: each request's tokens are the same, also when a small
+    step budget trims its drafts. A seeded row's noise depends only on its seed
+    and position, and a certain draft is accepted when the row's own draw is it;
+    a uniform for the test and then a draw from the residual took two draws from
+    the row's generator, so seeded output changed with the batch and differed
+    from plain sampling (the distribution was right, the tokens were not
+    reproducible). The tiny random model repeats itself, so its own outputs give
+    the n-gram drafts."""
     directory = tiny_model_dir("llama")
     reference = load_reference(directory)
     prompt = looping_prompts(reference)[1]
-    num_samples = 1500
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+    num_samples = 300
+    params = [SamplingParams(max_tokens=6, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
               for seed in range(num_samples)]
     kwargs = dict(dtype="float32", max_model_len=128, num_kv_blocks=256, max_num_seqs=256)
-    plain = LLM(directory, **kwargs).generate([prompt] * num_samples, params, use_tqdm=False)
-    # the target as its own (greedy) draft: its drafts sit in the top-k, so some
-    # are accepted and some rejected
+    plain = [o.outputs[0].token_ids for o in LLM(directory, **kwargs).generate([prompt] * num_samples, params,
+                                                                                use_tqdm=False)]
+    # the target as its own (greedy) draft: its drafts sit in the top-k
     config = NGRAM if method == "ngram" else {"method": "draft_model", "model": directory, "num_speculative_tokens": 3}
     llm = LLM(directory, speculative_config=config, **kwargs)
-    spec = llm.generate([prompt] * num_samples, params, use_tqdm=False)
-    assert llm.engine.engine_core.scheduler.spec_stats.num_accepted_tokens > 100
-    for position in (1, 2, 3):
-        a = [o.outputs[0].token_ids[position] for o in plain]
-        b = [o.outputs[0].token_ids[position] for o in spec]
-        keys = sorted(set(a) | set(b))
-        counts = np.array([[a.count(k) for k in keys], [b.count(k) for k in keys]], dtype=float)
-        counts = counts[:, counts.sum(axis=0) >= 10]  # chi-square needs populated cells
-        expected = counts.sum(axis=1, keepdims=True) * counts.sum(axis=0, keepdims=True) / counts.sum()
-        chi2 = float(((counts - expected) ** 2 / expected).sum())
-        dof = counts.shape[1] - 1
-        # p < 0.001 critical value, approximated (Wilson-Hilferty) for any dof
-        critical = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3 if dof else 0.0
-        assert chi2 < critical, (position, chi2, critical, dof)
+    spec = [o.outputs[0].token_ids for o in llm.generate([prompt] * num_samples, params, use_tqdm=False)]
+    stats = llm.engine.engine_core.scheduler.spec_stats
+    assert 50 < stats.num_accepted_tokens < stats.num_draft_tokens  # some accepted, some rejected
+    assert spec == plain
+    trimmed = LLM(directory, speculative_config=config, **{**kwargs, "max_num_batched_tokens": 10})
+    few = 40
+    assert [o.outputs[0].token_ids for o in trimmed.generate([prompt] * few, params[:few], use_tqdm=False)] \
+        == plain[:few]
 
 
 def test_a_draft_model_runs_into_the_model_length_and_catches_up_on_prompt_chunks(tiny_model_dir):

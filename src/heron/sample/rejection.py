@@ -7,12 +7,20 @@ after the last verified token). Walking ``j = 0, 1, ...``:
 
 * greedy rows accept ``d_{j+1}`` while it is the argmax of ``p_j``; the first
   mismatch outputs the argmax instead;
-* random rows accept ``d_{j+1}`` with probability ``min(1, p_j(d) / q_j(d))``
-  (``q_j`` is the draft's distribution; an n-gram draft is certain, ``q = 1``);
-  the first rejection outputs a draw from ``max(p_j - q_j, 0)`` renormalised.
-  This is the standard speculative sampling rule (Leviathan et al. 2023, Chen et
-  al. 2023): the token emitted at every position is distributed exactly as
-  ``p_j``.
+* random rows with a draft distribution ``q_j`` accept ``d_{j+1}`` with
+  probability ``min(1, p_j(d) / q_j(d))``; the first rejection outputs a draw
+  from ``max(p_j - q_j, 0)`` renormalised. This is the standard speculative
+  sampling rule (Leviathan et al. 2023, Chen et al. 2023): the token emitted at
+  every position is distributed exactly as ``p_j``;
+* random rows with certain drafts (an n-gram copy, a greedy draft model:
+  ``q_j(d) = 1``) draw ``x ~ p_j`` exactly as sampling without speculation
+  would, with the row's own noise, and accept ``d_{j+1}`` when ``x`` is it, else
+  emit ``x``. That is the rule above for ``q = 1`` (accepted with probability
+  ``p_j(d)``; a rejection's ``x`` is a draw from ``p_j`` without ``d``), and a
+  seeded request's tokens are then the ones it gets without speculation,
+  whatever its batch: its noise depends only on its seed and the position,
+  where a uniform for the test and then the residual's draw took two draws
+  from the row's generator (and which rows had drafts changed with the batch).
 
 If every draft is accepted, the last row gives one more ("bonus") token, so a
 step emits between 1 and ``k + 1`` tokens.
@@ -79,21 +87,12 @@ class RejectionSampler:
         emitted = target_argmax.clone()
         if not metadata.all_greedy:
             probs = Sampler.probabilities(processed, metadata)
-            uniform = _uniform(len(logits), metadata.generators, self.generator, device)
-            draft_p = probs[draft_rows, drafts]
-            draft_q = (
-                draft_probs[torch.arange(len(drafts)), drafts] if draft_probs is not None else torch.ones_like(draft_p)
-            )
-            random_accept = uniform[draft_rows] * draft_q < draft_p  # u < min(1, p / q)
-            accepted = torch.where(greedy_row[draft_rows], accepted, random_accept)
-            residual = probs.clone()
-            if draft_probs is not None:
-                residual[draft_rows] = (probs[draft_rows] - draft_probs).clamp(min=0)
+            if draft_probs is None:
+                drawn = sample_from_probs(probs, metadata.generators, self.generator)
+                random_accept = drawn[draft_rows] == drafts
             else:
-                residual[draft_rows, drafts] = 0.0
-            # a residual of all zeros only happens where the draft is always accepted
-            residual = residual / residual.sum(dim=-1, keepdim=True).clamp(min=1e-30)
-            drawn = sample_from_probs(residual, metadata.generators, self.generator)
+                random_accept, drawn = self._against_draft_probs(probs, metadata, draft_rows, drafts, draft_probs)
+            accepted = torch.where(greedy_row[draft_rows], accepted, random_accept)
             emitted = torch.where(greedy_row, target_argmax, drawn)
 
         accepted_list = accepted.tolist()
@@ -111,6 +110,27 @@ class RejectionSampler:
             token_ids.append(draft_token_ids[request_index][:num_accepted] + [emitted_list[row]])
             rows.append(list(range(base, row + 1)))
         return RejectionOutput(token_ids, rows)
+
+    def _against_draft_probs(
+        self,
+        probs: torch.Tensor,
+        metadata: SamplingMetadata,
+        draft_rows: torch.Tensor,
+        drafts: torch.Tensor,
+        draft_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per draft whether it is accepted (``u < min(1, p / q)``), and per row
+        what it emits when the walk stops there: a draw from the residual
+        ``max(p - q, 0)`` (draft rows) or from ``p`` (bonus rows)."""
+        uniform = _uniform(len(probs), metadata.generators, self.generator, probs.device)
+        draft_p = probs[draft_rows, drafts]
+        draft_q = draft_probs[torch.arange(len(drafts), device=probs.device), drafts]
+        accepted = uniform[draft_rows] * draft_q < draft_p
+        residual = probs.clone()
+        residual[draft_rows] = (probs[draft_rows] - draft_probs).clamp(min=0)
+        # a residual of all zeros only happens where the draft is always accepted
+        residual = residual / residual.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+        return accepted, sample_from_probs(residual, metadata.generators, self.generator)
 
 
 def _uniform(
