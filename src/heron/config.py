@@ -187,14 +187,34 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         check_choice("speculative_config.method", self.method, SpeculativeMethod)
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16]")
-        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16], "
+                             f"got {self.num_speculative_tokens!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            # each step tries every length from max down to min, each over the whole sequence: the cost grows
+            # with max squared (10**6 took 2.7 s a step at 2,000 tokens)
+            value = getattr(self, name)
+            if not _is_int(value) or not 1 <= value <= MAX_PROMPT_LOOKUP:
+                raise ValueError(f"speculative_config.{name} must be an integer in [1, {MAX_PROMPT_LOOKUP}], "
+                                 f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config needs prompt_lookup_min <= prompt_lookup_max")
         if self.quantization is not None:
             check_choice("speculative_config.quantization", self.quantization, ResolvedQuantization)
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config.model must be a path or model id, got {self.model!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.method 'draft_model' needs 'model' (the draft model's path)")
+        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
+            raise ValueError("speculative_config: 'model' and 'quantization' are for method 'draft_model', "
+                             "not 'ngram'")
+
+
+MAX_PROMPT_LOOKUP = 32
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

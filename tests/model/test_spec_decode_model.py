@@ -130,7 +130,10 @@ def test_a_draft_model_runs_into_the_model_length_and_catches_up_on_prompt_chunk
     whether the draft's K/V is. Two faults: a step of prompt chunks alone (no
     request sampling) skipped the draft's catch-up, so its K/V of those chunks
     was never written and most drafts were rejected; and a request reaching
-    max_model_len drafted past it, indexing past its block table (IndexError)."""
+    max_model_len drafted past it, indexing past its block table (IndexError).
+    A draft whose context is exactly max_model_len serves it to the end (it was
+    refused: the check asked for room for the drafts past the limit, where no
+    draft goes)."""
     directory = tiny_model_dir("llama")
     reference = load_reference(directory)
     spec = {"method": "draft_model", "model": directory, "num_speculative_tokens": 3}
@@ -157,3 +160,11 @@ def test_a_draft_model_runs_into_the_model_length_and_catches_up_on_prompt_chunk
                               use_tqdm=False)
     assert output.outputs[0].finish_reason == "length"
     assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 6)
+
+    full = LLM(directory, dtype="float32", max_model_len=256, block_size=16, num_kv_blocks=32,
+               speculative_config=spec)  # the tiny models' whole context, the draft's too
+    [prompt] = random_prompts([240], seed=6)
+    [output] = full.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                             use_tqdm=False)
+    assert output.outputs[0].finish_reason == "length"
+    assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 16)

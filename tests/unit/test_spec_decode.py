@@ -41,6 +41,14 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
          "prompt_lookup"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
+        # each of these used to start a server whose engine died at the first request, or gave a TypeError traceback
+        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2.5}, "prompt_lookup_max"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": "2"}, "prompt_lookup_min"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": None}, "prompt_lookup_max"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 10**6}, r"\[1, 32\]"),
+        ({"method": "draft_model", "num_speculative_tokens": 3, "model": 5}, "model must be a path"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "/some/draft"}, "for method 'draft_model'"),
     ],
 )
 def test_bad_speculative_configs_name_the_problem(config, fragment):

@@ -203,10 +203,11 @@ def draft_model_config(speculative: SpeculativeConfig, target: ModelConfig) -> M
             f"target's ({target.vocab_size}): speculative decoding needs the same tokenizer"
         )
     draft_max_len = model_context_length(hf_config)
-    if draft_max_len < target.max_model_len + speculative.num_speculative_tokens:
+    # drafts never run past max_model_len (the proposer and the slots stop there): the draft's context need only hold it
+    if draft_max_len < target.max_model_len:
         raise ValueError(
             f"the draft model's context ({draft_max_len} tokens) is shorter than max_model_len "
-            f"({target.max_model_len}) plus the drafts; lower max_model_len"
+            f"({target.max_model_len}); lower max_model_len"
         )
     return replace(
         target,
