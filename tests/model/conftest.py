@@ -42,11 +42,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral-sliding-window": dict(model_type="mistral", sliding_window=16, head_dim=16),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),
     "qwen3": dict(model_type="qwen3", head_dim=32),
+    # Qwen's long-context setting; the original context below the prompts, so the ramp and attention factor show
+    "qwen3-yarn-rope": dict(model_type="qwen3", head_dim=32, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
 }
 
 FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
     "gemma": dict(model_type="gemma", head_dim=16, num_key_value_heads=1, hidden_activation="gelu_pytorch_tanh"),
     "phi3": dict(model_type="phi3", pad_token_id=0),
+    # a native family with a RoPE type heron does not compute: transformers runs it under "auto"
+    "llama-dynamic-rope": dict(model_type="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                    "factor": 2.0}),
 }
 
 

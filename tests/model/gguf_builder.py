@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
 from heron.loader.gguf_file import GGUFFile
@@ -60,6 +60,10 @@ def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q]) -> No
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    if config.rope_parameters.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(config.rope_parameters["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(config.rope_parameters["original_max_position_embeddings"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)

@@ -156,6 +156,25 @@ def test_tiny_mixed_quant_gguf_matches_transformers(tiny_gguf):
     assert "<|im_start|>" in llm.get_tokenizer().chat_template
 
 
+def test_a_yarn_gguf_matches_transformers(tmp_path, embedded_tokenizer):
+    """llama.cpp's rope.scaling.* keys for YaRN (Qwen's long-context GGUFs): they
+    were refused ("GGUF rope scaling 'yarn' is not supported")."""
+    from transformers import AutoModelForCausalLM
+
+    directory = build_tiny_model(str(tmp_path / "src"), dict(model_type="llama", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
+        embedded_tokenizer)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    path = str(tmp_path / "yarn.gguf")
+    write_tiny_llama_gguf(path, reference, {})
+    llm = LLM(path, dtype="float32", quantization="none", max_model_len=128, num_kv_blocks=32)
+    assert llm.config.model.hf_config.rope_parameters["rope_type"] == "yarn"
+    prompts = random_prompts([7, 45], seed=12)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 10)
+
+
 def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     from heron.engine.args import EngineArgs
     from heron.loader.export import export_hf_directory

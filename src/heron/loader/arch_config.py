@@ -51,8 +51,22 @@ class ArchConfig(SimpleNamespace):
         return AutoConfig.for_model(self.model_type, **values)
 
 
+# the RoPE types heron computes itself (models/layers/rotary.py); a native family with another runs
+# through transformers under model_impl "auto"
+NATIVE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def is_native_family(model_type: str) -> bool:
     return model_type in FAMILY_DEFAULTS
+
+
+def rope_type_of(values: dict[str, Any]) -> str:
+    """The RoPE type a config.json asks for (``rope_parameters``, or the older ``rope_scaling``)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = values.get(key)
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
+            return str(params.get("rope_type") or params.get("type"))
+    return "default"
 
 
 def sliding_window_of_layer(config: Any, layer_idx: int) -> int | None:

@@ -11,7 +11,7 @@ scaling) are carried into the config as ``heron_rope_freq_factors``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,6 +62,24 @@ def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
     return GGUF_ARCHITECTURES[arch]
 
 
+def _rope_scaling(get: Callable[..., Any], context_length: int) -> dict[str, Any]:
+    """llama.cpp's ``rope.scaling.*`` keys as transformers' rope parameters."""
+    scaling_type = get("rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return {}
+    factor = float(get("rope.scaling.factor", 1.0))
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if scaling_type == "yarn" and not get("rope.scaling.yarn_log_multiplier"):
+        yarn = {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": int(get("rope.scaling.original_context_length", context_length))}
+        for beta in ("beta_fast", "beta_slow"):
+            if get(f"rope.scaling.yarn_{beta}") is not None:
+                yarn[beta] = float(get(f"rope.scaling.yarn_{beta}"))
+        return yarn
+    raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (supported: linear, yarn)")
+
+
 def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
     """Build the model config (the fields transformers' config would hold) from the
     GGUF metadata."""
@@ -77,11 +95,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
     head_dim = int(get("attention.key_length", hidden_size // num_heads))
     vocab_size = int(get("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))))
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
-    scaling_type = get("rope.scaling.type")
-    if scaling_type == "linear":
-        rope_parameters.update(rope_type="linear", factor=float(get("rope.scaling.factor", 1.0)))
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    rope_parameters.update(_rope_scaling(get, int(get("context_length", 2048))))
     kwargs: dict[str, Any] = dict(
         model_type=model_type,
         architectures=[architecture],

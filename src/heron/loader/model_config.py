@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from heron.loader.arch_config import arch_config_from_dict, is_native_family
+from heron.loader.arch_config import NATIVE_ROPE_TYPES, arch_config_from_dict, is_native_family, rope_type_of
 from heron.loader.model_source import ModelSource
 
 
@@ -26,7 +26,9 @@ def load_hf_config(source: ModelSource, model_impl: str = "auto") -> Any:
             values = json.load(handle)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read the model config {config_path}: {exc}") from exc
-    if is_native_family(str(values.get("model_type"))) and model_impl != "transformers":
+    native_rope = rope_type_of(values) in NATIVE_ROPE_TYPES
+    if is_native_family(str(values.get("model_type"))) and (model_impl == "native" or
+                                                            (model_impl == "auto" and native_rope)):
         return arch_config_from_dict(values)
     from transformers import AutoConfig
 

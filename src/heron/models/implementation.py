@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from heron.loader.arch_config import NATIVE_ROPE_TYPES
+from heron.loader.model_config import rope_parameters
+
 
 class ModelDescription(Protocol):
     """What the choice reads (config.ModelConfig has it; no import of config here,
@@ -38,9 +41,15 @@ def native_architecture(model_config: ModelDescription) -> str | None:
 
 
 def select_implementation(model_config: ModelDescription) -> str:
-    """"native" or "transformers", or a ValueError naming what is supported."""
+    """"native" or "transformers", or a ValueError naming what is supported. A
+    native family whose RoPE type heron does not compute ("dynamic",
+    "longrope"...) runs through transformers under "auto"."""
     native = native_architecture(model_config)
-    if model_config.model_impl != "transformers" and native is not None:
+    rope_type = rope_parameters(model_config.hf_config)["rope_type"]
+    if model_config.model_impl == "native" and native is not None and rope_type not in NATIVE_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported natively (native: "
+                         f"{', '.join(NATIVE_ROPE_TYPES)}); use model_impl='transformers' or 'auto'")
+    if model_config.model_impl != "transformers" and native is not None and rope_type in NATIVE_ROPE_TYPES:
         return "native"
     supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
     if model_config.model_impl == "native":

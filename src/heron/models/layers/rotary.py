@@ -2,9 +2,13 @@
 outputs match): inverse frequencies in float32, angles = position * inv_freq,
 applied to the two halves of each head ("rotate half", NeoX style).
 
-RoPE types: "default", "linear" (positions divided by a factor) and "llama3"
-(frequency-dependent scaling of Llama 3.1+). Explicit per-frequency factors, as
-llama.cpp stores them in GGUF files, divide the inverse frequencies.
+RoPE types: "default", "linear" (positions divided by a factor), "llama3"
+(frequency-dependent scaling of Llama 3.1+) and "yarn" (Qwen's long-context
+setting: frequencies blended between interpolated and extrapolated along a
+ramp, and cos/sin scaled by an attention factor). Explicit per-frequency
+factors, as llama.cpp stores them in GGUF files, divide the inverse
+frequencies. Other types ("dynamic", "longrope") run through transformers
+(``models/implementation.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from heron.loader.arch_config import NATIVE_ROPE_TYPES
 
 
 def compute_inv_freq(rotary_dim: int, rope: dict[str, Any]) -> torch.Tensor:
@@ -38,9 +44,59 @@ def compute_inv_freq(rotary_dim: int, rope: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, rope, base)
     raise ValueError(
-        f"rope_type {rope_type!r} is not supported natively (supported: default, linear, llama3)"
+        f"rope_type {rope_type!r} is not supported natively (supported: {', '.join(NATIVE_ROPE_TYPES)})"
     )
+
+
+def _yarn_factor(rope: dict[str, Any]) -> float:
+    return float(rope["factor"])
+
+
+def _yarn_inv_freq(rotary_dim: int, rope: dict[str, Any], base: float) -> torch.Tensor:
+    """Frequencies whose wavelength fits the original context many times keep
+    their value (extrapolated), those that fit it less than once are divided by
+    the factor (interpolated), and a linear ramp over dimensions blends between
+    (the correction range from ``beta_fast`` / ``beta_slow`` rotations)."""
+    factor = _yarn_factor(rope)
+    original = float(rope["original_max_position_embeddings"])
+    beta_fast = float(rope.get("beta_fast") or 32)
+    beta_slow = float(rope.get("beta_slow") or 1)
+
+    def dimension_of(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).to(torch.float32) / rotary_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+
+
+def attention_factor(rope: dict[str, Any]) -> float:
+    """What cos and sin are multiplied by: 1, except for YaRN (its
+    ``attention_factor``, else ``0.1 ln(factor) + 1``, or the ratio of two such
+    terms with ``mscale`` / ``mscale_all_dim``)."""
+    if rope.get("rope_type") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = _yarn_factor(rope)
+
+    def scale(mscale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return scale(float(mscale)) / scale(float(mscale_all_dim))
+    return scale()
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,8 +128,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_position, dtype=torch.float32)
         angles = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
         emb = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
+        scaling = attention_factor(self.rope)
+        self.register_buffer("cos_cache", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scaling).to(device), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for the step's positions, ``[T, 1, D]``; computed once
