@@ -198,3 +198,15 @@ def test_a_block_server_that_cannot_listen_names_the_option():
 
     with pytest.raises(ValueError, match="kv_ip must be an address of this machine"):
         KVBlockServer([torch.zeros(2, 4, 2, 1, 8)], b"f", "bogus host", 0)
+
+
+def test_yarn_extends_the_context_to_the_original_times_the_factor():
+    """Qwen3's YaRN setting keeps max_position_embeddings 40960 beside factor 4 over
+    32768: the model takes 131072 tokens (as vLLM reads it), not 40960."""
+    from heron.loader.arch_config import arch_config_from_dict
+    from heron.loader.model_config import model_context_length
+
+    values = {"model_type": "qwen3", "max_position_embeddings": 40960, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert model_context_length(arch_config_from_dict(values)) == 131072
+    assert model_context_length(arch_config_from_dict({**values, "rope_scaling": None})) == 40960

@@ -22,7 +22,7 @@ from heron.config import (
     SpeculativeConfig,
     check_choice,
 )
-from heron.loader.model_config import load_hf_config
+from heron.loader.model_config import load_hf_config, model_context_length
 from heron.loader.model_source import ModelSource, resolve_model_source
 
 if TYPE_CHECKING:
@@ -175,14 +175,6 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
             f"max_model_len={requested} is larger than the model's maximum context length ({model_max_len})"
         )
     return requested
-
-
-def model_context_length(hf_config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def architecture_of(hf_config: Any) -> str:

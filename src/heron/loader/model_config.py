@@ -54,6 +54,22 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return result
 
 
+def model_context_length(hf_config: Any) -> int:
+    """The longest sequence the model takes: its position limit, or for YaRN
+    the original context times the factor where that is longer (Qwen's configs
+    keep the short limit beside the scaling, as vLLM reads them)."""
+    length = 2048
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            length = value
+            break
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
+        length = max(length, int(float(rope["factor"]) * int(rope["original_max_position_embeddings"])))
+    return length
+
+
 def head_dim_of(hf_config: Any) -> int:
     head_dim = getattr(hf_config, "head_dim", None)
     if isinstance(head_dim, int) and head_dim > 0:

@@ -22,7 +22,7 @@ from torch import nn
 
 from heron.attention.backend import AttentionLayerSpec, AttentionMetadata
 from heron.loader.arch_config import sliding_window_of_layer
-from heron.loader.model_config import head_dim_of, rope_parameters
+from heron.loader.model_config import head_dim_of, model_context_length, rope_parameters
 from heron.models.base import CausalLM
 from heron.models.layers.attention import Attention
 from heron.models.layers.fused import fused_kernels_for
@@ -131,7 +131,7 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = nn.Embedding(int(config.vocab_size), hidden)
         self.rotary = RotaryEmbedding(
             head_dim=head_dim_of(config),
-            max_position=int(config.max_position_embeddings),
+            max_position=model_context_length(config),
             rope=rope_parameters(config),
             freq_factors=getattr(config, "heron_rope_freq_factors", None),
         )
