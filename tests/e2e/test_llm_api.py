@@ -176,6 +176,12 @@ def test_unknown_path_and_unsupported_architecture(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"")
     assert resolve_model_source(str(tmp_path)) == ModelSource("gguf", str(tmp_path / "model.gguf"), "model")
     (tmp_path / "model.gguf").unlink()
+    for part in (1, 2):  # llama.cpp's split files: said "pass one of them", and one of them lacked weights
+        (tmp_path / f"big-0000{part}-of-00002.gguf").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="GGUF split into 2 files.*llama-gguf-split --merge"):
+        resolve_model_source(str(tmp_path))
+    for part in (1, 2):
+        (tmp_path / f"big-0000{part}-of-00002.gguf").unlink()
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
     with pytest.raises(ValueError, match="not supported.*LlamaForCausalLM.*Qwen3ForCausalLM"):

@@ -131,3 +131,18 @@ def test_a_sharded_checkpoint_loads_and_a_missing_shard_is_named_before_loading(
     (tmp_path / "sharded" / shards[1]).unlink()
     with pytest.raises(FileNotFoundError, match=f"1 of them are missing \\({shards[1]}\\)"):
         LLM(sharded, dtype="float32", max_model_len=64, num_kv_blocks=16)
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="is not a readable safetensors index"):  # was KeyError: 'weight_map'
+        LLM(sharded, dtype="float32", max_model_len=64, num_kv_blocks=16)
+
+
+def test_a_truncated_safetensors_file_is_named(tiny_model_dir, tmp_path):
+    """A partial download: the traceback said "incomplete metadata" and named no file."""
+    import shutil
+
+    directory = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir("llama"), directory)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ValueError, match=f"{weights} is not a readable safetensors file"):
+        LLM(str(directory), dtype="float32", max_model_len=64, num_kv_blocks=16)

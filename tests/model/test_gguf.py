@@ -118,6 +118,42 @@ def test_not_a_gguf_file_is_rejected(tmp_path):
     path.write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFFile(str(path))
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(str(path))
+
+
+def test_a_truncated_gguf_says_so(all_types_file, tmp_path):
+    """A partial download: cut in the header it was a struct.error traceback; cut
+    in the tensor data it failed only at weight loading, as a reshape error."""
+    data = open(all_types_file[0], "rb").read()
+    cut = tmp_path / "cut.gguf"
+    for size, where in ((100, "header is truncated"), (len(data) - 1000, "past the end of the file")):
+        cut.write_bytes(data[:size])
+        with pytest.raises(ValueError, match=where):
+            GGUFFile(str(cut))
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"general.type": "adapter"}, "is a GGUF adapter"),
+    ({"split.count": 3, "split.no": 0}, "part 1 of a GGUF split into 3 files"),
+])
+def test_gguf_files_that_are_no_whole_model_are_named(tmp_path, metadata, message):
+    """A LoRA adapter gave TypeError: int() ... NoneType; a split's first part said
+    that weights were missing."""
+    from heron.loader.gguf_model import gguf_to_hf_config
+
+    path = str(tmp_path / "part-00001-of-00003.gguf")
+    writer = GGUFWriter(path, "llama")
+    for key, value in metadata.items():
+        (writer.add_string if isinstance(value, str) else writer.add_uint32)(key, value)
+    writer.add_tensor("t", np.zeros((2, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=message):
+        gguf_to_hf_config(GGUFFile(path))
 
 
 @pytest.fixture(scope="module")

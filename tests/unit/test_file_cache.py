@@ -114,3 +114,38 @@ def test_a_file_copied_in_with_its_old_time_gets_an_entry_of_its_own(tmp_path, m
     assert os.stat(source).st_mtime_ns == stat.st_mtime_ns and os.stat(source).st_size == stat.st_size
     assert entry_path("float", [str(source)], "v1") != before
 
+
+
+def test_a_full_disk_is_a_warning_and_leaves_no_partial_file(tmp_path, monkeypatch, caplog):
+    """safetensors reports a failed write (ENOSPC, EFBIG) as its own SafetensorError,
+    not OSError: it escaped, and the model did not load."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as handle:
+            handle.write(b"half a file")
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "model.gguf"
+    checkpoint.write_bytes(b"weights")
+    path = entry_path("float", [str(checkpoint)], "v1")
+    assert path is not None
+    with caplog.at_level("WARNING", logger="heron.loader.file_cache"):
+        save_entry(path, {"w": torch.arange(4.0)}, [str(checkpoint)])  # no exception
+    assert "File too large" in caplog.text and os.listdir(os.path.dirname(path)) == []
+
+
+def test_a_damaged_entry_is_removed_to_be_built_again(tmp_path, monkeypatch):
+    """A truncated entry failed every later start until someone found and deleted it."""
+    from heron.loader.weights import _readable_entry
+
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "model.gguf").write_bytes(b"weights")
+    path = _entry(str(tmp_path / "model.gguf"))
+    assert _readable_entry(path)
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) - 4)
+    assert not _readable_entry(path) and not os.path.exists(path)

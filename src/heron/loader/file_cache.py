@@ -59,18 +59,23 @@ def save_entry(path: str, tensors: dict[str, torch.Tensor], sources: list[str],
                metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` to the entry ``path`` (from ``entry_path``), then remove
     the entries it makes stale. A failed write is a warning, not an error."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     described = {**(metadata or {}), "sources": json.dumps([os.path.abspath(p) for p in sources])}
+    partial = f"{path}.{os.getpid()}.partial"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        partial = f"{path}.{os.getpid()}.partial"
         save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, partial, metadata=described)
         os.replace(partial, path)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         logger.warning("could not write the weight cache entry %s: %s (the next start builds it again; "
                        "HERON_CACHE_DIR names another directory, HERON_DISABLE_WEIGHT_CACHE=1 skips the cache)",
                        path, exc)
+        try:
+            os.remove(partial)  # up to 0.5 GB of a file no one will read
+        except OSError:
+            pass
         return
     prune(path)
 

@@ -75,11 +75,29 @@ class GGUFFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if os.path.getsize(path) < 4:
+            raise GGUFFormatError(f"{path} is not a GGUF file ({os.path.getsize(path)} bytes)")
         self._data = np.memmap(path, dtype=np.uint8, mode="r")
         self._buffer = memoryview(self._data)  # type: ignore[arg-type]
         self._pos = 0
         if bytes(self._buffer[:4]) != _GGUF_MAGIC:
             raise GGUFFormatError(f"{path} is not a GGUF file (bad magic)")
+        try:
+            self._parse()
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:  # a header cut short, or garbage in it
+            if isinstance(exc, GGUFFormatError):
+                raise
+            raise GGUFFormatError(f"{path}: the GGUF header is truncated or damaged ({exc}): "
+                                  "an incomplete download or copy?") from exc
+        finally:
+            del self._buffer
+        end = max((info.data_offset + info.num_bytes for info in self.tensors.values()), default=0)
+        if end > len(self._data):
+            raise GGUFFormatError(f"{path}: the tensor data ends {end - len(self._data)} bytes past the end of the "
+                                  f"file ({len(self._data)} bytes): an incomplete download or copy?")
+
+    def _parse(self) -> None:
+        path = self.path
         self._pos = 4
         self.version = self._scalar(_UINT32)
         if self.version not in (2, 3):
@@ -110,7 +128,6 @@ class GGUFFile:
                 data_offset=data_start + offset,
                 num_bytes=_tensor_num_bytes(dims, ggml_type),
             )
-        del self._buffer
 
     @property
     def architecture(self) -> str:

@@ -54,6 +54,15 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
     arch = gguf.architecture
+    kind = gguf.metadata.get("general.type", "model")
+    if kind != "model":  # a LoRA adapter, a vocabulary-only file, an mmproj...
+        raise ValueError(f"{gguf.path} is a GGUF {kind} (general.type {kind!r}), not a model: heron loads model "
+                         "files")
+    split_count = int(gguf.metadata.get("split.count", 1) or 1)
+    if split_count > 1:
+        raise ValueError(f"{gguf.path} is part {int(gguf.metadata.get('split.no', 0)) + 1} of a GGUF split into "
+                         f"{split_count} files, which heron does not load: merge them into one with "
+                         "llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; heron reads GGUF files of "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,6 +68,9 @@ def resolve_model_source(model: str | None) -> ModelSource:
     )
 
 
+_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # llama.cpp's split files: NAME-00001-of-00003.gguf
+
+
 def _source_from_directory(model: str, path: str) -> ModelSource:
     path = os.path.abspath(path)
     names = os.listdir(path)
@@ -77,6 +81,11 @@ def _source_from_directory(model: str, path: str) -> ModelSource:
     ggufs = sorted(name for name in names if name.endswith(".gguf"))
     if len(ggufs) == 1:
         return ModelSource("gguf", os.path.join(path, ggufs[0]), _name_of(ggufs[0]))
+    if len(ggufs) > 1 and all(_SPLIT_GGUF.search(name) for name in ggufs):
+        raise ModelNotFoundError(
+            f"directory {model!r} holds a GGUF split into {len(ggufs)} files, which heron does not load: merge "
+            "them into one with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`"
+        )
     if len(ggufs) > 1:
         raise ModelNotFoundError(
             f"directory {model!r} holds several GGUF files ({', '.join(ggufs)}); pass one of them"

@@ -27,8 +27,14 @@ _CACHE_FORMAT = "1"  # bump when the GGUF -> HF tensor mapping changes
 def safetensors_files(directory: str) -> list[str]:
     index_path = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as index_file:
-            weight_map: dict[str, str] = json.load(index_file)["weight_map"]
+        try:
+            with open(index_path, encoding="utf-8") as index_file:
+                weight_map: dict[str, str] = json.load(index_file)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of file names")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index_path} is not a readable safetensors index ({type(exc).__name__}: {exc})") \
+                from exc
         shards = [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
         # checked before any is read: a shard missing from a partial download failed only
         # when its turn came, after the others had been read
@@ -64,11 +70,33 @@ def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tens
 
 
 def _iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(path, framework="pt") as checkpoint:
+    try:
+        checkpoint = safe_open(path, framework="pt")
+    except SafetensorError as exc:  # truncated, empty, or not safetensors at all: the traceback named no file
+        raise ValueError(f"{path} is not a readable safetensors file ({exc}): an incomplete download or copy?") \
+            from exc
+    with checkpoint:
         for name in checkpoint.keys():  # noqa: SIM118 - safe_open is not a dict
             yield name, checkpoint.get_tensor(name)
+
+
+def _readable_entry(path: str) -> bool:
+    """Whether a cache entry opens; a damaged one (truncated, overwritten) is
+    removed, to be built again: it failed every later start."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt"):
+            return True
+    except (SafetensorError, OSError) as exc:
+        logger.warning("ignoring the damaged weight cache entry %s (%s); building it again", path, exc)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        return False
 
 
 def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,7 +104,7 @@ def _iterate_gguf_cached(model_config: ModelConfig) -> Iterator[tuple[str, torch
     from heron.loader.gguf_model import iterate_gguf_weights
 
     cache_path = entry_path("float", checkpoint_files(model_config), _CACHE_FORMAT)
-    if cache_path is not None and os.path.isfile(cache_path):
+    if cache_path is not None and os.path.isfile(cache_path) and _readable_entry(cache_path):
         yield from _iterate_safetensors(cache_path)
         return
     tensors: dict[str, torch.Tensor] = {}
