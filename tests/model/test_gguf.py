@@ -211,6 +211,27 @@ def test_a_yarn_gguf_matches_transformers(tmp_path, embedded_tokenizer):
         assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 10)
 
 
+def test_end_of_turn_tokens_end_generation(tmp_path, embedded_tokenizer, monkeypatch):
+    """An instruct GGUF whose EOS is <|endoftext|> and whose end-of-turn token is
+    <|im_end|> (llama.cpp's tokenizer.ggml.eot_token_id; Llama 3.1's eom too):
+    only EOS stopped generation, so chat ran past the end of its turn."""
+    from transformers import AutoModelForCausalLM
+
+    directory = build_tiny_model(str(tmp_path / "src"), dict(model_type="llama"), embedded_tokenizer)
+    add_eos = GGUFWriter.add_eos_token_id
+
+    def eos_and_eot(writer, _):
+        add_eos(writer, 0)  # <|endoftext|>
+        writer.add_eot_token_id(2)  # <|im_end|>
+        writer.add_eom_token_id(2)  # the same id again: counted once
+
+    monkeypatch.setattr(GGUFWriter, "add_eos_token_id", eos_and_eot)
+    path = str(tmp_path / "eot.gguf")
+    write_tiny_llama_gguf(path, AutoModelForCausalLM.from_pretrained(directory), {})
+    llm = LLM(path, dtype="float32", max_model_len=64, num_kv_blocks=16)
+    assert llm.engine.input_processor.eos_token_ids == (0, 2)
+
+
 def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     from heron.engine.args import EngineArgs
     from heron.loader.export import export_hf_directory

@@ -89,6 +89,20 @@ def _rope_scaling(get: Callable[..., Any], context_length: int) -> dict[str, Any
     raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (supported: linear, yarn)")
 
 
+def _end_tokens(meta: dict[str, Any]) -> int | list[int] | None:
+    """The tokens that end generation: EOS, and llama.cpp's end-of-turn and
+    end-of-message tokens where the file names them (Llama 3.1's <|eom_id|>, a
+    chat model's <|im_end|> beside a base EOS): one id, or a list of them."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = meta.get(key)
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    if len(ids) <= 1:
+        return ids[0] if ids else None
+    return ids
+
+
 def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
     """Build the model config (the fields transformers' config would hold) from the
     GGUF metadata."""
@@ -120,7 +134,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
         rope_parameters=rope_parameters,
         tie_word_embeddings="output.weight" not in gguf.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        eos_token_id=_end_tokens(meta),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
     if model_type == "qwen2":
