@@ -146,3 +146,24 @@ def test_a_truncated_safetensors_file_is_named(tiny_model_dir, tmp_path):
     weights.write_bytes(weights.read_bytes()[:5000])
     with pytest.raises(ValueError, match=f"{weights} is not a readable safetensors file"):
         LLM(str(directory), dtype="float32", max_model_len=64, num_kv_blocks=16)
+
+
+def test_the_tokenizer_comes_from_where_tokenizer_says(tiny_model_dir, tmp_path, monkeypatch):
+    """--tokenizer takes what --model takes (a GGUF file, a directory, "~"); a
+    directory without tokenizer files says so. Each was an OSError traceback from
+    transformers ("Repo id must use alphanumeric chars", "sentencepiece or tiktoken")."""
+    import shutil
+
+    from heron.loader.model_source import ModelNotFoundError, default_model_path
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir("llama"), bare, ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
+    with pytest.raises(ValueError, match="cannot load a tokenizer from .*it has none of tokenizer.json"):
+        LLM(str(bare), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_model_dir("llama"), tmp_path / "tok", ignore=shutil.ignore_patterns("*.safetensors"))
+    for tokenizer in ("~/tok", default_model_path()):
+        llm = LLM(str(bare), tokenizer=tokenizer, dtype="float32", max_model_len=64, num_kv_blocks=16)
+        assert llm.get_tokenizer().encode("Hello world") == [19556, 905]
+    with pytest.raises(ModelNotFoundError, match="tokenizer '/nonexistent/tok' not found"):
+        LLM(str(bare), tokenizer="/nonexistent/tok", dtype="float32", max_model_len=64, num_kv_blocks=16)

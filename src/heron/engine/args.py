@@ -46,7 +46,7 @@ from heron.engine.resolve import (
     resolve_quantization,
 )
 from heron.loader.model_config import load_hf_config
-from heron.loader.model_source import resolve_model_source
+from heron.loader.model_source import resolve_model_source, resolve_tokenizer_source
 
 
 def parse_size(text: str) -> int:
@@ -254,7 +254,7 @@ class EngineArgs:
             model_impl=self.model_impl,
             quantization=quantization,
             seed=self.seed,
-            tokenizer=self.tokenizer,
+            tokenizer=resolve_tokenizer_source(self.tokenizer) if self.tokenizer else None,
         )
         select_implementation(model_config)  # unsupported architectures fail here, early
         return model_config

@@ -116,7 +116,26 @@ def _looks_like_hub_id(model: str) -> bool:
     )
 
 
-def _download_from_hub(repo_id: str) -> str:
+def resolve_tokenizer_source(tokenizer: str) -> str:
+    """``--tokenizer``: a GGUF file (its vocabulary), a local directory, or a Hub
+    id (its tokenizer files only), as a local path; ``~`` expands. A path that
+    does not exist, or a Hub id that cannot be fetched, is a ModelNotFoundError
+    naming it (each was an OSError traceback from transformers)."""
+    path = os.path.expanduser(tokenizer)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return os.path.abspath(path)
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    if os.path.exists(path):
+        raise ModelNotFoundError(f"tokenizer {tokenizer!r} is a file but not a .gguf file; pass a GGUF file or a "
+                                 "directory with the tokenizer's files")
+    if _looks_like_hub_id(tokenizer):
+        return _download_from_hub(tokenizer, ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"])
+    raise ModelNotFoundError(f"tokenizer {tokenizer!r} not found: pass a local directory with the tokenizer's "
+                             "files, a .gguf file, or a Hugging Face Hub id")
+
+
+def _download_from_hub(repo_id: str, patterns: list[str] | None = None) -> str:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a dependency of transformers
@@ -126,7 +145,7 @@ def _download_from_hub(repo_id: str) -> str:
     try:
         return snapshot_download(
             repo_id,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+            allow_patterns=patterns or ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
             etag_timeout=10,
         )
     except Exception as exc:  # network, auth, missing repo: all mean "cannot get it"

@@ -20,11 +20,22 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     """Return a transformers tokenizer (fast) for the model. (AutoTokenizer is
     imported only where it is used: it imports torch, which a GGUF's byte-level
     BPE tokenizer, built here, does not need in the API server.)"""
-    if model_config.tokenizer or model_config.source_format == "hf":
-        from transformers import AutoTokenizer
+    source = model_config.tokenizer or model_config.model
+    if source.endswith(".gguf") and os.path.isfile(source):
+        return load_gguf_tokenizer(source)
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
-    return load_gguf_tokenizer(model_config.model)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:  # no tokenizer files, or files transformers cannot read
+        files = [name for name in _TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+        why = "it has none of " + ", ".join(_TOKENIZER_FILES) if not files else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"cannot load a tokenizer from {source} ({why}); --tokenizer names another "
+                         "directory, GGUF file or Hub id to take it from") from exc
+
+
+# what transformers builds a tokenizer from
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_gguf_tokenizer(path: str) -> Any:
