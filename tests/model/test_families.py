@@ -167,3 +167,19 @@ def test_the_tokenizer_comes_from_where_tokenizer_says(tiny_model_dir, tmp_path,
         assert llm.get_tokenizer().encode("Hello world") == [19556, 905]
     with pytest.raises(ModelNotFoundError, match="tokenizer '/nonexistent/tok' not found"):
         LLM(str(bare), tokenizer="/nonexistent/tok", dtype="float32", max_model_len=64, num_kv_blocks=16)
+
+
+def test_a_fallback_checkpoint_missing_a_weight_is_refused(tiny_model_dir, tmp_path):
+    """transformers fills a missing weight with random values and prints a report:
+    the model ran and answered garbage, where a native family refuses the checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "phi3"
+    shutil.copytree(tiny_model_dir("phi3"), directory)
+    weights = load_file(directory / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 1 of the model's weights \\(model.layers.1.mlp.down_proj.weight\\)"):
+        LLM(str(directory), dtype="float32", max_model_len=64, num_kv_blocks=16)

@@ -76,9 +76,19 @@ class TransformersCausalLM(CausalLM):
         from transformers import AutoModelForCausalLM
 
         _register_with_transformers()
-        self.hf_model = AutoModelForCausalLM.from_pretrained(
-            model_config.model, dtype=model_config.dtype, attn_implementation=ATTENTION_NAME
-        ).to(device).eval()  # type: ignore[arg-type]  # transformers types .to for PreTrainedModel only
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            model_config.model, dtype=model_config.dtype, attn_implementation=ATTENTION_NAME,
+            output_loading_info=True,
+        )
+        hf_model, loading = loaded
+        # transformers fills a missing weight with random values and only prints a report: the model ran,
+        # and answered garbage (a native family refuses such a checkpoint)
+        missing = sorted(loading.get("missing_keys") or [])
+        if missing:
+            raise ValueError(f"{model_config.model}: the checkpoint lacks {len(missing)} of the model's weights "
+                             f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): an incomplete "
+                             "download or export?")
+        self.hf_model = hf_model.to(device).eval()
         config = self.hf_model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = int(text_config.num_attention_heads)
