@@ -67,6 +67,8 @@ def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q]) -> No
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
+    if config.rope_parameters.get("rope_type") == "llama3":  # llama.cpp keeps Llama 3.1's scaling as factors
+        writer.add_tensor("rope_freqs.weight", llama3_freq_factors(config))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(source["tokenizer.ggml.pre"])
     writer.add_token_list(source["tokenizer.ggml.tokens"])
@@ -108,3 +110,24 @@ def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q]) -> No
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def llama3_freq_factors(config) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs.weight: per frequency, how
+    much llama3 scaling divides it."""
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    original, low, high, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                                   rope["high_freq_factor"], rope["factor"])
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

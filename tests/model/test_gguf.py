@@ -234,7 +234,7 @@ def test_end_of_turn_tokens_end_generation(tmp_path, embedded_tokenizer, monkeyp
 
 def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     from heron.engine.args import EngineArgs
-    from heron.loader.export import export_hf_directory
+    from heron.entrypoints.convert import export_hf_directory
 
     config = EngineArgs(model=tiny_gguf, dtype="float32", max_model_len=128).create_engine_config()
     output = export_hf_directory(config, str(tmp_path / "hf"))
@@ -246,6 +246,30 @@ def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     converted = LLM(output, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params,
                                                                                            use_tqdm=False)
     assert converted[0].outputs[0].token_ids == original[0].outputs[0].token_ids
+
+
+def test_convert_keeps_llama3_rope_scaling(tmp_path, embedded_tokenizer):
+    """A Llama 3.1-style GGUF keeps its RoPE scaling as per-frequency factors
+    (rope_freqs.weight); the converted config.json said rope_type "default" and
+    the directory computed other logits."""
+    from transformers import AutoModelForCausalLM
+
+    from heron.engine.args import EngineArgs
+    from heron.entrypoints.convert import export_hf_directory
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    directory = build_tiny_model(str(tmp_path / "src"), dict(model_type="llama", rope_parameters=rope),
+                                 embedded_tokenizer)
+    path = str(tmp_path / "llama31.gguf")
+    write_tiny_llama_gguf(path, AutoModelForCausalLM.from_pretrained(directory), {})
+    config = EngineArgs(model=path, dtype="float32", quantization="none", max_model_len=128).create_engine_config()
+    output = export_hf_directory(config, str(tmp_path / "hf"))
+    converted = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+    assert {key: converted.config.rope_parameters[key] for key in rope} == rope
+    prompt, = random_prompts([90], seed=4)  # past the original context: the scaling shows
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert reference_greedy(converted, prompt, 8) == reference_greedy(reference, prompt, 8)
 
 
 @pytest.mark.parametrize("types, expected", [

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_server(args, started)
         if args.command == "convert":
-            from heron.loader.export import export_hf_directory
+            from heron.entrypoints.convert import export_hf_directory
 
             print(export_hf_directory(EngineArgs.from_cli_args(args).create_engine_config(), args.output))
             return 0
