@@ -74,6 +74,18 @@ def test_byte_fallback_tokens_wait_for_the_whole_character(detokenizer_class):
     assert pieces[1] == "" and pieces[4:7] == ["", "", ""]
 
 
+def test_a_prompt_ending_in_byte_tokens_leaves_the_output_whole(detokenizer_class):
+    """The prompt ends in "你好" (six byte tokens) and the model goes on in byte
+    tokens: a five-token window started inside 你, the byte-fallback decoder made
+    the whole stray run U+FFFD, and "世界c" came out as six U+FFFD and "c"."""
+    tok = byte_fallback_tokenizer()
+    to_ids = tok.convert_tokens_to_ids
+    prompt = [to_ids("▁a"), to_ids("▁")] + [to_ids(f"<0x{b:02X}>") for b in "你好".encode()]
+    output = [to_ids(f"<0x{b:02X}>") for b in "世界".encode()] + [to_ids("c")]
+    pieces = stream(tok, prompt, output)
+    assert "".join(pieces) == "世界c" and not any("\ufffd" in piece for piece in pieces)
+
+
 def test_a_dangling_partial_character_is_flushed_at_the_end(detokenizer_class):
     tok = byte_fallback_tokenizer()
     ids = [tok.convert_tokens_to_ids(t) for t in ["▁a", "<0xC3>"]]

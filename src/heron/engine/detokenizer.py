@@ -21,6 +21,7 @@ output) the number of U+FFFD they emit may differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -30,6 +31,20 @@ except ImportError:  # tokenizers older than 0.21
 
 _REPLACEMENT_CHAR = "\ufffd"
 _INITIAL_CONTEXT_TOKENS = 5
+_MAX_CONTEXT_TOKENS = 24
+
+
+def clean_context(decode: Callable[[list[int]], str], token_ids: list[int]) -> list[int]:
+    """The prompt tokens to decode new tokens after: the shortest suffix of at
+    least 5 (up to 24) whose text has no U+FFFD, so it starts on a character
+    boundary; else the last 5. A byte-fallback decoder (Llama 2, Mistral) turns
+    a whole run of stray bytes into U+FFFD: a window starting inside a
+    character made every byte token that followed come out as U+FFFD."""
+    for length in range(_INITIAL_CONTEXT_TOKENS, min(len(token_ids), _MAX_CONTEXT_TOKENS) + 1):
+        window = token_ids[-length:]
+        if _REPLACEMENT_CHAR not in decode(window):
+            return list(window)
+    return list(token_ids[-_INITIAL_CONTEXT_TOKENS:])
 
 
 class IncrementalDetokenizer:
@@ -39,7 +54,7 @@ class IncrementalDetokenizer:
             self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
         else:
             self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        context = clean_context(self._decode, list(prompt_token_ids))
         self._tokens = context
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -86,7 +101,7 @@ class StreamingDetokenizer:
         self._backend = tokenizer.backend_tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        context = clean_context(self._decode, list(prompt_token_ids))
         self._emitted_tail = context  # the newest tokens whose text is out: context for a hand-over
         self._pending: list[int] = []  # tokens pushed since the last emitted text
         self._fallback: IncrementalDetokenizer | None = None
@@ -112,7 +127,7 @@ class StreamingDetokenizer:
         self._pending.append(token_id)
         if text is None:  # a character still split, or a skipped special token
             return ""
-        self._emitted_tail = (self._emitted_tail + self._pending)[-_INITIAL_CONTEXT_TOKENS:]
+        self._emitted_tail = (self._emitted_tail + self._pending)[-_MAX_CONTEXT_TOKENS:]
         self._pending = []
         return text
 
@@ -142,7 +157,7 @@ class StreamingDetokenizer:
     def _settle(self, token_ids: list[int], settled: int) -> None:
         """Book ``token_ids`` as pushed, of which the first ``settled`` emitted their text."""
         if settled:
-            self._emitted_tail = (self._emitted_tail + self._pending + token_ids[:settled])[-_INITIAL_CONTEXT_TOKENS:]
+            self._emitted_tail = (self._emitted_tail + self._pending + token_ids[:settled])[-_MAX_CONTEXT_TOKENS:]
             self._pending = list(token_ids[settled:])
         else:
             self._pending.extend(token_ids)
@@ -152,11 +167,14 @@ class StreamingDetokenizer:
             return self._fallback.flush()
         if not self._pending:
             return ""
-        decode = self._backend.decode
-        prefix = decode(self._emitted_tail, skip_special_tokens=self._skip_special_tokens)
-        full = decode(self._emitted_tail + self._pending, skip_special_tokens=self._skip_special_tokens)
-        self._emitted_tail, self._pending = (self._emitted_tail + self._pending)[-_INITIAL_CONTEXT_TOKENS:], []
+        context = clean_context(self._decode, self._emitted_tail)
+        prefix = self._decode(context)
+        full = self._decode(context + self._pending)
+        self._emitted_tail, self._pending = (self._emitted_tail + self._pending)[-_MAX_CONTEXT_TOKENS:], []
         return full[len(prefix) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens))
 
     def _hand_over(self, token_id: int) -> str:
         """Continue in Python from the text emitted so far."""
