@@ -206,3 +206,51 @@ def test_engine_abort_frees_blocks(llm):
     assert kv_cache_manager.num_free_blocks < kv_cache_manager.num_blocks
     engine.abort_request("abort-me")
     assert_idle(llm)
+
+
+def test_an_interrupt_leaves_nothing_running_in_the_engine_core(llm, monkeypatch):
+    """Ctrl-C while the batch was being added left the requests added so far
+    running in the core; Ctrl-C in a step where a stop string finished a request,
+    before the core was told, left that one running. The next generate() quietly
+    computed them to max_tokens."""
+    engine = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    add_request, calls = engine.add_request, []
+
+    def interrupted_add(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", interrupted_add)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([f"Prompt {i}" for i in range(5)], long, use_tqdm=False)
+    monkeypatch.setattr(engine, "add_request", add_request)
+    assert_idle(llm)
+
+    process_outputs = engine.output_processor.process_outputs
+
+    def interrupted_after_a_stop_string(*args, **kwargs):
+        processed = process_outputs(*args, **kwargs)
+        if processed.request_ids_to_abort:
+            raise KeyboardInterrupt
+        return processed
+
+    monkeypatch.setattr(engine.output_processor, "process_outputs", interrupted_after_a_stop_string)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate("Hello, my name is", long.clone(stop=[",", " "], n=2), use_tqdm=False)
+    monkeypatch.setattr(engine.output_processor, "process_outputs", process_outputs)
+    assert_idle(llm)
+
+
+def test_chat_passes_tools_to_the_template(llm):
+    """vLLM's LLM.chat(..., tools=[...]); heron's raised TypeError."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    template = ("{% for t in tools %}{{ t.function.name }}: {% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    [output] = llm.chat([{"role": "user", "content": "Weather in Paris?"}], SamplingParams(max_tokens=4),
+                        tools=tools, chat_template=template, use_tqdm=False)
+    assert output.prompt == "get_weather: Weather in Paris?" and output.outputs[0].token_ids

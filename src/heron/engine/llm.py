@@ -70,9 +70,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations, each a
-        list of ``{"role": ..., "content": ...}`` messages."""
+        list of ``{"role": ..., "content": ...}`` messages. ``tools`` (OpenAI's
+        function definitions) go to the chat template, as vLLM's ``LLM.chat``
+        passes them; the reply is text (parse calls from it as you would)."""
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations: Sequence[Conversation]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -117,32 +122,31 @@ class LLM:
         # validate every request before adding any, so bad input wastes no work
         for prompt, params in zip(prompts, params_list):
             engine.input_processor.make_requests("validation", prompt, params)
-        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            request_id = engine.next_request_id()
-            engine.add_request(
-                request_id,
-                prompt,
-                params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                priority=priority[index] if priority is not None else 0,
-            )
-            request_ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(
-            total=len(request_ids),
+            total=len(prompts),
             desc="Processed prompts",
-            disable=not use_tqdm or len(request_ids) < 2,
+            disable=not use_tqdm or len(prompts) < 2,
             dynamic_ncols=True,
         )
-        try:
+        try:  # from the first request added: an interrupt while adding left the ones added running
+            for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = engine.next_request_id()
+                request_ids.append(request_id)
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                    priority=priority[index] if priority is not None else 0,
+                )
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         progress.update(1)
         except BaseException:
-            for request_id in request_ids:
-                if request_id not in finished:
-                    engine.abort_request(request_id)
+            for request_id, params in zip(request_ids, params_list):
+                engine.abort_request(request_id, params.n)  # finished ones too: the core may still hold them
             raise
         finally:
             progress.close()

@@ -8,7 +8,7 @@ from typing import Any
 
 from heron.config import EngineConfig
 from heron.engine.core import EngineCore
-from heron.engine.input_processor import InputProcessor, ProcessedPrompt
+from heron.engine.input_processor import InputProcessor, ProcessedPrompt, child_request_id
 from heron.engine.output_processor import OutputProcessor
 from heron.loader.tokenizer import load_tokenizer
 from heron.outputs import RequestOutput
@@ -44,8 +44,14 @@ class LLMEngine:
         for core_request in core_requests:
             self.engine_core.add_request(core_request)
 
-    def abort_request(self, request_id: str) -> None:
-        self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
+    def abort_request(self, request_id: str, num_samples: int = 1) -> None:
+        """Abort a request in the engine core too, even where the front end has
+        already let it go (a stop string finished it in a step that an interrupt
+        cut short before the core heard): ``num_samples`` is its ``n``."""
+        engine_ids = set(self.output_processor.abort_request(request_id))
+        engine_ids.update([request_id] if num_samples == 1 else
+                          [child_request_id(request_id, index) for index in range(num_samples)])
+        self.engine_core.abort_requests(sorted(engine_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
