@@ -134,8 +134,15 @@ def test_min_tokens_suppresses_early_eos(llm):
     assert 2 not in out.outputs[0].token_ids[:19]
 
 
-def test_priority_is_accepted_per_prompt(llm):
-    outputs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
+def test_priority_needs_the_priority_policy(llm):
+    """Under first come, first served a priority was accepted and ignored; vLLM
+    refuses it, and so does heron now."""
+    with pytest.raises(InvalidRequestError, match="scheduling-policy priority") as refused:
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
+    assert refused.value.param == "priority"
+    assert_idle(llm)
+    ordered = LLM(max_model_len=512, scheduling_policy="priority")
+    outputs = ordered.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
     assert len(outputs) == 2
 
 

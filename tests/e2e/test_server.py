@@ -295,6 +295,7 @@ def test_a_client_gone_mid_body_leaves_nothing_behind(server):
         ({"top_k": 2**63}, "top_k", "top_k"),
         ({"seed": 2**64}, "seed", "seed"),
         ({"priority": 2**64}, "priority", "priority"),
+        ({"priority": 1}, "priority", "--scheduling-policy priority"),  # first come, first served: was ignored
         ({"max_tokens": 400, "prompt": "word " * 300}, "max_tokens", "512"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),  # as OpenAI answers
     ],

@@ -131,7 +131,7 @@ class AsyncLLM:
             single = started[0] if isinstance(started, Sequence) else started
             self.client = EngineCoreClient(config, log_level, single)
         self.tokenizer = load_tokenizer(config.model)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.policy == "priority")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = PrometheusStatLogger(config.model.served_model_name, record_engine_stats=record_engine_stats)
         self.stat_logger = LoggingStatLogger(log_stats_interval_s, stats_scope)

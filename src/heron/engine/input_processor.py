@@ -36,9 +36,12 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, priority_scheduling: bool = False) -> None:
+        """``priority_scheduling``: the scheduler orders by ``priority`` (else a
+        request that sets one is refused, as vLLM refuses it: it would be ignored)."""
         from heron.loader.model_config import model_eos_token_ids
 
+        self.priority_scheduling = priority_scheduling
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(model_eos_token_ids(model_config, tokenizer))
@@ -146,6 +149,10 @@ class InputProcessor:
         """Validate and build one engine request per sample (``params.n``)."""
         num_prompt_tokens = len(prompt.token_ids)
         max_model_len = self.model_config.max_model_len
+        if priority and not self.priority_scheduling:
+            raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy "
+                                      "(--scheduling-policy priority); this server schedules first come, first "
+                                      "served", "priority")
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if num_prompt_tokens >= max_model_len:

@@ -20,7 +20,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.policy == "priority")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
         self._ids = itertools.count()
