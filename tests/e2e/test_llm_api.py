@@ -261,3 +261,10 @@ def test_chat_passes_tools_to_the_template(llm):
     [output] = llm.chat([{"role": "user", "content": "Weather in Paris?"}], SamplingParams(max_tokens=4),
                         tools=tools, chat_template=template, use_tqdm=False)
     assert output.prompt == "get_weather: Weather in Paris?" and output.outputs[0].token_ids
+
+
+def test_nothing_to_do_is_an_error(llm):
+    with pytest.raises(ValueError, match="no prompts given"):
+        llm.generate([], use_tqdm=False)
+    with pytest.raises(ValueError, match="no conversations given"):  # was [] without a word
+        llm.chat([], use_tqdm=False)

@@ -79,7 +79,9 @@ class LLM:
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations: Sequence[Conversation]
-        if messages and isinstance(messages[0], dict):
+        if not messages:  # as generate([]): an empty list was answered [] without a word
+            raise ValueError("no conversations given")
+        if isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = messages  # type: ignore[assignment]
