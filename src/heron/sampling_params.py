@@ -122,6 +122,12 @@ class SamplingParams:
     # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} on a
     # prefill engine; what its answer carried, on a decode engine
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: only these tokens may be sampled
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated; the front end tokenizes them into bad_words_token_ids (each word with
+    # and without a leading space), whose last token is banned where the output ends in the others
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -201,6 +207,12 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             fail("logit_bias", "values must be in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            fail("bad_words", "must be non-empty strings")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in the vocabulary."""
@@ -210,16 +222,18 @@ class SamplingParams:
                 raise SamplingParamError(
                     "logit_bias", f"logit_bias has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}"
                 )
-        bad_stop = [t for t in self.stop_token_ids or [] if t >= vocab_size]
-        if bad_stop:
-            raise SamplingParamError(
-                "stop_token_ids", f"stop_token_ids outside the vocabulary (size {vocab_size}): {bad_stop[:5]}"
-            )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            outside = [t for t in getattr(self, name) or [] if t >= vocab_size]
+            if outside:
+                raise SamplingParamError(name, f"{name} outside the vocabulary (size {vocab_size}): {outside[:5]}")
 
     def clone(self, **changes: Any) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["stop"] = list(self.stop or [])
         values["stop_token_ids"] = list(self.stop_token_ids or [])
         values["logit_bias"] = dict(self.logit_bias) if self.logit_bias else None
+        for name in ("allowed_token_ids", "bad_words", "bad_words_token_ids"):
+            if values[name] is not None:
+                values[name] = list(values[name])
         values.update(changes)
         return SamplingParams(**values)

@@ -268,3 +268,26 @@ def test_nothing_to_do_is_an_error(llm):
         llm.generate([], use_tqdm=False)
     with pytest.raises(ValueError, match="no conversations given"):  # was [] without a word
         llm.chat([], use_tqdm=False)
+
+
+def test_allowed_token_ids_and_bad_words(llm):
+    """vLLM's two sampling fields: only the allowed tokens are sampled, and a bad
+    word (each of its spellings with and without a leading space) never comes out.
+    Both were accepted and ignored."""
+    tokenizer = llm.get_tokenizer()
+    allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    [sampled] = llm.generate("Answer:", SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                                                       allowed_token_ids=allowed), use_tqdm=False)
+    assert set(sampled.outputs[0].token_ids) <= set(allowed)
+    question = [{"role": "user", "content": "What is the capital of Japan?"}]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    [plain] = llm.chat(question, greedy, use_tqdm=False)
+    assert "Tokyo" in plain.outputs[0].text
+    [banned] = llm.chat(question, greedy.clone(bad_words=["Tokyo", "capital of Japan is"]), use_tqdm=False)
+    assert "Tokyo" not in banned.outputs[0].text and "capital of Japan is" not in banned.outputs[0].text
+    assert banned.outputs[0].text[:10] == plain.outputs[0].text[:10]  # the same answer up to the ban
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids outside the vocabulary"):
+        llm.generate("x", SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+    with pytest.raises(SamplingParamError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    assert_idle(llm)

@@ -296,6 +296,9 @@ def test_a_client_gone_mid_body_leaves_nothing_behind(server):
         ({"seed": 2**64}, "seed", "seed"),
         ({"priority": 2**64}, "priority", "priority"),
         ({"priority": 1}, "priority", "--scheduling-policy priority"),  # first come, first served: was ignored
+        ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
+        ({"allowed_token_ids": [10**7]}, "allowed_token_ids", "vocabulary"),
+        ({"bad_words": [""]}, "bad_words", "at least 1"),
         ({"max_tokens": 400, "prompt": "word " * 300}, "max_tokens", "512"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),  # as OpenAI answers
     ],
@@ -307,6 +310,16 @@ def test_bad_values_get_400_naming_the_parameter(server, body, param, fragment):
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+
+def test_allowed_token_ids_and_bad_words_through_the_api(client, embedded_tokenizer):
+    allowed = embedded_tokenizer.encode(" yes no", add_special_tokens=False)
+    sampled = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8, temperature=1.0, seed=2,
+                                        logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert sampled.choices[0].logprobs.tokens and set(sampled.choices[0].logprobs.tokens) <= {" yes", " no"}
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capital of Japan?"}],
+                                            max_tokens=12, temperature=0, extra_body={"bad_words": ["Tokyo"]})
+    assert "Tokyo" not in answer.choices[0].message.content
 
 
 @pytest.mark.parametrize("part", [{"type": "text", "text": 5}, {"type": "text"}, {"type": "image_url"}])

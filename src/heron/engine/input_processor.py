@@ -172,6 +172,8 @@ class InputProcessor:
                 validate_constraint(*params.structured_outputs.key())
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), "structured_outputs") from exc
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone(bad_words_token_ids=self.bad_word_token_ids(params.bad_words))
         room = max_model_len - num_prompt_tokens
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time
@@ -195,6 +197,18 @@ class InputProcessor:
                 )
             )
         return requests
+
+
+    def bad_word_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it would start the text and as it would follow a
+        word (a leading space), as vLLM bans them."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
 
 def _check_text(text: str, param: str) -> None:

@@ -4,7 +4,9 @@ Steps, in order, over the logits of all rows to sample (float32 ``[N, V]``):
 
 1. logprobs, if any row asked, from the raw logits (vLLM's default "raw" mode):
    the top-N and the eventually sampled token's logprob and rank;
-2. logit bias, then bans (EOS and stop ids of rows still under ``min_tokens``);
+2. logit bias, then ``allowed_token_ids`` and bans (EOS and stop ids of rows
+   still under ``min_tokens``, a bad word's last token where the output ends
+   in the rest of it);
 3. repetition, frequency and presence penalties;
 4. greedy rows take the argmax of the processed logits;
 5. other rows: temperature, min-p, top-k, top-p, then a draw with the row's
@@ -58,6 +60,10 @@ class Sampler:
         if metadata.logit_bias is not None:
             rows, token_ids, values = metadata.logit_bias
             logits = logits.index_put((rows, token_ids), values, accumulate=True)
+        if metadata.allowed_tokens is not None:
+            rows, mask = metadata.allowed_tokens
+            logits = logits.clone() if metadata.logit_bias is None else logits  # index_put made a copy already
+            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
         if metadata.banned_tokens is not None:
             rows, token_ids = metadata.banned_tokens
             # (torch.full fills on the device; torch.tensor(..., device=) would copy and wait)

@@ -35,6 +35,8 @@ class _ParamsPart:
     max_num_logprobs: int | None
     seeded_rows: tuple[int, ...]  # sampled rows with a seed: a generator each step
     min_tokens_rows: tuple[int, ...]  # rows that may need EOS / stop ids banned
+    bad_words_rows: tuple[int, ...]  # rows whose bad words may need a token banned
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, mask) of rows with allowed_token_ids
 
     @staticmethod
     def of(params: tuple[SamplingParams, ...], vocab_size: int, device: torch.device) -> _ParamsPart:
@@ -73,6 +75,8 @@ class _ParamsPart:
             max_num_logprobs=max(requested) if requested else None,
             seeded_rows=tuple(row for row, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g),
             min_tokens_rows=tuple(row for row, p in enumerate(params) if p.min_tokens > 0),
+            bad_words_rows=tuple(row for row, p in enumerate(params) if p.bad_words_token_ids),
+            allowed_tokens=_allowed_tokens(params, vocab_size, device),
         )
 
     def metadata(self, states: list[CachedRequestState], device: torch.device) -> SamplingMetadata:
@@ -84,7 +88,7 @@ class _ParamsPart:
             top_k=self.top_k, max_top_k=self.max_top_k, top_p=self.top_p, min_p=self.min_p,
             logit_bias=self.logit_bias, presence_penalties=self.presence_penalties,
             frequency_penalties=self.frequency_penalties, repetition_penalties=self.repetition_penalties,
-            max_num_logprobs=self.max_num_logprobs,
+            max_num_logprobs=self.max_num_logprobs, allowed_tokens=self.allowed_tokens,
         )
         for row in self.seeded_rows:
             generator = states[row].seeded_generator()
@@ -94,8 +98,8 @@ class _ParamsPart:
             metadata.output_token_ids = [state.output_token_ids() for state in states]
             if metadata.repetition_penalties is not None:
                 metadata.prompt_token_ids = [state.token_ids[: state.num_prompt_tokens] for state in states]
-        if self.min_tokens_rows:
-            _add_bans(metadata, states, self.min_tokens_rows, device)
+        if self.min_tokens_rows or self.bad_words_rows:
+            _add_bans(metadata, states, self.min_tokens_rows, self.bad_words_rows, device)
         return metadata
 
 
@@ -150,23 +154,47 @@ def _logit_bias(
     )
 
 
+def _allowed_tokens(
+    params: tuple[SamplingParams, ...], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.zeros((len(rows), vocab_size), dtype=torch.bool)
+    for index, row in enumerate(rows):
+        mask[index, params[row].allowed_token_ids] = True
+    return on_device(rows, torch.int64, device), mask.to(device)
+
+
 def _add_bans(
-    metadata: SamplingMetadata, states: list[CachedRequestState], rows: tuple[int, ...], device: torch.device
+    metadata: SamplingMetadata, states: list[CachedRequestState], min_tokens_rows: tuple[int, ...],
+    bad_words_rows: tuple[int, ...], device: torch.device,
 ) -> None:
     """EOS (unless ignored) and stop ids are banned until a row has ``min_tokens``,
     except in rows with a grammar: a grammar decides where its output ends (once
-    the structure is complete it allows only EOS, and a ban would leave no token)."""
-    ban_rows: list[int] = []
-    ban_tokens: list[int] = []
-    for row in rows:
+    the structure is complete it allows only EOS, and a ban would leave no token).
+    A bad word's last token is banned where the output ends in the rest of it
+    (a one-token word: always)."""
+    banned_by_row: dict[int, set[int]] = {}
+    for row in min_tokens_rows:
         state = states[row]
         params = state.sampling_params
         if state.num_output_tokens < params.min_tokens and params.structured_outputs is None:
-            banned = set(params.stop_token_ids or [])
+            banned = banned_by_row.setdefault(row, set())
+            banned.update(params.stop_token_ids or [])
             if not params.ignore_eos:
                 banned |= state.eos_token_ids
-            ban_rows.extend([row] * len(banned))
-            ban_tokens.extend(sorted(banned))
+    for row in bad_words_rows:
+        output = states[row].output_token_ids()
+        for word in states[row].sampling_params.bad_words_token_ids or []:
+            head = word[:-1]
+            if not head or output[len(output) - len(head):] == head:
+                banned_by_row.setdefault(row, set()).add(word[-1])
+    ban_rows: list[int] = []
+    ban_tokens: list[int] = []
+    for row, banned in banned_by_row.items():
+        ban_rows.extend([row] * len(banned))
+        ban_tokens.extend(sorted(banned))
     if ban_rows:
         metadata.banned_tokens = (
             on_device(ban_rows, torch.int64, device),

@@ -22,6 +22,9 @@ MAX_PROMPTS_PER_REQUEST = 256
 # held back from a stream
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# bad_words per request (each of 1 to MAX_STOP_STRING_CHARS characters): each is checked against the output's end
+# at every step
+MAX_BAD_WORDS = 128
 # tools per chat request (OpenAI's limit)
 MAX_TOOLS = 128
 # logprobs (completions), top_logprobs (chat) and prompt_logprobs: the engine's bound

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from heron.entrypoints.openai.limits import (
+    MAX_BAD_WORDS,
     MAX_INT,
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
@@ -85,6 +86,8 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True

@@ -240,6 +240,8 @@ def sampling_params(
             seed=request.seed,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
             include_stop_str_in_output=request.include_stop_str_in_output,
             ignore_eos=request.ignore_eos,
             max_tokens=max_tokens,
