@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from heron.entrypoints.openai.limits import (
+    MAX_BAD_WORDS,
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
     MAX_REPETITION_PENALTY,
@@ -90,6 +91,15 @@ def test_logprobs(server):
     assert_rejected(complete(server, "/v1/chat/completions", logprobs=True, top_logprobs=MAX_TOP_LOGPROBS + 1),
                     "top_logprobs")
     assert_rejected(complete(server, prompt_logprobs=MAX_TOP_LOGPROBS + 1), "prompt_logprobs")
+
+
+def test_bad_words_and_allowed_token_ids(server):
+    words = [f"w{i}" + "x" * (MAX_STOP_STRING_CHARS - 5) for i in range(MAX_BAD_WORDS)]
+    assert complete(server, bad_words=words).status_code == 200
+    assert_rejected(complete(server, bad_words=[*words, "one more"]), "bad_words")
+    assert_rejected(complete(server, bad_words=["x" * (MAX_STOP_STRING_CHARS + 1)]), "bad_words")
+    assert complete(server, allowed_token_ids=[0]).status_code == 200
+    assert_rejected(complete(server, allowed_token_ids=[]), "allowed_token_ids")
 
 
 def test_temperature_and_repetition_penalty_keep_the_sampler_finite(server):
