@@ -86,16 +86,22 @@ def test_the_cache_can_be_switched_off(tmp_path, monkeypatch):
     assert entry_path("float", [str(tmp_path / "model.gguf")], "v1") is None
 
 
-def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, caplog):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    monkeypatch.setenv("HERON_CACHE_DIR", str(blocker / "cache"))
+def _write_warned(tmp_path, caplog) -> str:
+    """Writes an entry for a fresh checkpoint, expecting a warning, not an exception."""
     checkpoint = tmp_path / "model.gguf"
     checkpoint.write_bytes(b"weights")
     path = entry_path("float", [str(checkpoint)], "v1")
     assert path is not None
     with caplog.at_level("WARNING", logger="heron.loader.file_cache"):
-        save_entry(path, {"w": torch.arange(4.0)}, [str(checkpoint)])  # no exception
+        save_entry(path, {"w": torch.arange(4.0)}, [str(checkpoint)])
+    return path
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HERON_CACHE_DIR", str(blocker / "cache"))
+    path = _write_warned(tmp_path, caplog)
     assert not os.path.exists(path) and "HERON_CACHE_DIR" in caplog.text
 
 
@@ -129,12 +135,7 @@ def test_a_full_disk_is_a_warning_and_leaves_no_partial_file(tmp_path, monkeypat
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
-    checkpoint = tmp_path / "model.gguf"
-    checkpoint.write_bytes(b"weights")
-    path = entry_path("float", [str(checkpoint)], "v1")
-    assert path is not None
-    with caplog.at_level("WARNING", logger="heron.loader.file_cache"):
-        save_entry(path, {"w": torch.arange(4.0)}, [str(checkpoint)])  # no exception
+    path = _write_warned(tmp_path, caplog)
     assert "File too large" in caplog.text and os.listdir(os.path.dirname(path)) == []
 
 
