@@ -298,3 +298,22 @@ def test_the_router_hashes_the_prompt_the_replica_renders(path, body, chat_templ
     expected = prompt_block_hashes(chat_prompt(ctx, chat).token_ids, 4, None)
     assert len(expected) > 3
     assert hasher.block_hashes(path, body, block_size=4) == expected
+
+
+def test_a_replica_with_other_blocks_is_named(caplog):
+    """The router hashes prompts in one block size, the first replica's: a replica
+    started with another --block-size never matched, and the last one followed
+    silently changed the size for all."""
+    from heron.router.replica import ReplicaSet
+
+    replicas = ReplicaSet(["http://127.0.0.1:1", "http://127.0.0.1:2"], {})
+    try:
+        first, second = replicas.replicas
+        with caplog.at_level("WARNING", logger="heron.router.replica"):
+            replicas._note_block_size(first, 32)
+            replicas._note_block_size(second, 16)
+            replicas._note_block_size(first, 32)
+        assert replicas.block_size == 32
+        assert caplog.text.count("stores KV in blocks of 16 tokens") == 1 and "--block-size" in caplog.text
+    finally:
+        replicas.context.destroy(0)

@@ -106,7 +106,10 @@ class ReplicaSet:
         self.probe_interval = probe_interval
         self.timeout = aiohttp.ClientTimeout(total=probe_timeout)
         self.context = zmq.asyncio.Context()
-        self.block_size = 16  # the replicas' (from /v1/kv_events); prompts are hashed in these blocks
+        # the replicas' (from /v1/kv_events; the first replica followed sets it); prompts are hashed in these
+        # blocks, so a replica with other blocks never matches (it is warned about)
+        self.block_size = 16
+        self._block_size_known = False
         self._task: asyncio.Task[None] | None = None
 
     def usable(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
@@ -228,6 +231,15 @@ class ReplicaSet:
             else:
                 replica.load.kv_cache_usage = value
 
+    def _note_block_size(self, replica: Replica, block_size: int) -> None:
+        if not self._block_size_known:
+            self.block_size, self._block_size_known = block_size, True
+        elif block_size != self.block_size:
+            logger.warning("replica %s stores KV in blocks of %d tokens, the replicas before it in %d: this "
+                           "router hashes prompts in %d-token blocks, so it never finds %s's cached prefixes "
+                           "(start every replica with the same --block-size)", replica.url, block_size,
+                           self.block_size, self.block_size, replica.url)
+
     async def _subscribe(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         async with session.get(f"{replica.url}/v1/kv_events", headers=self.headers, timeout=self.timeout) as response:
             if response.status != 200:
@@ -239,7 +251,7 @@ class ReplicaSet:
         if not isinstance(endpoint, str) or not isinstance(replay_endpoint, str):
             logger.warning("%s/v1/kv_events names no endpoints: not following its events", replica.url)
             return
-        self.block_size = int(info.get("block_size", self.block_size))
+        self._note_block_size(replica, int(info.get("block_size", self.block_size)))
         replica.subscriber = KVEventSubscriber(self.context, endpoint, replay_endpoint, str(info.get("topic", "")),
                                                replica.index, epoch=info.get("epoch"))
         replica.subscription = asyncio.create_task(replica.subscriber.run(), name=f"kv-events {replica.url}")
