@@ -303,6 +303,17 @@ def test_a_replicas_own_504_is_its_answer_not_its_failure():
     run_with_router(test, [FakeReplica(fail_with=504)])
 
 
+def test_a_refused_request_leaves_no_expected_blocks():
+    """A 4xx caches nothing on the replica: its prompt's blocks stayed expected
+    there for 30 s, drawing the same prefix to it."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 400
+        assert fakes[0].requests == 1 and not server.replicas.replicas[0].index.expected
+
+    run_with_router(test, [FakeReplica(fail_with=400)], OneBlockHasher())
+
+
 def test_a_kept_alive_connection_the_replica_closed_is_not_the_replicas_failure():
     async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
         async with httpx.AsyncClient(base_url=url) as client:

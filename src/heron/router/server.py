@@ -279,14 +279,15 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            if await self._send(request, writer, replica, raw, headers, decision.uncached_blocks, deadline):
+            if await self._send(request, writer, replica, raw, headers, hashes, decision.uncached_blocks, deadline):
                 return
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         self.metrics.failed.inc()
         writer.send_json(503, error_body(503, "no replica could serve the request", "service_unavailable"))
 
     async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
-                    headers: list[tuple[str, str]], uncached_blocks: int, deadline: float | None) -> bool:
+                    headers: list[tuple[str, str]], hashes: list[bytes], uncached_blocks: int,
+                    deadline: float | None) -> bool:
         """Passes the replica's answer through; False when it failed before its
         first byte (the caller retries elsewhere). Past ``deadline`` the client
         is answered 504 and True returned: the request is not tried again, and
@@ -316,6 +317,8 @@ class RouterServer:
                 return False
             status, upstream_headers = connection.head.result()
             self.replicas.record(replica, status)
+            if 400 <= status < 500:  # refused: the replica caches nothing of it (it was expected there for 30 s)
+                replica.index.forget_expected(hashes)
             if is_replica_failure(status):  # nothing reached the client yet: another replica may serve it
                 connection.stream_to(_discard)
                 await _until(connection.done, deadline)
