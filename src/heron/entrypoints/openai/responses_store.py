@@ -1,11 +1,15 @@
 """The responses a server keeps (``store``, the default): for
-``previous_response_id``, ``GET /v1/responses/{id}`` and its ``input_items``. Bounded: the newest
-``max_entries`` are kept, the one used longest ago goes first. Each API-server
-process keeps its own (with ``--api-server-count`` > 1, a follow-up may reach
-another process: README says so)."""
+``previous_response_id``, ``GET /v1/responses/{id}`` and its ``input_items``. Bounded: at most
+``max_entries`` and ``max_bytes`` (their JSON size) are kept, the one used
+longest ago going first. A count alone let 25 requests with 8 MB of text
+each hold 370 MB, and each entry holds its whole conversation, which grows
+along a chain of ``previous_response_id``. Each API-server process keeps its
+own (with ``--api-server-count`` > 1, a follow-up may reach another process:
+README says so)."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,26 +50,45 @@ def input_items_page(
 
 
 class ResponseStore:
-    def __init__(self, max_entries: int = 1024) -> None:
-        if max_entries < 1:
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 256 << 20) -> None:
+        if max_entries < 1 or max_bytes < 1:
             raise ValueError("a response store keeps at least one response")
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._entries[response_id] = stored
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        """Keep ``stored``; one larger than ``max_bytes`` on its own is not kept."""
+        self.delete(response_id)
+        size = _json_size(stored)
+        if size > self.max_bytes:
+            return
+        self._entries[response_id] = (stored, size)
+        self.num_bytes += size
+        while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.num_bytes -= dropped
 
     def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._entries.get(response_id)
-        if stored is not None:
-            self._entries.move_to_end(response_id)
-        return stored
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry[0]
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.num_bytes -= entry[1]
+        return True
+
+
+def _json_size(stored: StoredResponse) -> int:
+    """About the memory an entry holds: its parts' JSON length."""
+    return sum(len(json.dumps(part, ensure_ascii=False, default=str))
+               for part in (stored.response, stored.conversation, stored.input_items))
