@@ -42,6 +42,11 @@ NOT_CALLS = [
     ("llama3_json", "Paris is the capital; {not json}"),
     ("llama3_json", '{"city": "Paris"}'),  # JSON, but not a call
     ("mistral", "[TOOL_CALLS] nothing callable here"),
+    # JSON naming no offered function: an answer, not a call (it was read as a call to "John", the answer lost)
+    ("llama3_json", '{"name": "John", "age": 30}'),
+    ("hermes", '<tool_call>{"name": "search_web", "arguments": {"q": "x"}}</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "search_web", "arguments": {}}]'),
+    ("mistral", '[TOOL_CALLS]search_web[ARGS]{"q": "x"}'),
 ]
 
 
@@ -51,13 +56,13 @@ def calls_of(calls):
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_each_format_is_read(name, text, content, calls):
-    parsed = PARSERS[name]().parse(text)
+    parsed = PARSERS[name](FUNCTIONS).parse(text)
     assert parsed.content == content and calls_of(parsed.calls) == calls
 
 
 @pytest.mark.parametrize("name, text", NOT_CALLS)
 def test_what_is_not_a_call_stays_content(name, text):
-    parsed = PARSERS[name]().parse(text)
+    parsed = PARSERS[name](FUNCTIONS).parse(text)
     assert parsed.calls == [] and parsed.content == text
 
 
@@ -69,7 +74,7 @@ def stream_all(choice: ToolChoice, parser_name: str, text: str, step: int):
 
 def stream_raw(choice: ToolChoice, parser_name: str, text: str, step: int):
     """``stream_all`` with each call's arguments as the text streamed."""
-    stream = ToolCallStream(choice, PARSERS[parser_name]())
+    stream = ToolCallStream(choice, PARSERS[parser_name](choice.functions))
     content, calls = "", {}
     pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
     deltas = [stream.feed(piece) for piece in pieces] + [stream.finish()]

@@ -57,7 +57,7 @@ class ChatTools:
         if choice is None:
             return None
         name = parser_name or parser_for_template(template if template_takes_tools(template) else None)
-        return cls(choice, PARSERS[name]())
+        return cls(choice, PARSERS[name](frozenset(choice.functions)))
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """Generation as the tool choice needs it (a ``ValueError`` if the

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +50,12 @@ class FoundCalls:
     end: int  # where the text after them starts (in the text from the first marker)
 
 
-def call_from_json(value: Any) -> ToolCall | None:
-    """``{"name": str, "arguments"|"parameters": object or JSON text}`` -> a call."""
+def call_from_json(value: Any, names: Collection[str] | None = None) -> ToolCall | None:
+    """``{"name": str, "arguments"|"parameters": object or JSON text}`` -> a call,
+    if its name is one of ``names`` (when given: the request's functions)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    if names is not None and value["name"] not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
@@ -90,11 +94,17 @@ def json_values(text: str, separators: str) -> list[tuple[Any, int]]:
 class ToolParser:
     """One format. ``markers``: strings that open a call; text before the first
     is content. ``skip_special_tokens``: whether the markers survive detokenizing
-    with special tokens skipped (if not, the request keeps special tokens)."""
+    with special tokens skipped (if not, the request keeps special tokens).
+    ``names``: the functions the request offers; a call to another is no call
+    (OpenAI calls only offered functions: a JSON answer with a "name" key, say
+    {"name": "John", "age": 30}, was read as a call to "John" and lost)."""
 
     name = ""
     markers: tuple[str, ...] = ()
     skip_special_tokens = True
+
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self.names = names
 
     def parse(self, text: str, final: bool = True) -> Parsed:
         start = self._first_marker(text)
@@ -128,7 +138,7 @@ class HermesParser(ToolParser):
             if not match.group(0).endswith("</tool_call>") and not final:
                 break  # still being written (at the end, a whole call the model did not close counts)
             try:
-                call = call_from_json(_DECODER.decode(match.group(1).strip()))
+                call = call_from_json(_DECODER.decode(match.group(1).strip()), self.names)
             except ValueError:
                 call = None
             if call is None:
@@ -153,7 +163,7 @@ class Llama3JsonParser(ToolParser):
         body = text.removeprefix("<|python_tag|>")
         found = FoundCalls([], 0)
         for value, end in json_values(body, ";"):
-            call = call_from_json(value)
+            call = call_from_json(value, self.names)
             if call is None:
                 break
             found.calls.append(call)
@@ -173,7 +183,7 @@ class MistralParser(ToolParser):
         found = FoundCalls([], 0)
         if body.startswith("["):  # [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]: all of the list or none
             values = json_values(body, "")
-            listed = [call_from_json(value) for value in values[0][0]] if values and isinstance(
+            listed = [call_from_json(value, self.names) for value in values[0][0]] if values and isinstance(
                 values[0][0], list) else []
             if listed and all(call is not None for call in listed):
                 found.calls = [call for call in listed if call is not None]
@@ -188,7 +198,8 @@ class MistralParser(ToolParser):
                 position = len(body) - len(after) + len("[TOOL_CALLS]")
             match = self._NAMED.match(body, position)
             values = json_values(body[match.end():], "") if match else []
-            if match is None or not values or not isinstance(values[0][0], dict):
+            if match is None or not values or not isinstance(values[0][0], dict) or (
+                    self.names is not None and match.group(1) not in self.names):
                 return found
             found.calls.append(ToolCall(match.group(1), json.dumps(values[0][0], ensure_ascii=False)))
             position = match.end() + values[0][1]
