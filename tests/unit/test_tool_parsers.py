@@ -228,24 +228,45 @@ def test_nan_arguments_are_not_a_call():
     assert PARSERS["hermes"]().parse(as_text).calls == []
 
 
-def test_required_hoists_each_functions_definitions_to_the_root():
-    # pydantic writes nested models as "$defs" + "#/$defs/..." references: nested under the "required" list's
-    # items they did not resolve, and every such request got a 400 (a named choice, at the root, worked)
+def tool(name: str, parameters: dict):
+    return SimpleNamespace(function=SimpleNamespace(name=name, parameters=parameters))
+
+
+def required_accepts(tools: list, text: str) -> bool:
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
     from heron.entrypoints.openai.tools.choice import tool_choice_of
-    from heron.structured_output.xgrammar_backend import validate_constraint
+
+    constraint = tool_choice_of(tools, "required", None).constraint()
+    return _is_grammar_accept_string(xgrammar.Grammar.from_json_schema(constraint.key()[1]), text)
+
+
+def test_required_resolves_each_functions_references_in_its_own_schema():
+    """Under "required" the parameters nest in the list of calls: pydantic's
+    "#/$defs/..." did not resolve there (every such request a 400), nor draft-07's
+    "#/definitions/..." or zod's "#/properties/...", and a root recursion "#"
+    pointed at the list. Each function's schema now has a root of its own."""
+    from heron.entrypoints.openai.tools.choice import tool_choice_of
 
     unit = {"$defs": {"Unit": {"enum": ["C", "F"]}}, "type": "object",
             "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}}}
-
-    def tool(name: str, parameters: dict):
-        return SimpleNamespace(function=SimpleNamespace(name=name, parameters=parameters))
-
-    constraint = tool_choice_of([tool("get_weather", unit), tool("get_time", {})], "required", None).constraint()
-    validate_constraint(*constraint.key())
-    assert constraint.json["$defs"] == {"Unit": {"enum": ["C", "F"]}}
-    clash = {**unit, "$defs": {"Unit": {"enum": ["K"]}}}
-    with pytest.raises(InvalidRequestError, match="Unit differently"):
-        tool_choice_of([tool("a", unit), tool("b", clash)], "required", None).constraint()
+    kelvin = {**unit, "$defs": {"Unit": {"enum": ["K"]}}}  # the same name defined another way: its own
+    assert required_accepts([tool("weather", unit), tool("other", kelvin)],
+                            '[{"name": "weather", "parameters": {"city": "Oslo", "unit": "C"}}, '
+                            '{"name": "other", "parameters": {"city": "Oslo", "unit": "K"}}]')
+    assert not required_accepts([tool("weather", unit), tool("other", kelvin)],
+                                '[{"name": "other", "parameters": {"city": "Oslo", "unit": "C"}}]')
+    draft_07 = {"definitions": {"n": {"type": "integer"}}, "type": "object",
+                "properties": {"x": {"$ref": "#/definitions/n"}, "y": {"$ref": "#/properties/x"}}}
+    assert required_accepts([tool("f", draft_07)], '[{"name": "f", "parameters": {"x": 1, "y": 2}}]')
+    assert not required_accepts([tool("f", draft_07)], '[{"name": "f", "parameters": {"y": "s"}}]')
+    tree = {"type": "object", "properties": {"name": {"type": "string"},
+                                             "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    nested = '{"name": "a", "child": {"name": "b", "child": null}}'
+    assert required_accepts([tool("node", tree)], f'[{{"name": "node", "parameters": {nested}}}]')
+    assert not required_accepts([tool("node", tree)], f'[{{"name": "node", "parameters": {{"name": "a", '
+                                                      f'"child": [{{"name": "node", "parameters": {nested}}}]}}}}]')
     # parameters must describe an object (OpenAI's rule): "required" gave no call at all for a string schema
     with pytest.raises(InvalidRequestError) as info:
         tool_choice_of([tool("get_weather", unit), tool("f", {"type": "string"})], "auto", None)

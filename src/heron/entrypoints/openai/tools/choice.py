@@ -43,21 +43,23 @@ class ToolChoice:
             assert self.named is not None
             return StructuredOutputsParams(json=self.functions[self.named])
         if self.mode == "required":
-            definitions: dict[str, Any] = {}
+            # each function's parameters under $defs of their own, their references ("#", "#/$defs/...",
+            # "#/definitions/...", "#/properties/...") rebased there: nested in the list of calls they
+            # resolved against its root (400s, or a root recursion pointing at the list)
+            definitions = {f"tool_{index}": _rebased(schema, f"#/$defs/tool_{index}")
+                           for index, schema in enumerate(self.functions.values())}
             calls = [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": name}, "parameters": _without_definitions(schema, definitions)},
+                    "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool_{index}"}},
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
-                for name, schema in self.functions.items()
+                for index, name in enumerate(self.functions)
             ]
-            array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+            array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "$defs": definitions}
             if not self.parallel:
                 array["maxItems"] = 1
-            if definitions:  # "#/$defs/..." references, made for each schema's root, resolve at the new root
-                array["$defs"] = definitions
             return StructuredOutputsParams(json=array)
         return None
 
@@ -71,19 +73,18 @@ class ToolChoice:
         return [call for call in calls if call is not None] or None
 
 
-def _without_definitions(schema: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` without its ``$defs``, which join ``definitions`` (a function's
-    parameters nest inside the "required" schema, where its references to
-    ``#/$defs/...``, pydantic's way, would not resolve); the same name defined
-    two ways is an error the client can fix."""
-    own = schema.get("$defs")
-    if not isinstance(own, dict):
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with each local reference (``#``, ``#/...``) made relative to
+    ``root`` instead of the document's root."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
         return schema
-    for name, definition in own.items():
-        if definitions.setdefault(name, definition) != definition:
-            raise InvalidRequestError(f"tools: two functions' parameters define $defs/{name} differently; "
-                                      "tool_choice 'required' needs them to agree", "tools")
-    return {key: value for key, value in schema.items() if key != "$defs"}
+    rebased = {key: _rebased(value, root) for key, value in schema.items()}
+    reference = schema.get("$ref")
+    if isinstance(reference, str) and (reference == "#" or reference.startswith("#/")):
+        rebased["$ref"] = root + reference[1:]
+    return rebased
 
 
 def _parameters(tool: Any, index: int) -> dict[str, Any]:
