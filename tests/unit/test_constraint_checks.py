@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -67,6 +68,36 @@ def test_a_pattern_past_the_bound_is_refused_before_xgrammar_parses_it():
         xgrammar_backend.validate_constraint("json", spec)
     # a regex constraint of its own is compiled without expansion: no bound
     xgrammar_backend.validate_constraint("regex", "[a-z]{1,12000}")
+
+
+@pytest.mark.parametrize("schema, keyword, path", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "/"),
+    ({"type": "object", "properties": {"n": {"allOf": [{"type": "integer"}, {"minimum": 5}]}}}, "allOf",
+     "/properties/n"),
+    ({"type": "integer", "not": {"const": 3}}, "not", "/"),
+    ({"type": "array", "items": [{"type": "object", "if": {}, "then": {}}]}, "if", "/items/0"),
+    ({"$defs": {"s": {"type": "string", "pattern": "[a-z]+", "maxLength": 2}}, "$ref": "#/$defs/s"}, "maxLength",
+     "/$defs/s"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/i", "minimum": 5}}, "$defs": {"i": {}}}, "minimum",
+     "/properties/a"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "/"),
+])
+def test_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword, path):
+    """xgrammar compiles these and leaves them out: uniqueItems gave [1, 2, 2], an
+    allOf of a type and a bound gave {"n": 0} under minimum 5."""
+    xgrammar_backend.validate_constraint.cache_clear()
+    with pytest.raises(ValueError, match=re.escape(f"'{keyword}' at {path} cannot be enforced")):
+        xgrammar_backend.validate_constraint("json", json.dumps(schema))
+
+
+def test_keywords_it_enforces_or_that_only_annotate_pass():
+    schema = {"type": "object", "properties": {
+        "not": {"type": "string", "format": "color", "minLength": 1},  # a property named "not"; a custom format
+        "choice": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+        "ref": {"$ref": "#/$defs/i", "description": "described"},
+        "single": {"allOf": [{"type": "integer", "minimum": 1}]},
+        "n": {"type": "integer", "multipleOf": 5}}, "$defs": {"i": {"type": "integer"}}}
+    xgrammar_backend.validate_constraint("json", json.dumps(schema))
 
 
 def test_the_check_runs_off_the_event_loop_and_names_the_field(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 
 from heron.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 from heron.structured_output.pattern_size import PatternTooLarge, check_schema_patterns
+from heron.structured_output.schema_support import UnenforcedSchema, check_schema_support
 
 
 def _xgrammar() -> Any:
@@ -48,7 +49,9 @@ def validate_constraint(kind: str, spec: str) -> None:
     xgr = _xgrammar()
     try:
         if kind.split("-")[0] == "json":
-            check_schema_patterns(json.loads(spec))
+            schema = json.loads(spec)
+            check_schema_patterns(schema)
+            check_schema_support(schema)
             xgr.Grammar.from_json_schema(spec, **_json_options(kind))
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
@@ -58,7 +61,7 @@ def validate_constraint(kind: str, spec: str) -> None:
             xgr.Grammar.from_ebnf(spec)
     except json.JSONDecodeError as exc:
         raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
-    except PatternTooLarge:
+    except (PatternTooLarge, UnenforcedSchema):
         raise
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
         raise ValueError(f"invalid {kind} constraint: {str(exc).strip().splitlines()[0]}") from exc

@@ -1,0 +1,77 @@
+"""The JSON-schema keywords xgrammar compiles without enforcing them.
+
+A schema keyword the grammar leaves out is a promise the output may break:
+``uniqueItems`` gave ``[1, 2, 2]``, an ``allOf`` of a type and a bound gave
+``{"n": 0}`` for ``minimum: 5``. OpenAI's strict structured outputs refuse a
+schema they cannot guarantee, and so does heron: a request whose schema uses
+one of these is a 400 naming the keyword and where it is, before any work.
+
+Found by compiling a schema with each keyword (xgrammar 0.2.8) and offering the
+grammar an instance that breaks it: these were accepted. ``oneOf`` is taken as
+``anyOf`` (an instance matching two branches passes), which disjoint branches,
+as generated unions have, do not notice; ``format`` is an annotation in JSON
+Schema, and unknown formats stay allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+_IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+            "dependentRequired", "dependentSchemas", "dependencies")
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SCHEMA = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
+           "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# the string formats xgrammar writes out (their grammar then takes no length bounds)
+_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+            "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+# what may stand beside a $ref (xgrammar drops anything else there)
+_REF_SIBLINGS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
+                 "examples", "deprecated", "readOnly", "writeOnly"}
+
+
+class UnenforcedSchema(ValueError):
+    """A schema keyword the grammar cannot enforce."""
+
+
+def check_schema_support(schema: Any) -> None:
+    """UnenforcedSchema naming the first keyword xgrammar would not enforce."""
+    found = next(unenforced_keywords(schema), None)
+    if found is not None:
+        path, keyword = found
+        raise UnenforcedSchema(f"the JSON schema's {keyword!r} at {path or '/'} cannot be enforced by heron's "
+                               "grammar engine (xgrammar): the output could break it; remove it and check that "
+                               "part of the output yourself")
+
+
+def unenforced_keywords(schema: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """(path, keyword) of each keyword that would be compiled but not enforced."""
+    if not isinstance(schema, dict):
+        return
+    for keyword in _IGNORED:
+        if keyword in schema:
+            yield path, keyword
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        yield path, "allOf"
+    generative = "pattern" in schema or schema.get("format") in _FORMATS
+    if generative and ("minLength" in schema or "maxLength" in schema):
+        yield path, "minLength" if "minLength" in schema else "maxLength"  # beside a pattern or format
+    if "$ref" in schema:
+        extra = sorted(set(schema) - _REF_SIBLINGS)
+        if extra:
+            yield path, extra[0]  # beside a $ref
+    for keyword in _SCHEMA + _SCHEMA_LISTS:  # ("items" may also be a list: draft-04 tuples)
+        members = schema.get(keyword)
+        if isinstance(members, list):
+            for index, member in enumerate(members):
+                yield from unenforced_keywords(member, f"{path}/{keyword}/{index}")
+        else:
+            yield from unenforced_keywords(members, f"{path}/{keyword}")
+    for keyword in _SCHEMA_MAPS:
+        members = schema.get(keyword)
+        if isinstance(members, dict):
+            for name, member in members.items():
+                yield from unenforced_keywords(member, f"{path}/{keyword}/{name}")
