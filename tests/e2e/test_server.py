@@ -297,6 +297,7 @@ def test_a_client_gone_mid_body_leaves_nothing_behind(server):
         ({"priority": 2**64}, "priority", "priority"),
         ({"priority": 1}, "priority", "--scheduling-policy priority"),  # first come, first served: was ignored
         ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
+        ({"cache_salt": ""}, "cache_salt", "at least 1"),  # it hashed as no salt: the shared, unsalted cache
         ({"allowed_token_ids": [10**7]}, "allowed_token_ids", "vocabulary"),
         ({"bad_words": [""]}, "bad_words", "at least 1"),
         ({"max_tokens": 400, "prompt": "word " * 300}, "max_tokens", "512"),

@@ -18,6 +18,17 @@ def test_cpu_defaults_for_offline_use_and_serving():
         EngineArgs(device="cpu", max_num_seqs=0).create_engine_config()
 
 
+def test_without_chunked_prefill_a_step_holds_any_prompt():
+    """A prompt longer than the step budget waited at the head of the queue for
+    ever (and every request behind it): `heron serve --no-enable-chunked-prefill`
+    hung on the first prompt past 512 tokens."""
+    whole = EngineArgs(device="cpu", usage="serve", enable_chunked_prefill=False, max_model_len=4096)
+    assert whole.create_engine_config().scheduler.max_num_batched_tokens == 4096
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) must be at least max_model_len \(4096\)"):
+        EngineArgs(device="cpu", enable_chunked_prefill=False, max_model_len=4096,
+                   max_num_batched_tokens=512).create_engine_config()
+
+
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_default_is_the_low_bit_fast_path_on_every_cpu(monkeypatch, native_bf16):
     """The embedded Q4_1 GGUF runs in int4 on float32 activations whether or not

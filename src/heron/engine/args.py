@@ -209,7 +209,7 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,
             ),
-            scheduler=self._scheduler_config(device),
+            scheduler=self._scheduler_config(device, model_config.max_model_len),
             device_name=device,
             profiler=ProfilerConfig(directory=self.profile_dir, num_steps=self.profile_steps),
             attention_backend=self.attention_backend,
@@ -259,7 +259,7 @@ class EngineArgs:
         select_implementation(model_config)  # unsupported architectures fail here, early
         return model_config
 
-    def _scheduler_config(self, device: str) -> SchedulerConfig:
+    def _scheduler_config(self, device: str, max_model_len: int) -> SchedulerConfig:
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             # a GPU step reads the weights once for the whole batch: wide batches are
@@ -272,6 +272,13 @@ class EngineArgs:
             # prefill rate of 2048-token steps. Offline, nobody waits: take the rate.
             serving_cpu = self.usage == "serve" and device == "cpu"
             max_num_batched_tokens = max(512 if serving_cpu else 2048, max_num_seqs)
+            if not self.enable_chunked_prefill:  # a whole prompt in one step: any the context holds
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        elif not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            # a longer prompt (or a preempted request's prompt and output) would wait at the head of the
+            # queue for ever, and every request behind it with it
+            raise ValueError(f"without chunked prefill a prompt is computed in one step: max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be at least max_model_len ({max_model_len})")
         return SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -149,6 +149,8 @@ class InputProcessor:
         """Validate and build one engine request per sample (``params.n``)."""
         num_prompt_tokens = len(prompt.token_ids)
         max_model_len = self.model_config.max_model_len
+        if cache_salt == "":  # it hashed as no salt: the unsalted cache, shared
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         if priority and not self.priority_scheduling:
             raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy "
                                       "(--scheduling-policy priority); this server schedules first come, first "

@@ -97,7 +97,8 @@ class SamplingFields(OpenAIModel):
     structured_outputs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     priority: Int64 = 0
-    cache_salt: str | None = None
+    # an empty salt shared the unsalted cache (vLLM refuses it too)
+    cache_salt: Annotated[str, StringConstraints(min_length=1)] | None = None
     request_id: str | None = None
     # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} asks a
     # prefill server to keep the prompt's KV; its answer's kv_transfer_params, sent to
