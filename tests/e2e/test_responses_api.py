@@ -35,9 +35,13 @@ def test_a_text_answer_is_stored_continued_and_deleted(default_client):
     assert "Berlin" in second.output_text and second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert default_client.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(BadRequestError, match="not created in the background"):  # it was a bare 404 "Not Found"
+        default_client.responses.cancel(first.id)
     default_client.responses.delete(first.id)
     with pytest.raises(NotFoundError):
         default_client.responses.retrieve(first.id)
+    with pytest.raises(NotFoundError):
+        default_client.responses.cancel(first.id)
     with pytest.raises(BadRequestError) as info:
         default_client.responses.create(model=MODEL, input="And Italy?", previous_response_id=first.id,
                                         max_output_tokens=4)

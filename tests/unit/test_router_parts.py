@@ -204,6 +204,7 @@ def test_the_response_id_is_found_however_the_answer_is_cut():
 @pytest.mark.parametrize("path, response_id", [
     ("/v1/responses/resp_1", "resp_1"),
     ("/v1/responses/resp_1/input_items", "resp_1"),
+    ("/v1/responses/resp_1/cancel", "resp_1"),
     ("/v1/responses", None),
     ("/v1/responses/", None),
     ("/v1/responses/resp_1/other", None),

@@ -17,10 +17,10 @@ SCAN_BYTES = 8192
 
 
 def stored_response_id(path: str) -> str | None:
-    """The response id of a path that reads or deletes a stored response
-    (``/v1/responses/{id}``, ``/v1/responses/{id}/input_items``), else None."""
+    """The response id of a path that reads, cancels or deletes a stored response
+    (``/v1/responses/{id}``, ``/v1/responses/{id}/input_items``, ``.../cancel``), else None."""
     parts = path[len(RESPONSES_PATH) + 1 :].split("/") if path.startswith(RESPONSES_PATH + "/") else []
-    if len(parts) == 1 or (len(parts) == 2 and parts[1] == "input_items"):
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] in ("input_items", "cancel")):
         return parts[0] or None
     return None
 

@@ -138,6 +138,16 @@ async def get_response_input_items(
         raise bad_request(f"No input item with id {after!r} in response {response_id!r}", "after") from exc
 
 
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, ctx: Serving) -> Any:
+    """OpenAI cancels only responses created with ``background: true``, which
+    heron does not run: every stored response has already finished."""
+    if ctx.responses.get(response_id) is None:
+        raise response_not_found(response_id)
+    raise bad_request(f"Response {response_id!r} was not created in the background (background is not supported): "
+                      "it has finished and cannot be cancelled", "response_id")
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, ctx: Serving) -> dict[str, Any]:
     if not ctx.responses.delete(response_id):
