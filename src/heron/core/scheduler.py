@@ -399,6 +399,21 @@ class Scheduler(SchedulerKVMixin):
             return self.running[position]
         return self.running[-1]
 
+    def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
+        """A step that raised before it computed (an interrupt in the forward
+        pass, offline): progress advanced when it was scheduled, and its full
+        blocks were registered in the prefix cache, though their K/V was never
+        written. Each of its requests gives the step back and is preempted: the
+        blocks leave the prefix cache, and it is recomputed if it goes on. (The
+        same prompt answered garbage from the cached blocks after a Ctrl-C.) A
+        request with a token still in flight (async scheduling) is left as is."""
+        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.num_output_placeholders or request not in self.running:
+                continue
+            request.num_computed_tokens -= num_new
+            self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request, request.num_computed_tokens)

@@ -221,9 +221,13 @@ class EngineCore:
                 self.model_runner.wait_for_kv_release(timeout=0.02)
             else:
                 self.structured_output.wait_for_compile(timeout=0.02)
-        runner_output = self.model_runner.execute_model(
-            scheduler_output, grammar, defer_output=self.scheduler.can_schedule_ahead()
-        )
+        try:
+            runner_output = self.model_runner.execute_model(
+                scheduler_output, grammar, defer_output=self.scheduler.can_schedule_ahead()
+            )
+        except BaseException:  # KeyboardInterrupt offline: nothing of the step may count as computed
+            self.scheduler.abandon_step(scheduler_output)
+            raise
         self._in_flight = None
         if isinstance(runner_output, PendingRunnerOutput):
             self._in_flight = (scheduler_output, runner_output)
