@@ -221,3 +221,13 @@ def test_yarn_extends_the_context_to_the_original_times_the_factor():
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
     assert model_context_length(arch_config_from_dict(values)) == 131072
     assert model_context_length(arch_config_from_dict({**values, "rope_scaling": None})) == 40960
+
+
+def test_cuda_only_options_are_refused_on_the_cpu(monkeypatch):
+    """Each failed later: the triton backend in the engine core with a traceback,
+    torch.compile with a Dynamo guard failure on the low-bit path."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' runs on CUDA only"):
+        EngineArgs(device="cpu", attention_backend="triton").create_engine_config()
+    with pytest.raises(ValueError, match="compile_model runs on CUDA only"):
+        EngineArgs(device="cpu", compile_model=True).create_engine_config()

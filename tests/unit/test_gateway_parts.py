@@ -172,3 +172,19 @@ def test_x_forwarded_for_names_the_client_only_from_a_trusted_proxy(allow, seen)
 
     asyncio.run(main())
     assert clients == [seen]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "port number"),  # an OverflowError traceback once the engine had loaded
+    (["--port", "-1"], "port number"),
+    (["--request-timeout", "0"], "> 0"),  # every request a 504
+    (["--max-waiting-requests", "0"], ">= 1"),  # every request a 429
+    (["--rate-limit", "nan"], "> 0"),  # limited nothing
+    (["--rate-limit", "0"], "> 0"),
+])
+def test_serve_flags_out_of_range_are_usage_errors(flags, message, capsys):
+    from heron.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -190,6 +191,11 @@ class EngineArgs:
             raise ValueError(f"quantization={model_config.quantization!r} runs on the CPU only; use bfloat16 on CUDA")
         if self.async_scheduling and speculative is not None:
             raise ValueError("async_scheduling does not support speculative decoding yet; turn one of them off")
+        if device == "cpu" and self.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            # it failed in the engine core, a traceback (the CPU tests run the kernels in Triton's interpreter)
+            raise ValueError("attention_backend 'triton' runs on CUDA only; use 'torch' (or 'auto') on the CPU")
+        if device == "cpu" and self.compile_model:  # a Dynamo guard failure on the low-bit path, minutes elsewhere
+            raise ValueError("compile_model runs on CUDA only (the CPU paths are C kernels and torch ops already)")
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             # overlapping needs a device that runs beside the host: on a CPU both are the same cores

@@ -29,3 +29,15 @@ POSITIVE_INT = number_at_least(int, 1)
 NON_NEGATIVE_INT = number_at_least(int, 0)
 POSITIVE_FLOAT = number_at_least(float, 0, above=True)
 NON_NEGATIVE_FLOAT = number_at_least(float, 0)
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: a port past it failed only when
+    the server bound it, with a traceback, after the model had loaded."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}")
+    return value

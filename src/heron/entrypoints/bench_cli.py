@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from heron.engine.args import EngineArgs
-from heron.entrypoints.arg_types import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+from heron.entrypoints.arg_types import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, port
 
 
 def add_bench_parsers(subcommands: Any) -> None:
@@ -22,7 +22,7 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--base-url", action="append", default=None,
                        help="server URL (repeat to compare several servers on the same prompts)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     serve.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
     serve.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, TextIO
 
@@ -57,8 +58,13 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = processor.process_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt = processor.process_prompt(args.prompt)
-    _, finish_reason = stream_completion(engine, prompt, params, sys.stdout)
-    sys.stdout.write("\n")
+    try:
+        _, finish_reason = stream_completion(engine, prompt, params, sys.stdout)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a Unix filter does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 1
     print(f"[finish_reason={finish_reason}]", file=sys.stderr)
     return 0
 

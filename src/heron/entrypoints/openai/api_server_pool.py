@@ -50,9 +50,9 @@ def bind_shared_port(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
-    except OSError:
+    except OSError as exc:  # in use, or not this host's address: a sentence, not a traceback
         sock.close()
-        raise
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     return sock
 
 

@@ -7,7 +7,7 @@ import os
 
 from heron import envs
 from heron.engine.args import parse_size
-from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_INT
+from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, port
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
 
@@ -15,7 +15,7 @@ from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=port, default=8000)
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats log lines")
@@ -47,9 +47,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--protect-metrics", action="store_true",
                          help="require the API key on every route: /metrics, /health and /version too "
                               "(needs an API key)")
-    gateway.add_argument("--rate-limit", type=float, default=None, help="requests per second allowed per API key")
+    gateway.add_argument("--rate-limit", type=POSITIVE_FLOAT, default=None,
+                         help="requests per second allowed per API key")
     gateway.add_argument(
-        "--rate-limit-burst", type=float, default=None, help="burst size (default: 2x the rate, at least 1)"
+        "--rate-limit-burst", type=POSITIVE_FLOAT, default=None, help="burst size (default: 2x the rate, at least 1)"
     )
     gateway.add_argument(
         "--forwarded-allow-ips", default=None, metavar="IPS",
@@ -57,9 +58,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
              "for the client's address (the rate limit's key without API keys); by default the headers are "
              "ignored: any client on this host could name itself anyone and pass the limit",
     )
-    gateway.add_argument("--max-waiting-requests", type=int, default=None,
+    gateway.add_argument("--max-waiting-requests", type=POSITIVE_INT, default=None,
                          help="requests without a first token beyond which new ones get 429")
-    gateway.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    gateway.add_argument("--request-timeout", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
+                         help="seconds before a request is aborted (default: never)")
     gateway.add_argument("--stream-stall-timeout", type=NON_NEGATIVE_FLOAT, default=60.0, metavar="SECONDS",
                          help="end a stream (abort its request, close the connection) whose client has taken no "
                               "bytes for this long while the server had some to send; 0 disables")
