@@ -188,3 +188,12 @@ def test_serve_flags_out_of_range_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["serve", *flags])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_missing_tls_file_is_named(tmp_path):
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.cli_args import check_serve_args
+
+    missing = str(tmp_path / "key.pem")
+    with pytest.raises(ValueError, match=f"--ssl-keyfile '{missing}': no such file"):  # "[Errno 2]", naming none
+        check_serve_args(build_parser().parse_args(["serve", "--ssl-keyfile", missing]))

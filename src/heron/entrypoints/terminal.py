@@ -66,7 +66,7 @@ def run_generate(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 1
     print(f"[finish_reason={finish_reason}]", file=sys.stderr)
-    return 0
+    return 130 if finish_reason == "abort" else 0  # stopped by Ctrl-C, as a shell reports it
 
 
 def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
@@ -100,6 +100,9 @@ def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: Te
             history.pop()
             out.write(f"(error: {exc}; try /reset)\n")
             continue
-        text, _ = stream_completion(engine, prompt, params, out)
+        text, finish_reason = stream_completion(engine, prompt, params, out)
         out.write("\n")
+        if finish_reason == "abort" and not text:  # Ctrl-C before the first token: as if not asked
+            history.pop()  # (an empty assistant turn stayed, and the next answer could come out empty)
+            continue
         history.append({"role": "assistant", "content": text})

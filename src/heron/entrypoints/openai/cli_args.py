@@ -99,6 +99,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
     engine cores start before the server reads its flags)."""
     check_gateway(collect_api_keys(args.api_key, args.api_key_file), args.protect_metrics)
     read_chat_template(args.chat_template)
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):  # it was "[Errno 2] No such file", naming none
+            raise ValueError(f"{flag} {path!r}: no such file")
 
 
 def read_chat_template(value: str | None) -> str | None:

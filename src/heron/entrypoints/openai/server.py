@@ -213,7 +213,7 @@ async def serve_api(
                       record_engine_stats=role is None or role.index == 0, stats_scope=scope)
     server = uvicorn.Server(uvicorn_config(build_app(engine, settings, role), args, settings))
     scheme = "https" if args.ssl_certfile else "http"
-    base_url = f"{scheme}://{args.host}:{args.port}"
+    base_url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # IPv6 in brackets
     name = config.model.served_model_name
     auth = ' -H "Authorization: Bearer $HERON_API_KEY"' if settings.api_keys else ""
 
