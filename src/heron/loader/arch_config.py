@@ -61,12 +61,8 @@ def is_native_family(model_type: str) -> bool:
 
 
 def rope_type_of(values: dict[str, Any]) -> str:
-    """The RoPE type a config.json asks for (``rope_parameters``, or the older ``rope_scaling``)."""
-    for key in ("rope_parameters", "rope_scaling"):
-        params = values.get(key)
-        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
-            return str(params.get("rope_type") or params.get("type"))
-    return "default"
+    """The RoPE type a config.json asks for, as the native config will read it."""
+    return str(_rope_parameters(values)["rope_type"])
 
 
 def sliding_window_of_layer(config: Any, layer_idx: int) -> int | None:

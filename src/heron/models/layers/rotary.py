@@ -51,16 +51,12 @@ def compute_inv_freq(rotary_dim: int, rope: dict[str, Any]) -> torch.Tensor:
     )
 
 
-def _yarn_factor(rope: dict[str, Any]) -> float:
-    return float(rope["factor"])
-
-
 def _yarn_inv_freq(rotary_dim: int, rope: dict[str, Any], base: float) -> torch.Tensor:
     """Frequencies whose wavelength fits the original context many times keep
     their value (extrapolated), those that fit it less than once are divided by
     the factor (interpolated), and a linear ramp over dimensions blends between
     (the correction range from ``beta_fast`` / ``beta_slow`` rotations)."""
-    factor = _yarn_factor(rope)
+    factor = float(rope["factor"])
     original = float(rope["original_max_position_embeddings"])
     beta_fast = float(rope.get("beta_fast") or 32)
     beta_slow = float(rope.get("beta_slow") or 1)
@@ -88,7 +84,7 @@ def attention_factor(rope: dict[str, Any]) -> float:
         return 1.0
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
-    factor = _yarn_factor(rope)
+    factor = float(rope["factor"])
 
     def scale(mscale: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
