@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
             self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
         else:
             self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        context = clean_context(self._decode, list(prompt_token_ids))
+        context = clean_context(self._decode, prompt_token_ids)
         self._tokens = context
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -101,7 +101,7 @@ class StreamingDetokenizer:
         self._backend = tokenizer.backend_tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        context = clean_context(self._decode, list(prompt_token_ids))
+        context = clean_context(self._decode, prompt_token_ids)
         self._emitted_tail = context  # the newest tokens whose text is out: context for a hand-over
         self._pending: list[int] = []  # tokens pushed since the last emitted text
         self._fallback: IncrementalDetokenizer | None = None

@@ -200,7 +200,6 @@ class InputProcessor:
             )
         return requests
 
-
     def bad_word_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would start the text and as it would follow a
         word (a leading space), as vLLM bans them."""
