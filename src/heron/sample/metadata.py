@@ -28,7 +28,7 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # tokens forbidden this step (EOS / stop ids before min_tokens, a bad word's last token): (rows, token ids)
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
-    # rows with allowed_token_ids and, per such row, which tokens it may sample: (rows [R], mask [R, V] bool)
+    # rows with allowed_token_ids and, per such row, the tokens it may not sample: (rows [R], mask [R, V] bool)
     allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     # most top logprobs any row asked for; None when no row asked for logprobs
     max_num_logprobs: int | None = None

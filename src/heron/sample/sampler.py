@@ -61,9 +61,9 @@ class Sampler:
             rows, token_ids, values = metadata.logit_bias
             logits = logits.index_put((rows, token_ids), values, accumulate=True)
         if metadata.allowed_tokens is not None:
-            rows, mask = metadata.allowed_tokens
+            rows, forbidden = metadata.allowed_tokens
             logits = logits.clone() if metadata.logit_bias is None else logits  # index_put made a copy already
-            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+            logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
         if metadata.banned_tokens is not None:
             rows, token_ids = metadata.banned_tokens
             # (torch.full fills on the device; torch.tensor(..., device=) would copy and wait)

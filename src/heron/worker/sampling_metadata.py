@@ -36,7 +36,7 @@ class _ParamsPart:
     seeded_rows: tuple[int, ...]  # sampled rows with a seed: a generator each step
     min_tokens_rows: tuple[int, ...]  # rows that may need EOS / stop ids banned
     bad_words_rows: tuple[int, ...]  # rows whose bad words may need a token banned
-    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, mask) of rows with allowed_token_ids
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, forbidden mask) of rows with allowed_token_ids
 
     @staticmethod
     def of(params: tuple[SamplingParams, ...], vocab_size: int, device: torch.device) -> _ParamsPart:
@@ -160,10 +160,10 @@ def _allowed_tokens(
     rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
     if not rows:
         return None
-    mask = torch.zeros((len(rows), vocab_size), dtype=torch.bool)
+    forbidden = torch.ones((len(rows), vocab_size), dtype=torch.bool)  # built once per batch, not inverted per step
     for index, row in enumerate(rows):
-        mask[index, params[row].allowed_token_ids] = True
-    return on_device(rows, torch.int64, device), mask.to(device)
+        forbidden[index, params[row].allowed_token_ids] = False
+    return on_device(rows, torch.int64, device), forbidden.to(device)
 
 
 def _add_bans(
