@@ -191,30 +191,47 @@ def test_ctrl_c_lets_every_api_server_finish_the_streams_it_serves():
 
 
 def test_the_waiting_bound_holds_for_the_server_not_per_process():
-    """One engine slot (--max-num-seqs 1) and room for 2 waiting requests: of 10
-    long requests sent a moment apart on fresh connections (spread over both
-    API servers), the running one and 2 waiting are admitted, the other 7 get
-    429 at once, wherever they land. A bound per process would admit up to 5."""
+    """One engine slot (--max-num-seqs 1) and room for 2 waiting requests: once a
+    long request runs (its first token has arrived), of 9 more sent a moment
+    apart on fresh connections (spread over both API servers), 2 wait and the
+    other 7 get 429 at once, wherever they land. A bound per process would admit
+    up to 4. (A request counts as waiting until its first token: the others are
+    sent only after the running one's, or a slow first step on a loaded machine
+    counts it among the waiting and refuses one too many.)"""
     server = ServerProcess("--api-server-count", "2", "--max-num-seqs", "1", "--max-waiting-requests", "2")
     try:
-        # long enough that the running request outlasts the sending (10 x 0.2 s) on the fastest CPU here (a
+        # long enough that the running request outlasts the sending (9 x 0.2 s) on the fastest CPU here (a
         # batch-1 step of about 6 ms: 600 tokens take 3.6 s); 250 tokens once let a slot free up mid-sending
         body = {"model": MODEL, "prompt": "Tell me about herons.", "max_tokens": 600, "ignore_eos": True}
         statuses: list[int] = []
         servers_seen: set[int] = set()
+        running = threading.Event()
+
+        def run_first() -> None:
+            with httpx.Client() as fresh:
+                servers_seen.add(fresh.get(f"{server.base_url}/health", timeout=60).json()["api_server"])
+                with fresh.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True},
+                                  timeout=120) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            running.set()
+                    statuses.append(response.status_code)
+            running.set()  # a refusal: the assertion below names it
 
         def send() -> None:
             with httpx.Client() as fresh:  # a new connection: SO_REUSEPORT picks the process, kept for both calls
-                servers_seen.add(fresh.get(f"{server.base_url}/health", timeout=5).json()["api_server"])
+                servers_seen.add(fresh.get(f"{server.base_url}/health", timeout=60).json()["api_server"])
                 statuses.append(fresh.post(f"{server.base_url}/v1/completions", json=body, timeout=120).status_code)
 
-        threads = []
-        for _ in range(10):
+        threads = [threading.Thread(target=run_first)]
+        threads[0].start()
+        assert running.wait(120)
+        for _ in range(9):
             threads.append(threading.Thread(target=send))
             threads[-1].start()
             time.sleep(0.2)  # each arrives after the ones before were admitted or refused
         for thread in threads:
-            thread.join(120)
+            thread.join(180)
         assert sorted(statuses) == [200] * 3 + [429] * 7, statuses
         assert servers_seen == {0, 1}
     finally:
