@@ -129,6 +129,30 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """Every process under ``pid``, with its command line."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    commands[int(entry)] = cmdline.read().replace(b"\0", b" ").decode()
+            except (OSError, ValueError):
+                continue
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found[child] = commands.get(child, "")
+                frontier.append(child)
+    return found
+
+
 def wait_for(condition, timeout: float = 20.0, what: str = "the condition") -> None:
     """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

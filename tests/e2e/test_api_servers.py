@@ -18,37 +18,13 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, descendants
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = ("key-traffic", "key-limited")
 BURST = 12
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every process under ``pid``, with its command line."""
-    parents: dict[int, int] = {}
-    commands: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                    commands[int(entry)] = cmdline.read().replace(b"\0", b" ").decode()
-            except (OSError, ValueError):
-                continue
-    found: dict[int, str] = {}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child not in found:
-                found[child] = commands.get(child, "")
-                frontier.append(child)
-    return found
 
 
 def api_server_pids(server: ServerProcess) -> list[int]:

@@ -13,10 +13,8 @@ import itertools
 import logging
 import os
 import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +27,7 @@ from heron.engine.core_channels import IPC_DIR_PREFIX, ClientAddresses
 from heron.engine.input_processor import InvalidRequestError
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
+from heron.tempdirs import make_private_dir, remove_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class EngineCoreProcess:
         """Start the process on a resolved config, or on ``EngineArgs`` (it
         resolves them itself, so it can start loading before the caller has
         imported torch)."""
-        socket_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+        socket_dir = make_private_dir(IPC_DIR_PREFIX)
         clients = [
             ClientAddresses(f"ipc://{os.path.join(socket_dir, f'input-{index}')}",
                             f"ipc://{os.path.join(socket_dir, f'output-{index}')}")
@@ -111,13 +110,13 @@ class EngineCoreProcess:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 continue
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        remove_private_dir(self.socket_dir)
 
     def kill(self) -> None:
         """Stop a process no client was made for (the caller's config failed)."""
         self.process.kill()
         self.process.wait()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        remove_private_dir(self.socket_dir)
 
 
 class EngineCoreClient:

@@ -19,8 +19,6 @@ import asyncio
 import atexit
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -38,6 +36,7 @@ from heron.routing.kv_index import KVBlockIndex
 from heron.routing.kv_subscriber import KVEventSubscriber
 from heron.routing.policies import ReplicaLoad, Router, RoutingPolicy
 from heron.step_outputs import EngineCoreOutputs, SchedulerStats
+from heron.tempdirs import make_private_dir, remove_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +55,9 @@ def start_engine_cores(
     size = engine.data_parallel_size
     if size == 1:
         return [EngineCoreProcess.start(engine, log_level, num_clients)]
-    private_dir = tempfile.mkdtemp(prefix="heron-dp-")
+    private_dir = make_private_dir("heron-dp-")
     # the private event sockets live as long as this (the API server's) process
-    atexit.register(shutil.rmtree, private_dir, ignore_errors=True)
+    atexit.register(remove_private_dir, private_dir)
     processes: list[OwnedEngineCore] = []
     for rank in range(size):
         private = f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}"

@@ -24,18 +24,17 @@ import argparse
 import logging
 import os
 import pickle
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from types import FrameType
 
 from heron.engine.core_client import OwnedEngineCore
 from heron.entrypoints.openai.shared_gateway import create_shared_gateway_file
+from heron.tempdirs import make_private_dir, remove_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
     count = args.api_server_count
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ValueError("--api-server-count > 1 needs SO_REUSEPORT (Linux, macOS or BSD)")
-    workdir = tempfile.mkdtemp(prefix="heron-api-")
+    workdir = make_private_dir("heron-api-")
     servers: list[subprocess.Popen[bytes]] = []
     # both signals stop it, also where SIGINT came in ignored (a background job of a
     # script, `nohup`): Python then leaves it ignored, and `kill -INT` did nothing
@@ -101,7 +100,7 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
         _stop_all(servers, started, args.shutdown_timeout)
         if port_holder is not None:
             port_holder.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_private_dir(workdir)
 
 
 def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore]) -> int:

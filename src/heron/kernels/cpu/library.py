@@ -26,6 +26,7 @@ from pathlib import Path
 
 from heron import envs
 from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_isa
+from heron.tempdirs import make_private_dir, remove_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,8 @@ def _install(built: str, target: str) -> None:
 def _private_dir() -> str:
     """A directory for this process's kernel builds when the cache cannot be
     written, removed at exit."""
-    directory = tempfile.mkdtemp(prefix="heron-kernels-")
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    directory = make_private_dir("heron-kernels-")
+    atexit.register(remove_private_dir, directory)
     return directory
 
 
