@@ -86,6 +86,23 @@ def test_a_function_outputs_text_parts_are_its_result():
     assert input_messages(request) == [{"role": "tool", "tool_call_id": "c", "content": "cold"}]
 
 
+def test_replayed_output_items_render_the_turn_a_stored_response_continues():
+    """A client keeping its own history (store false) sends back an answer's
+    message and its function call: one assistant turn, as previous_response_id
+    continues it. The call made a second assistant turn of its own."""
+    from heron.entrypoints.openai.protocol_responses import ResponsesRequest
+    from heron.entrypoints.openai.serving_responses import input_messages, output_as_messages
+
+    output = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+              {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "get_weather",
+               "arguments": '{"city": "Paris"}', "status": "completed"},
+              {"type": "function_call", "id": "fc_2", "call_id": "c2", "name": "get_weather",
+               "arguments": '{"city": "Rome"}', "status": "completed"}]
+    request = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "Weather?"}, *output]})
+    assert input_messages(request) == [{"role": "user", "content": "Weather?"}, *output_as_messages(output)]
+
+
 def test_store_false_keeps_nothing(default_client):
     answer = default_client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
     with pytest.raises(NotFoundError):

@@ -53,7 +53,9 @@ def item_id(prefix: str) -> str:
 
 def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input items as chat messages (a function call joins the
-    assistant turn before it, as parallel calls do)."""
+    assistant turn right before it, with its text or the calls before it: the
+    one turn ``output_as_messages`` makes of a stored response's output, so a
+    client replaying the items itself renders the same prompt)."""
     if isinstance(request.input, str):
         return [{"role": "user", "content": request.input}]
     messages: list[dict[str, Any]] = []
@@ -63,8 +65,8 @@ def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         elif isinstance(item, FunctionCallItem):
             function = {"name": item.name, "arguments": item.arguments}
             call = {"id": item.call_id, "type": "function", "function": function}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
