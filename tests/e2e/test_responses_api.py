@@ -184,6 +184,28 @@ def test_a_cut_answer_is_incomplete(default_client, default_server):
     assert all(event["logprobs"] == [] for event in events if event["type"].startswith("response.output_text."))
 
 
+def test_calls_closed_before_the_limit_are_complete_under_required(default_server):
+    """Under tool_choice "required" a call cut short is dropped, so the calls
+    there are all whole: the response is incomplete, its items complete. The
+    first call (closed at the 25th token, the second cut at the 30th) said
+    incomplete, in the body and in the stream."""
+    body = {"model": MODEL, "input": "What is the weather in Paris and in Rome?", "tools": TOOLS,
+            "tool_choice": "required", "temperature": 0, "max_output_tokens": 30}
+    whole = httpx.post(f"{default_server.base_url}/v1/responses", json={**body, "max_output_tokens": 100},
+                       timeout=60).json()
+    assert [json.loads(item["arguments"])["city"] for item in whole["output"]] == ["Paris", "Rome"], whole
+    assert whole["usage"]["output_tokens"] > 40  # the second call ends well after the cut
+    answer = httpx.post(f"{default_server.base_url}/v1/responses", json=body, timeout=60).json()
+    assert answer["status"] == "incomplete" and answer["incomplete_details"]["reason"] == "max_output_tokens"
+    [call] = answer["output"]
+    assert json.loads(call["arguments"]) == {"city": "Paris"} and call["status"] == "completed"
+    with httpx.stream("POST", f"{default_server.base_url}/v1/responses", json={**body, "stream": True},
+                      timeout=60) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+    [done] = [event for event in events if event["type"] == "response.output_item.done"]
+    assert done["item"]["status"] == "completed" and events[-1]["type"] == "response.incomplete"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input"),

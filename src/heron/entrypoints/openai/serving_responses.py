@@ -149,9 +149,17 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
     # a message item where there is text (with tools, only then: as the stream of the same output has it)
     output = [*([message_item(item_id("msg"), content)] if content is not None and (content or tools is None) else []),
               *(call_item(item_id("fc"), call) for call in calls)]
-    if completion.finish_reason == "length" and output:
+    if cuts_last_item(tools, completion.finish_reason) and output:
         output[-1]["status"] = "incomplete"  # the item max_output_tokens cut, as OpenAI marks it
     return JSONResponse(builder.finish(output, final, completion.finish_reason, len(completion.token_ids)))
+
+
+def cuts_last_item(tools: ChatTools | None, finish_reason: str | None) -> bool:
+    """Whether max_output_tokens ended the output inside its last item. Under
+    tool_choice "required" only the calls the output closed become items (a
+    call cut short is dropped), so every item it has is complete; the response
+    itself is still "incomplete"."""
+    return finish_reason == "length" and not (tools is not None and tools.choice.mode == "required")
 
 
 def message_item(identifier: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -273,7 +281,7 @@ class ResponseBuilder:
                 for chunk in items.add(deltas):
                     yield chunk
         assert final is not None
-        for chunk in items.close(cut=final.outputs[0].finish_reason == "length"):
+        for chunk in items.close(cut=cuts_last_item(self.tools, final.outputs[0].finish_reason)):
             yield chunk
         response = self.finish(items.output, final, final.outputs[0].finish_reason, output_tokens)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
