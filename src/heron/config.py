@@ -255,8 +255,13 @@ class KVEventsConfig:
             raise ValueError("kv_events_config.buffer_steps must be an integer >= 1")
         for name in ("endpoint", "replay_endpoint"):
             address = getattr(self, name)
-            if address is not None and not address.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"kv_events_config.{name} must be a ZMQ address such as tcp://*:5557, got {address!r}")
+            if address is not None and not address.startswith(("tcp://", "ipc://")):
+                # inproc:// is out too: the publisher's own ZMQ context is no one else's
+                raise ValueError(f"kv_events_config.{name} must be a ZMQ address such as tcp://*:5557 or "
+                                 f"ipc:///tmp/kv-events, got {address!r}")
+            port = address.rsplit(":", 1)[-1] if address is not None and address.startswith("tcp://") else "*"
+            if port != "*" and not (port.isdigit() and int(port) <= 65535):
+                raise ValueError(f"kv_events_config.{name}: the port of {address!r} must be * or 0-65535")
 
 
 # the names of heron's one P/D connector (blocks over TCP with ZMQ): the and vLLM-style

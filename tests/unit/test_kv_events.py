@@ -5,6 +5,7 @@ and the ZMQ publisher numbers its batches and replays missed ones."""
 from __future__ import annotations
 
 import random
+import socket
 
 import pytest
 import zmq
@@ -278,6 +279,46 @@ def test_each_data_parallel_rank_publishes_on_its_own_socket():
     # a Ray node: the user's wildcard host becomes the node's address (the API server dials it)
     on_node = rank_kv_events(user, 1, "unused", host="10.0.0.7")
     assert (on_node.endpoint, on_node.replay_endpoint) == ("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5601")
+
+
+def test_ranks_whose_ports_would_meet_are_refused_before_anything_starts():
+    """Rank r binds the events port + r and the replay port + r: under two ranks
+    5557 and 5558 gave rank 1's events rank 0's replay port, and whichever rank
+    bound second died on "Address already in use"."""
+    from heron.engine.args import EngineArgs
+    from heron.engine.dp_client import start_engine_cores
+    from heron.engine.rank_events import check_rank_endpoints
+
+    adjacent = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    with pytest.raises(ValueError, match="rank 1's endpoint would be tcp://\\*:5558, which is rank 0's "
+                                         "replay_endpoint.*at least 2 apart"):
+        start_engine_cores(EngineArgs(data_parallel_size=2, kv_events_config=adjacent))
+    check_rank_endpoints(KVEventsConfig.from_dict(adjacent), 1)  # one rank: nothing to meet
+    apart = KVEventsConfig(True, "zmq", "tcp://*:5557", replay_endpoint="tcp://*:5600")
+    check_rank_endpoints(apart, 8)
+    with pytest.raises(ValueError, match="rank 43's endpoint would be tcp://\\*:5600"):
+        check_rank_endpoints(apart, 44)
+    check_rank_endpoints(KVEventsConfig(True, "zmq", "tcp://*:*", replay_endpoint="tcp://*:*"), 4)
+
+
+@pytest.mark.parametrize("endpoint, error", [
+    ("tcp://127.0.0.1:99999", "must be \\* or 0-65535"),  # bound a port 99999 wrapped to, silently
+    ("tcp://127.0.0.1:x", "must be \\* or 0-65535"),
+    ("inproc://events", "must be a ZMQ address"),  # the publisher's own context: no one could connect
+])
+def test_an_events_endpoint_no_one_could_reach_is_refused(endpoint, error):
+    with pytest.raises(ValueError, match=f"kv_events_config.endpoint.*{error}"):
+        KVEventsConfig(True, "zmq", endpoint)
+
+
+def test_a_replay_port_in_use_is_named_in_the_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", replay_endpoint=f"tcp://127.0.0.1:{port}")
+        with pytest.raises(ValueError, match=f"cannot bind 'tcp://127.0.0.1:{port}'"):
+            ZmqEventPublisher(config)
 
 
 def test_each_rank_serves_prefill_blocks_on_its_own_port_and_a_reachable_host():

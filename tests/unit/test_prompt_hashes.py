@@ -56,6 +56,17 @@ def test_the_router_hashes_what_the_replica_registers(hasher):
                                                                                             block_size)
 
 
+def test_a_completion_without_special_tokens_is_hashed_as_the_replica_encodes_it(hasher):
+    """``add_special_tokens: false`` on /v1/completions: the replica encodes the
+    text without the tokenizer's BOS, and the router hashed it with, so on a
+    BOS-adding tokenizer (Llama's) no block it computed ever matched."""
+    body = {"prompt": "herons wait " * 30, "add_special_tokens": False}
+    assert hasher._prompt("/v1/completions", body) == (body["prompt"], False)
+    assert hasher._prompt("/v1/completions", {"prompt": "x"}) == ("x", True)
+    ids = hasher.processor.tokenizer.encode(body["prompt"], add_special_tokens=False)
+    assert hasher.block_hashes("/v1/completions", body, 16) == prompt_block_hashes(ids, 16)
+
+
 def test_messages_that_are_not_plain_take_the_long_way_to_the_same_hashes(hasher):
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "tell me about herons " * 6}]}]}
     named = {"messages": [{"role": "user", "content": "tell me about herons " * 6, "name": "ann"}]}

@@ -106,10 +106,52 @@ def test_a_batch_this_router_cannot_read_costs_the_index_not_the_subscription():
             await until(lambda: Y in index.blocks)
             assert not task.done() and X not in index.blocks  # unknown what batch 1 did: X no longer claimed
             assert index.last_seq == 2 and subscriber.num_lost_batches == 1
+            # hashes an index cannot hold (a list is unhashable: the set's update raised and ended the task)
+            publisher._queue.put(msgpack.packb([0.0, [["BlockStored", [[1, 2]], None, [1], 1, None, None]], None]))
+            publisher.publish([BlockStored([Z], None, [1], 1)])
+            await until(lambda: Z in index.blocks)
+            assert not task.done() and Y not in index.blocks and subscriber.num_lost_batches == 2
         finally:
             task.cancel()
 
     with_publisher(test)
+
+
+def test_a_message_of_the_wrong_shape_is_skipped_not_the_end_of_the_subscription():
+    """Two or four frames where the publisher sends three: unpacking them raised
+    and ended the task (for a data-parallel rank's subscription, for good)."""
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        publisher = context.socket(zmq.PUB)
+        port = publisher.bind_to_random_port("tcp://127.0.0.1")
+        replay = context.socket(zmq.ROUTER)
+        replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
+        index = KVBlockIndex()
+        subscriber = KVEventSubscriber(context, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "",
+                                       index)
+
+        async def answer_replays() -> None:
+            while True:
+                frames = await replay.recv_multipart()
+                await replay.send_multipart([frames[0], b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+        replays = asyncio.create_task(answer_replays())
+        task = asyncio.create_task(subscriber.run())
+        try:
+            await until(lambda: subscriber.num_replays == 1)
+            await asyncio.sleep(0.2)  # the SUB socket has joined
+            for seq, frames in enumerate([[b"", (0).to_bytes(8, "big")], [b"", (1).to_bytes(8, "big"), b"x", b"y"]]):
+                await publisher.send_multipart(frames)
+                await publisher.send_multipart([b"", seq.to_bytes(8, "big"), stored(bytes([seq]) * 32)])
+            await until(lambda: index.blocks == {bytes([0]) * 32, bytes([1]) * 32})
+            assert not task.done()
+        finally:
+            task.cancel()
+            replays.cancel()
+            await asyncio.gather(task, replays, return_exceptions=True)
+            context.destroy(0)
+
+    asyncio.run(scenario())
 
 
 class EventfulReplica:
@@ -121,6 +163,7 @@ class EventfulReplica:
         self.runner: web.AppRunner | None = None
         self.url = ""
         self.kv_events_answer: dict | None = None
+        self.events_on = True  # False: restarted without KV events (no epoch in /health)
 
     def info(self) -> dict:
         return {"enabled": True, "endpoint": self.publisher.endpoint, "topic": "", "block_size": 16,
@@ -128,13 +171,15 @@ class EventfulReplica:
 
     async def start(self) -> None:
         async def health(_: web.Request) -> web.Response:
-            return web.json_response({"status": "ok", "kv_events_epoch": self.publisher.epoch})
+            epoch = {"kv_events_epoch": self.publisher.epoch} if self.events_on else {}
+            return web.json_response({"status": "ok", **epoch})
 
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(text="")
 
         async def kv_events(_: web.Request) -> web.Response:
-            return web.json_response(self.kv_events_answer or self.info())
+            answer = self.kv_events_answer or self.info()
+            return web.json_response(answer if self.events_on else {"enabled": False, "block_size": 16})
 
         app = web.Application()
         app.router.add_get("/health", health)
@@ -187,6 +232,21 @@ def test_a_replica_restarted_at_the_same_address_is_followed_again():
     run_replica_set(test)
 
 
+def test_a_replica_restarted_without_kv_events_is_no_longer_credited_with_its_blocks():
+    """Its /health names no epoch any more: the old subscription kept listening
+    to a publisher that was gone, and the index kept its blocks for good."""
+    async def test(replica: EventfulReplica, replicas: ReplicaSet) -> None:
+        tracked = replicas.replicas[0]
+        await until(lambda: tracked.subscription is not None)
+        replica.publisher.publish([BlockStored([X], None, [1], 1)])
+        await until(lambda: X in tracked.index.blocks)
+        replica.events_on = False
+        await until(lambda: tracked.subscription is None)
+        assert tracked.matched_blocks([X]) == 0 and tracked.breaker.allows()
+
+    run_replica_set(test)
+
+
 def test_a_subscription_that_ended_is_started_again_and_the_probes_outlive_odd_answers():
     async def test(replica: EventfulReplica, replicas: ReplicaSet) -> None:
         tracked = replicas.replicas[0]
@@ -227,6 +287,12 @@ def test_every_data_parallel_engine_of_a_replica_is_followed():
         second.publish([BlockStored([Y], None, [1], 1), BlockStored([Z], Y, [1], 1)])
         await until(lambda: tracked.matched_blocks([Y, Z]) == 2 and tracked.matched_blocks([X]) == 1)
         assert tracked.matched_blocks([X, Z]) == 1 and tracked.cached_blocks == 3  # no engine holds X then Z
+        # another rank's subscription that ended is started again too (only rank 0's was), its index afresh
+        ended = tracked.rank_subscriptions[0]
+        ended.cancel()
+        await until(lambda: tracked.rank_subscriptions[:1] not in ([], [ended]))
+        second.publish([BlockRemoved([Z])])
+        await until(lambda: tracked.matched_blocks([Y, Z]) == 1)  # replayed, and followed since
         for _ in range(3):
             replicas.record(tracked, None)  # out: every rank's index goes with it
         assert tracked.matched_blocks([Y]) == 0 and not tracked.rank_subscriptions

@@ -119,9 +119,26 @@ def _decode_event(fields: Sequence[Any]) -> KVCacheEvent:
     kind = fields[0]
     if kind == "BlockStored":
         _, hashes, parent, token_ids, block_size, lora_id, medium = fields
-        return BlockStored(list(hashes), parent, list(token_ids), int(block_size), lora_id, medium)
+        if parent is not None:
+            _check_hash(parent)
+        return BlockStored(_hashes(hashes), parent, list(token_ids), int(block_size), lora_id, medium)
     if kind == "BlockRemoved":
-        return BlockRemoved(list(fields[1]), fields[2])
+        return BlockRemoved(_hashes(fields[1]), fields[2])
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown event kind {kind!r}")
+
+
+def _hashes(value: Any) -> list[Any]:
+    """A batch's block hashes: a list of bytes (heron's) or integers (another
+    engine's form), never anything an index could not hold."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"block hashes must be a list, not {type(value).__name__}")
+    for block_hash in value:
+        _check_hash(block_hash)
+    return list(value)
+
+
+def _check_hash(block_hash: Any) -> None:
+    if isinstance(block_hash, bool) or not isinstance(block_hash, (bytes, int)):
+        raise TypeError(f"a block hash must be bytes or an integer, not {type(block_hash).__name__}")

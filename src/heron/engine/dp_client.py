@@ -29,7 +29,13 @@ from heron.config import EngineConfig
 from heron.core.hashing import BlockHash, prompt_block_hashes
 from heron.engine.args import EngineArgs
 from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess, OwnedEngineCore
-from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events, with_rank_kv_transfer
+from heron.engine.rank_events import (
+    check_rank_endpoints,
+    kv_events_of,
+    rank_kv_events,
+    with_kv_events,
+    with_rank_kv_transfer,
+)
 from heron.engine.serialization import MessageKind, decode_outputs
 from heron.request import EngineCoreRequest
 from heron.routing.kv_index import KVBlockIndex
@@ -48,6 +54,7 @@ def start_engine_cores(
     with ``data_parallel_backend`` ray), each publishing its KV-cache events on
     its own socket (``rank_events.py``), each talking to ``num_clients`` API
     servers."""
+    check_rank_endpoints(kv_events_of(engine), engine.data_parallel_size)
     if engine.data_parallel_backend == "ray":
         from heron.engine.ray_engines import start_ray_engine_cores
 

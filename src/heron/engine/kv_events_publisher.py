@@ -50,12 +50,15 @@ class ZmqEventPublisher:
         self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay of the whole buffer is queued whole, never cut
         # this publisher's numbering: a restarted engine numbers from 0 again under another epoch
         self.epoch = secrets.token_hex(8)
+        replay_address = config.replay_endpoint or _any_port(config.endpoint)
+        binding = config.endpoint
         try:
-            self.endpoint = _bind(self._pub, config.endpoint)
-            self.replay_endpoint = _bind(self._replay, config.replay_endpoint or _any_port(config.endpoint))
+            self.endpoint = _bind(self._pub, binding)
+            binding = replay_address
+            self.replay_endpoint = _bind(self._replay, binding)
         except zmq.ZMQError as exc:
             self._close_sockets()
-            raise ValueError(f"kv_events_config: cannot bind {config.endpoint!r}: {exc}") from exc
+            raise ValueError(f"kv_events_config: cannot bind {binding!r}: {exc}") from exc
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._next_seq = 0

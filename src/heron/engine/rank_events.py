@@ -32,6 +32,28 @@ def rank_kv_events(base: KVEventsConfig, rank: int, private_endpoint: str, host:
                    replay_endpoint=None if base.replay_endpoint is None else ranked(base.replay_endpoint))
 
 
+def check_rank_endpoints(base: KVEventsConfig, size: int) -> None:
+    """ValueError, before any engine starts, when two of ``size`` ranks would
+    bind the same port: rank r publishes on the endpoint's port + r and serves
+    replays on the replay port + r, so a replay port within ``size`` of the
+    events port (5557 and 5558 under two ranks) gave rank 1's events rank 0's
+    replay port, and one rank died on "Address already in use"."""
+    if not base.publishes or size < 2:
+        return
+    taken: dict[str, str] = {}
+    for rank in range(size):
+        for name, address in (("endpoint", base.endpoint), ("replay_endpoint", base.replay_endpoint)):
+            if address is None or not address.startswith("tcp://") or not address.rsplit(":", 1)[-1].isdigit():
+                continue  # a free port, or an IPC path: apart by themselves
+            ranked = port_plus(address, rank)
+            owner = f"rank {rank}'s {name}"
+            if ranked in taken:
+                raise ValueError(f"kv_events_config: with --data-parallel-size {size}, {owner} would be {ranked}, "
+                                 f"which is {taken[ranked]}: each rank adds its number to both ports, so keep "
+                                 f"endpoint and replay_endpoint at least {size} apart")
+            taken[ranked] = owner
+
+
 def port_plus(address: str, rank: int) -> str:
     """``tcp://host:5557`` -> ``tcp://host:5557+rank``; a ``*`` port and IPC paths stay apart by themselves."""
     if address.startswith("tcp://"):

@@ -119,7 +119,8 @@ class PromptHasher:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of prompts: place it by the first
         if isinstance(prompt, str):
-            return prompt, True
+            # as the replica encodes it: a client's add_special_tokens false leaves out the BOS a tokenizer adds
+            return prompt, body.get("add_special_tokens", True) is not False
         return self.processor.process_prompt(prompt).token_ids
 
     def _render_chat(self, body: dict[str, Any]) -> str:

@@ -199,16 +199,21 @@ class ReplicaSet:
             logger.exception("following %s: an answer this router cannot read", replica.url)
 
     def _follow_restarts(self, replica: Replica, epoch: str | None) -> None:
-        """Start following a replica's events again when its subscription ended
-        (it never should) or the replica restarted (its events' epoch changed: its
-        numbers start again from 0, which the old subscription would drop as seen)."""
-        subscription, subscriber = replica.subscription, replica.subscriber
-        if subscription is not None and subscription.done():
-            error = None if subscription.cancelled() else subscription.exception()
-            logger.warning("the KV event subscription to %s ended (%r): following it again", replica.url, error)
-        elif subscriber is not None and epoch is not None and subscriber.epoch not in (None, epoch):
+        """Start following a replica's events again when a subscription (rank
+        0's or another data-parallel rank's) ended (it never should) or the
+        replica restarted: its events' epoch changed (its numbers start again
+        from 0, which the old subscription would drop as seen), or it had one
+        and /health names none (restarted without KV events: what it held is gone)."""
+        subscriber = replica.subscriber
+        subscriptions = [replica.subscription, *replica.rank_subscriptions] if replica.subscription else []
+        ended = next((task for task in subscriptions if task.done()), None)
+        if ended is not None:
+            error = None if ended.cancelled() else ended.exception()
+            logger.warning("the KV event subscription %r ended (%r): following %s again", ended.get_name(), error,
+                           replica.url)
+        elif subscriber is not None and subscriber.epoch is not None and epoch != subscriber.epoch:
             logger.info("replica %s restarted (KV events epoch %s -> %s): following it again", replica.url,
-                        subscriber.epoch, epoch)
+                        subscriber.epoch, epoch or "none, events off")
         else:
             return
         replica.unfollow()

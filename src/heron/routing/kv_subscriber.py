@@ -7,8 +7,9 @@ before the new one is applied. Batches that do not come (the replica no longer
 keeps them, the replay gets no answer, or comes with a hole) are lost for good:
 the index is then cleared and rebuilt from the batches after them (it may
 under-count, never claim a block that was reported removed after what it saw).
-A batch this router cannot decode (another version's events) costs the same,
-never the subscription.
+A batch this router cannot decode (another version's events, hashes of a
+kind an index cannot hold) costs the same, and a message of the wrong shape is
+skipped: neither ends the subscription.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ class KVEventSubscriber:
         try:
             await self.replay(0)
             while True:
-                _, seq_bytes, payload = await socket.recv_multipart()
+                frames = await socket.recv_multipart()
+                if len(frames) != 3:
+                    self._skip(frames)
+                    continue
+                _, seq_bytes, payload = frames
                 seq = int.from_bytes(seq_bytes, "big")
                 if seq > self.index.last_seq + 1 and not await self.replay(self.index.last_seq + 1):
                     self._lose(self.index.last_seq + 1, seq)  # what the replay did not bring is lost
@@ -70,7 +75,11 @@ class KVEventSubscriber:
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
             expected = start
             while await socket.poll(REPLAY_TIMEOUT_MS):
-                _, seq_bytes, payload = await socket.recv_multipart()
+                frames = await socket.recv_multipart()
+                if len(frames) != 3:
+                    self._skip(frames)
+                    continue
+                _, seq_bytes, payload = frames
                 if seq_bytes == END_OF_REPLAY:
                     return True
                 seq = int.from_bytes(seq_bytes, "big")
@@ -82,6 +91,12 @@ class KVEventSubscriber:
             return False
         finally:
             socket.close(0)
+
+    def _skip(self, frames: list[bytes]) -> None:
+        """A message not in the publisher's form (topic, sequence number,
+        batch): no batch to place, so it is passed over; a batch it hid shows
+        as a gap in the numbering, which is replayed."""
+        logger.warning("a KV event message of %d frames from %s (3 expected): skipped", len(frames), self.endpoint)
 
     def _lose(self, first: int, seq: int) -> None:
         """Batches ``first .. seq - 1`` will never be seen: the index cannot be
