@@ -25,6 +25,11 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
     if body["prompt"] == "fail":
         await response.write(sse({"error": {"message": "engine died"}}))
         return response
+    if body["prompt"] == "odd shape":  # JSON, but not an event's shape: that request fails, not the run
+        await response.write(sse({"choices": [None], "usage": 5}))
+        return response
+    if body["prompt"] == "null error":  # "error": null is no error
+        await response.write(sse({"error": None, "choices": [{"index": 0, "text": "fine"}]}))
     for piece in ["Hello", "", " world"]:
         await response.write(sse({"choices": [{"index": 0, "text": piece}]}))
         await asyncio.sleep(0.01)
@@ -37,6 +42,21 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def chat_handler(request: web.Request) -> web.StreamResponse:
+    """A reasoning model: 5 reasoning chunks, then 2 of content."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+    for index in range(5):
+        field = "reasoning_content" if index % 2 else "reasoning"  # vLLM's older and newer names
+        await response.write(sse({"choices": [{"index": 0, "delta": {field: f"step {index} "}}]}))
+        await asyncio.sleep(0.1)
+    for piece in ["The answer", " is 4."]:
+        await response.write(sse({"choices": [{"index": 0, "delta": {"content": piece}}]}))
+    await response.write(b"data: [DONE]\r\n\r\n")
+    return response
+
+
 async def unauthorized(request: web.Request) -> web.Response:
     return web.json_response({"error": {"message": "bad key"}}, status=401)
 
@@ -45,6 +65,7 @@ def run_against_stub(prompt: str, path: str):
     async def main():
         app = web.Application()
         app.router.add_post("/v1/completions", stream_handler)
+        app.router.add_post("/v1/chat/completions", chat_handler)
         app.router.add_post("/denied", unauthorized)
         runner = web.AppRunner(app)
         await runner.setup()
@@ -55,7 +76,7 @@ def run_against_stub(prompt: str, path: str):
         try:
             async with aiohttp.ClientSession() as client:
                 return await send_request(
-                    client, f"http://127.0.0.1:{port}{path}", request_body("m", sample, False, True, 0.0),
+                    client, f"http://127.0.0.1:{port}{path}", request_body("m", sample, "chat" in path, True, 0.0),
                     sample, time.perf_counter(), {}, lambda text: len(text.split()),
                 )
         finally:
@@ -111,3 +132,21 @@ def test_arrivals_keep_the_rate_when_the_client_is_busy():
 
     # on schedule give or take a send's work; gaps slept after each send ran 0.4 s late
     assert asyncio.run(main()) < schedule + 0.15
+
+
+def test_an_event_of_another_shape_fails_its_request_and_a_null_error_is_none():
+    """``"usage": 5`` or ``"choices": [null]`` raised AttributeError out of the
+    run (every result lost); ``"error": null`` failed a good request."""
+    odd = run_against_stub("odd shape", "/v1/completions")
+    assert not odd.success and "unexpected shape" in odd.error
+    fine = run_against_stub("null error", "/v1/completions")
+    assert fine.success and fine.generated_text == "fineHello world", fine.error
+
+
+def test_reasoning_chunks_are_tokens_for_the_timings_and_not_the_answer():
+    """A reasoning model's first token is its first reasoning chunk: TTFT was
+    taken at the first content chunk, after all of them, and TPOT shrank."""
+    result = run_against_stub("q", "/v1/chat/completions")
+    assert result.success and result.generated_text == "The answer is 4."
+    assert result.ttft < 0.3 and len(result.itl) == 6  # 7 timed chunks (the content came after 0.5 s)
+    assert result.output_tokens == len("step 0 step 1 step 2 step 3 step 4 The answer is 4.".split())

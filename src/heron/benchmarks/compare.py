@@ -14,10 +14,16 @@ ROWS = [
 
 
 def load_results(paths: list[str]) -> list[dict[str, Any]]:
+    """The saved results; ValueError naming a file that is not one."""
     results = []
     for path in paths:
-        with open(path, encoding="utf-8") as handle:
-            result = json.load(handle)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                result = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the result {path}: {exc}") from exc
+        if not isinstance(result, dict) or "completed" not in result:
+            raise ValueError(f"{path} is not a result of heron bench serve --save-result")
         if not result.get("label"):  # a run saved without --label has "label": null
             result["label"] = path
         results.append(result)

@@ -127,21 +127,25 @@ def sharegpt_dataset(
     max_prompt_len: int = 1024, max_total_len: int = 2048,
 ) -> list[SampleRequest]:
     """First human turn as the prompt, the first model reply's length as the
-    output length (unless ``output_len`` is given); too long or too short
-    conversations are skipped, as vLLM does."""
-    with open(path, encoding="utf-8") as handle:
-        conversations = json.load(handle)
+    output length (unless ``output_len`` is given: then any reply will do);
+    too long or too short conversations are skipped, as vLLM does. ValueError
+    naming the file when it is not ShareGPT's shape (a list of objects whose
+    ``conversations`` are ``{"from", "value"}`` turns)."""
+    conversations = _read_sharegpt(path)
     rng = random.Random(seed)
     rng.shuffle(conversations)
     samples = []
     for entry in conversations:
         turns = entry.get("conversations") or entry.get("conversation") or []
-        if len(turns) < 2:
+        if not isinstance(turns, list) or len(turns) < 2:
             continue
+        if not all(isinstance(turn, dict) for turn in turns[:2]):
+            raise ValueError(f"{path}: a conversation's turns must be objects with a \"value\", got {turns[0]!r}")
         prompt, reply = str(turns[0].get("value", "")), str(turns[1].get("value", ""))
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
         reply_len = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
-        if prompt_len < 4 or reply_len < 4 or prompt_len > max_prompt_len or prompt_len + reply_len > max_total_len:
+        too_short = prompt_len < 4 or (output_len is None and reply_len < 4)
+        if too_short or prompt_len > max_prompt_len or prompt_len + reply_len > max_total_len:
             continue
         samples.append(SampleRequest(prompt, prompt_len, reply_len))
         if len(samples) == num_prompts:
@@ -149,3 +153,15 @@ def sharegpt_dataset(
     if len(samples) < num_prompts:
         raise ValueError(f"{path} has only {len(samples)} usable conversations, {num_prompts} asked")
     return samples
+
+
+def _read_sharegpt(path: str) -> list[dict[str, Any]]:
+    """The file's conversations: a JSON list of objects."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            conversations = json.load(handle)
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+        raise ValueError(f"cannot read the ShareGPT file {path}: {exc}") from exc
+    if not isinstance(conversations, list) or not all(isinstance(entry, dict) for entry in conversations):
+        raise ValueError(f"{path} is not a ShareGPT file: expected a JSON list of objects with \"conversations\"")
+    return conversations

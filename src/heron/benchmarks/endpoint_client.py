@@ -1,9 +1,11 @@
 """One streamed request to an OpenAI-compatible endpoint, timed chunk by chunk.
 
-TTFT is the time to the first chunk carrying text; inter-token latencies are
-the gaps between later text chunks. Output tokens come from the server's usage
-report when it sends one (``stream_options.include_usage``), otherwise from
-tokenizing the generated text.
+TTFT is the time to the first chunk carrying text (on the chat endpoint,
+reasoning text too: ``reasoning_content``, or vLLM's newer ``reasoning``);
+inter-token latencies are the gaps between later text chunks. Output tokens
+come from the server's usage report when it sends one
+(``stream_options.include_usage``), otherwise from tokenizing the generated
+text (reasoning included); ``generated_text`` is the answer's content alone.
 
 The client is aiohttp (its HTTP parsing and line splitting are C): at a few
 tens of thousands of streamed events per second, one client process in pure
@@ -69,6 +71,7 @@ async def send_request(
     result.start_time = started - bench_start
     last = started
     texts: list[str] = []
+    reasoning: list[str] = []
     usage_tokens: int | None = None
     ended = False  # the stream said it was done ([DONE]): one that just stops was cut
     finished_at: float | None = None  # when a choice first carried its finish_reason
@@ -87,26 +90,32 @@ async def send_request(
                 payload = json.loads(data)
                 if not isinstance(payload, dict):
                     raise ValueError(f"an event that is not a JSON object: {data[:100]!r}")
-                if "error" in payload:
+                if payload.get("error"):  # an "error": null is no error
                     result.error = str(payload["error"])[:300]
                     return result
                 if payload.get("usage"):
                     usage_tokens = payload["usage"].get("completion_tokens", usage_tokens)
-                text = ""
+                text = thought = ""
                 for choice in payload.get("choices") or []:
-                    text += ((choice.get("delta") or {}).get("content") or "") if chat else (choice.get("text") or "")
+                    if chat:
+                        delta = choice.get("delta") or {}
+                        text += delta.get("content") or ""
+                        thought += delta.get("reasoning_content") or delta.get("reasoning") or ""
+                    else:
+                        text += choice.get("text") or ""
                     if choice.get("finish_reason") and finished_at is None:
                         finished_at = time.perf_counter()
-                if not text:
+                if not text and not thought:
                     continue
                 now = time.perf_counter()
-                if not texts:
+                if not texts and not reasoning:
                     result.ttft = now - started
                 else:
                     result.itl.append(now - last)
                 last = now
                 result.chunk_times.append(now - bench_start)
                 texts.append(text)
+                reasoning.append(thought)
         if not texts and finished_at is not None:
             # an answer of no text (an immediate end of sequence, a token that decodes to nothing) is an answer,
             # as vLLM's client counts it: its first and last token came with its finish
@@ -115,7 +124,8 @@ async def send_request(
         # to the last token, as vLLM's client: not to a usage chunk or [DONE] that a server may send later
         result.latency = last - started
         result.generated_text = "".join(texts)
-        result.output_tokens = usage_tokens if usage_tokens is not None else count_tokens(result.generated_text)
+        result.output_tokens = (usage_tokens if usage_tokens is not None
+                                else count_tokens("".join(reasoning) + result.generated_text))
         result.success = (bool(texts) or finished_at is not None) and ended
         if not texts and finished_at is None:
             result.error = "the server returned no text"
@@ -123,4 +133,6 @@ async def send_request(
             result.error = "the stream ended without [DONE] (cut)"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, over-long line
         result.error = f"{type(exc).__name__}: {exc}"
+    except (TypeError, AttributeError) as exc:  # JSON of another shape ("usage": 5, "choices": [null]): this one
+        result.error = f"an event of an unexpected shape: {type(exc).__name__}: {exc}"
     return result

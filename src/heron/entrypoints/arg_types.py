@@ -41,3 +41,30 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}")
     return value
+
+
+def percentiles(text: str) -> list[float]:
+    """A comma-separated list of percentiles, each within [0, 100]: one out of
+    range failed only when the report was computed, after the whole run."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected percentiles such as 50,90,99, got {text!r}") from None
+        if not 0 <= value <= 100:
+            raise argparse.ArgumentTypeError(f"each percentile must be within [0, 100], got {item.strip()!r}")
+        values.append(value)
+    return values
+
+
+def range_ratio(text: str) -> float:
+    """A length range ratio r in [0, 1): lengths drawn from [L(1-r), L(1+r)]
+    (a negative r or one of 1 or more drew lengths off that mean, or none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value

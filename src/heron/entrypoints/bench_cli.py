@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from heron.engine.args import EngineArgs
-from heron.entrypoints.arg_types import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, port
+from heron.entrypoints.arg_types import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, percentiles, port, range_ratio
 
 
 def add_bench_parsers(subcommands: Any) -> None:
@@ -38,7 +38,7 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--ignore-eos", action="store_true")
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="e.g. ttft:500 tpot:50 e2el:3000 (ms)")
-    serve.add_argument("--metric-percentiles", default="50,90,99")
+    serve.add_argument("--metric-percentiles", type=percentiles, default=[50.0, 90.0, 99.0])
     serve.add_argument("--save-result", action="store_true")
     serve.add_argument("--result-dir", default=None)
     serve.add_argument("--result-filename", default=None)
@@ -53,7 +53,7 @@ def add_bench_parsers(subcommands: Any) -> None:
     throughput.add_argument("--temperature", type=float, default=1.0)
     throughput.add_argument(
         "--structured-outputs",
-        type=json.loads,
+        type=structured_outputs,
         default=None,
         metavar="JSON",
         help='constrain every request, e.g. \'{"json": {"type": "array"}}\' or \'{"regex": "[a-z ]+"}\'',
@@ -80,6 +80,22 @@ def add_bench_parsers(subcommands: Any) -> None:
     compare.add_argument("--plot", default=None, metavar="PNG", help="also write a comparison chart")
 
 
+def structured_outputs(text: str) -> dict[str, Any]:
+    """``--structured-outputs``: a JSON object of StructuredOutputsParams' fields
+    (checked here: a wrong one failed with a TypeError after the model loaded)."""
+    from heron.sampling_params import StructuredOutputsParams
+
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise TypeError("not a JSON object")
+        StructuredOutputsParams(**value)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"regex\": \"[a-z ]+\"}}': "
+                                         f"{exc}") from None
+    return value
+
+
 def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     """Dataset flags; ``--seed`` (also the engine's, offline) seeds the prompts."""
     group = parser.add_argument_group("dataset")
@@ -88,8 +104,8 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-prompts", type=POSITIVE_INT, default=100)
     group.add_argument("--random-input-len", type=POSITIVE_INT, default=256)
     group.add_argument("--random-output-len", type=POSITIVE_INT, default=64)
-    group.add_argument("--random-range-ratio", type=float, default=0.0)
-    group.add_argument("--random-output-range-ratio", type=float, default=None,
+    group.add_argument("--random-range-ratio", type=range_ratio, default=0.0)
+    group.add_argument("--random-output-range-ratio", type=range_ratio, default=None,
                        help="range ratio of output lengths (default: --random-range-ratio)")
     group.add_argument("--random-prefix-len", type=NON_NEGATIVE_INT, default=0)
     group.add_argument("--sharegpt-output-len", type=POSITIVE_INT, default=None)
@@ -102,6 +118,15 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_tokenizer(name: str | None) -> Any:
+    """The tokenizer dataset lengths are counted in; ValueError naming ``name``
+    when it cannot be loaded (a typo, a Hub id with no network)."""
+    try:
+        return _tokenizer_of(name)
+    except OSError as exc:
+        raise ValueError(f"cannot load the tokenizer {name!r} for dataset lengths: {exc}") from exc
+
+
+def _tokenizer_of(name: str | None) -> Any:
     from heron.loader.model_source import resolve_model_source
 
     if name and not os.path.exists(name):
@@ -121,6 +146,9 @@ def _load_tokenizer(name: str | None) -> Any:
 def _samples(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     from heron.benchmarks.datasets import prefix_repetition_dataset, random_dataset, sharegpt_dataset
 
+    if args.dataset_path and args.dataset_name != "sharegpt":
+        # it was read by nothing: the run measured random prompts under the file's name in the user's notes
+        raise ValueError(f"--dataset-path is read with --dataset-name sharegpt, not {args.dataset_name}")
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
@@ -188,7 +216,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
         print(offline.format_throughput(result))
     else:
         result = offline.run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters_warmup,
-                                     args.num_iters, use_tqdm=not args.disable_tqdm)
+                                     args.num_iters, seed=args.seed, use_tqdm=not args.disable_tqdm)
         print(offline.format_latency(result))
     llm.engine.engine_core.finish_profile()
     offline.write_json(result, args.output_json)
@@ -205,7 +233,6 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if labels and len(labels) != len(base_urls):
         raise ValueError("give one --label per --base-url")
     goodput = parse_goodput(args.goodput)
-    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     # as vLLM, the model's own tokenizer by default: the embedded one measured other models' prompts wrongly
     local_model = args.model if args.model and os.path.exists(args.model) else None
     tokenizer = _load_tokenizer(args.tokenizer or local_model)
@@ -240,8 +267,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "client_cpu_s": time.process_time() - client_cpu_started,
             "started_at": started_at,  # epoch seconds: runs of several clients line up by it
         }
-        result = summarize(raw, duration, goodput, percentiles, settings)
-        print(format_report(result, percentiles))
+        result = summarize(raw, duration, goodput, args.metric_percentiles, settings)
+        print(format_report(result, args.metric_percentiles))
         if args.save_result or args.result_filename or args.plot:
             filename = args.result_filename or default_result_filename(result)
             if len(base_urls) > 1:  # one file per server (runs within a second had one name, the last kept)
