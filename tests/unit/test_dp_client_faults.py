@@ -131,3 +131,48 @@ def test_merged_statistics_count_a_steps_tokens_once():
                                                                                  num_running_reqs=1)))
         merged.append((outputs.scheduler_stats.num_scheduled_tokens, outputs.scheduler_stats.num_running_reqs))
     assert merged == [(512, 1), (1, 2), (1, 2)]  # running requests add up over engines, a step's tokens do not
+
+
+def test_an_engines_kv_event_subscription_that_ends_is_followed_again(fake_engines, monkeypatch):
+    """It was started once: had it ended, the client would have placed prompts
+    by what that engine held then, for good."""
+    from heron.config import KVEventsConfig
+    from heron.core.kv_events import BlockStored
+    from heron.engine import dp_client
+    from heron.engine.kv_events_publisher import ZmqEventPublisher
+    from heron.routing.kv_subscriber import KVEventSubscriber
+
+    class FailsOnce(KVEventSubscriber):
+        failed = False
+
+        async def run(self) -> None:
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise RuntimeError("a fault the subscriber did not expect")
+            await super().run()
+
+    monkeypatch.setattr(dp_client, "KVEventSubscriber", FailsOnce)
+    monkeypatch.setattr(dp_client, "RESUBSCRIBE_DELAY_S", 0.05)
+    _, endpoints = fake_engines(1)
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*"))
+
+    async def scenario() -> None:
+        client = DataParallelClient(config(1), endpoints)
+        engine = client.engines[0]
+        try:
+            engine.index.blocks.add(b"s" * 32)  # what the ended subscription had seen
+            client._follow(engine, {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint})
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not (FailsOnce.failed and client._subscriptions):
+                await asyncio.sleep(0.02)
+            assert b"s" * 32 not in engine.index.blocks  # forgotten, not trusted
+            await asyncio.sleep(0.3)  # the new one has joined
+            publisher.publish([BlockStored([b"n" * 32], None, [1], 1)])
+            while time.monotonic() < deadline and b"n" * 32 not in engine.index.blocks:
+                await asyncio.sleep(0.02)
+            assert b"n" * 32 in engine.index.blocks
+        finally:
+            client.shutdown(0.1)
+            publisher.shutdown()
+
+    asyncio.run(scenario())

@@ -46,6 +46,8 @@ from heron.tempdirs import make_private_dir, remove_private_dir
 
 logger = logging.getLogger(__name__)
 
+RESUBSCRIBE_DELAY_S = 1.0  # between a subscription that ended and the next (one failing at once never spins)
+
 
 def start_engine_cores(
     engine: EngineConfig | EngineArgs, log_level: str = "INFO", num_clients: int = 1
@@ -188,9 +190,7 @@ class DataParallelClient:
         self._ready[engine.rank] = payload
         info = payload.get("kv_events")
         if info is not None:
-            subscriber = KVEventSubscriber(self._context, info["endpoint"], info["replay_endpoint"],
-                                           info.get("topic", ""), engine.index)
-            self._subscriptions.append(asyncio.create_task(subscriber.run(), name=f"heron-dp-kv-{engine.rank}"))
+            self._follow(engine, info)
         if len(self._ready) == len(self.engines):
             first = self._ready[0]
             # the private IPC events are this client's; an outside router follows the ranks' TCP ones
@@ -217,6 +217,30 @@ class DataParallelClient:
 
     def is_alive(self) -> bool:
         return all(engine.client.is_alive() for engine in self.engines)
+
+    def _follow(self, engine: _Engine, info: dict[str, Any]) -> None:
+        """Keep ``engine``'s index from its KV events; a subscription that ends
+        other than by shutdown (it never should) starts again on a clean index,
+        or placement would go on by what the engine held when it ended."""
+        subscriber = KVEventSubscriber(self._context, info["endpoint"], info["replay_endpoint"],
+                                       info.get("topic", ""), engine.index)
+        task = asyncio.create_task(subscriber.run(), name=f"heron-dp-kv-{engine.rank}")
+        self._subscriptions.append(task)
+
+        def restart(ended: asyncio.Task[None]) -> None:
+            self._subscriptions.remove(ended)
+            if ended.cancelled() or self._context.closed:
+                return
+            logger.warning("engine %d's KV event subscription ended (%r): following it again in %g s",
+                           engine.rank, ended.exception(), RESUBSCRIBE_DELAY_S)
+            engine.index.reset()
+            asyncio.get_running_loop().call_later(RESUBSCRIBE_DELAY_S, follow_again)
+
+        def follow_again() -> None:
+            if not self._context.closed:
+                self._follow(engine, info)
+
+        task.add_done_callback(restart)
 
     @property
     def exit_code(self) -> int | None:
