@@ -3,7 +3,9 @@ by Playwright, against a live server on the embedded model (issue #21, item
 3): a question typed and sent streams its answer into the page, the next one
 carries the conversation, the system prompt and temperature reach the
 request, Stop ends a stream mid-way (and the server aborts its request), and
-a server with API keys gets the key field."""
+a server with API keys gets the key field. A failed answer leaves its
+question out of the conversation and gives its text back; a cut one keeps
+its words; empty settings are left out; a reader scrolled up stays there."""
 
 from __future__ import annotations
 
@@ -147,7 +149,9 @@ def test_a_server_out_of_reach_at_first_is_waited_for(browser, default_server):
 
 
 def test_a_server_with_keys_gets_the_key_field(browser):
-    server = ServerProcess("--max-model-len", "2048", "--api-key", "page-key")
+    """Also under --protect-metrics, which locked the page itself away."""
+    server = ServerProcess("--max-model-len", "2048", "--api-key", "page-key", "--protect-metrics",
+                           api_key="page-key")
     try:
         assert httpx.get(server.base_url + "/").status_code == 200  # the page itself holds nothing secret
         page = browser.new_page()
@@ -163,3 +167,97 @@ def test_a_server_with_keys_gets_the_key_field(browser):
         page.close()
     finally:
         server.stop()
+
+
+def fulfilled_chat(page, status: int, body: str) -> list[dict]:
+    """Answer the page's chat requests with ``body`` (an SSE stream for 200, a
+    JSON error else); returns the requests' bodies as sent."""
+    sent: list[dict] = []
+
+    def answer(route):
+        sent.append(json.loads(route.request.post_data))
+        route.fulfill(status=status, body=body,
+                      content_type="text/event-stream" if status == 200 else "application/json")
+
+    page.route("**/v1/chat/completions", answer)
+    return sent
+
+
+def sse(*events: dict) -> str:
+    return "".join(f"data: {json.dumps(event)}\n\n" for event in events)
+
+
+def delta(text: str) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+def open_page(browser, server):
+    page = browser.new_page()
+    page.goto(server.base_url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('SmolLM2')")
+    return page
+
+
+def test_a_failed_answer_gives_its_question_back_and_a_cut_one_keeps_its_words(browser, default_server):
+    """The input was cleared and the question dropped from the conversation
+    while its bubble stayed, so the screen showed what the model never saw; an
+    error mid-answer replaced the words already shown with the error's text."""
+    page = open_page(browser, default_server)
+    too_long = json.dumps({"error": {"message": "This model's maximum context length is 1024 tokens.",
+                                     "type": "BadRequestError", "param": "messages", "code": None}})
+    sent = fulfilled_chat(page, 400, too_long)
+    ask(page, "A very long question")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    assert page.input_value("#input") == "A very long question"
+    assert "not in the conversation" in page.locator(".message.user").last.inner_text()
+    assert "maximum context length" in page.locator(".message.error").last.inner_text()
+    page.unroute("**/v1/chat/completions")
+
+    cut = sse(delta("Herons "), delta("wade"), {"error": {"message": "the engine stopped", "code": 500}})
+    sent = fulfilled_chat(page, 200, cut)
+    ask(page, "Tell me about herons")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    answer = last_answer(page)
+    assert answer.startswith("Herons wade") and "(the answer was cut: the engine stopped)" in answer
+    assert sent[-1]["messages"] == [{"role": "user", "content": "Tell me about herons"}]  # the failed one left out
+
+    empty = sse({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]})
+    page.unroute("**/v1/chat/completions")
+    sent = fulfilled_chat(page, 200, empty)
+    ask(page, "Say nothing")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    assert "(empty answer)" in last_answer(page) and page.input_value("#input") == "Say nothing"
+    page.close()
+
+
+def test_empty_settings_are_left_out_and_invalid_ones_send_nothing(browser, default_server):
+    """An empty temperature went out as 0 (greedy without a word) and an empty
+    token limit as 0 (a 400)."""
+    page = open_page(browser, default_server)
+    done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    sent = fulfilled_chat(page, 200, sse(delta("Hi"), done))
+    page.fill("#temperature", "")
+    page.fill("#max-tokens", "")
+    ask(page, "Hello")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    assert "temperature" not in sent[-1] and "max_tokens" not in sent[-1], sent[-1]
+    page.fill("#temperature", "5")  # above the field's max of 2
+    ask(page, "Hello again")
+    time.sleep(0.5)
+    assert len(sent) == 1 and page.input_value("#input") == "Hello again"
+    page.close()
+
+
+def test_a_reader_scrolled_up_is_left_there_while_the_answer_streams(browser, default_server):
+    """Every token scrolled the conversation to its end, so a long answer could
+    not be read back while it streamed."""
+    page = browser.new_page(viewport={"width": 500, "height": 360})
+    start_a_long_answer(page, default_server)
+    page.wait_for_function("(m => m.scrollHeight > m.clientHeight + 150)(document.getElementById('messages'))",
+                           timeout=120_000)
+    page.evaluate("document.getElementById('messages').scrollTop = 0")
+    grown = page.evaluate("document.getElementById('messages').scrollHeight")
+    page.wait_for_function(f"document.getElementById('messages').scrollHeight > {grown} + 40", timeout=60_000)
+    assert page.evaluate("document.getElementById('messages').scrollTop") == 0
+    page.click("#stop")
+    page.close()

@@ -80,6 +80,8 @@ def test_protect_metrics_puts_every_route_behind_the_key(protected):
         response = httpx.get(f"{protected.base_url}{path}", headers={"Authorization": f"Bearer {PROTECTED_KEY}"})
         assert response.status_code == 200, (path, response.text)
     assert protected.metric("heron:num_requests_running") == 0  # a scraper with the key reads the metrics
+    # but the chat page, which asks for the key itself: behind it, a browser could never load the page
+    assert httpx.get(f"{protected.base_url}/").status_code == 200
     assert post(protected, PROTECTED_KEY, {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
 
 

@@ -100,6 +100,9 @@ class TokenBucketLimiter:
 # routes outside /v1 that serve the API (they read client text and cost CPU):
 # behind the key whenever keys are set, like /v1
 KEYED_PATHS = ("/tokenize", "/detokenize")
+# open even under ``protect_all``: the chat page holds nothing secret and asks for the key itself (behind the
+# key, a browser could never load it, nor its key field)
+OPEN_PATHS = ("/",)
 
 
 class GatewayMiddleware:
@@ -109,7 +112,8 @@ class GatewayMiddleware:
 
     ``/v1`` routes and ``KEYED_PATHS`` need the key and count against the rate
     limit; with ``protect_all`` (``--protect-metrics``) every other route
-    (/metrics, /health, /version, the OpenAPI schema) needs the key too.
+    (/metrics, /health, /version, the OpenAPI schema) but ``OPEN_PATHS``
+    (the chat page) needs the key too.
 
     ``unavailable`` gives the 503 to answer while the engine cannot serve
     (loading or dead), so every /v1 route, /v1/models included, says so: a
@@ -143,7 +147,7 @@ class GatewayMiddleware:
         path = scope["path"]
         versioned = path.startswith("/v1")
         api = versioned or path in KEYED_PATHS
-        if not api and not self.protect_all:
+        if not api and (not self.protect_all or path in OPEN_PATHS):
             return None
         authorization = next(
             (value.decode("latin-1") for name, value in scope.get("headers", ()) if name == b"authorization"), None
