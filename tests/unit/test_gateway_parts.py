@@ -181,6 +181,7 @@ def test_x_forwarded_for_names_the_client_only_from_a_trusted_proxy(allow, seen)
     (["--max-waiting-requests", "0"], ">= 1"),  # every request a 429
     (["--rate-limit", "nan"], "> 0"),  # limited nothing
     (["--rate-limit", "0"], "> 0"),
+    (["--rate-limit-burst", "0.5"], ">= 1"),  # refused only once the engine core had started
 ])
 def test_serve_flags_out_of_range_are_usage_errors(flags, message, capsys):
     from heron.entrypoints.cli import build_parser
@@ -197,3 +198,117 @@ def test_a_missing_tls_file_is_named(tmp_path):
     missing = str(tmp_path / "key.pem")
     with pytest.raises(ValueError, match=f"--ssl-keyfile '{missing}': no such file"):  # "[Errno 2]", naming none
         check_serve_args(build_parser().parse_args(["serve", "--ssl-keyfile", missing]))
+
+
+def test_a_key_file_alone_or_one_without_its_certificate_is_refused(tmp_path):
+    """uvicorn's bare AssertionError, after the engine core had started."""
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.cli_args import check_serve_args
+
+    key = tmp_path / "key.pem"
+    key.write_text("unused")
+    with pytest.raises(ValueError, match="--ssl-keyfile and --ssl-certfile go together"):
+        check_serve_args(build_parser().parse_args(["serve", "--ssl-keyfile", str(key)]))
+    with pytest.raises(ValueError, match="go together"):
+        check_serve_args(build_parser().parse_args(["serve", "--ssl-certfile", str(key)]))
+
+
+@pytest.mark.parametrize("key", ["", " padded", "padded\t"])
+def test_an_empty_or_padded_key_is_refused(key):
+    """``--api-key "$UNSET"`` turned keys on with "", and ``Bearer `` (httptools
+    keeps the space), ``Bearer \\xa0`` or ``Bearer \\x85`` matched it; a padded
+    key could never match (the presented key is trimmed)."""
+    with pytest.raises(ValueError, match="must not be empty nor begin or end with whitespace"):
+        collect_api_keys([key], None)
+
+
+def test_only_http_spaces_are_trimmed_from_the_presented_key():
+    checker = APIKeyChecker(["k"])
+    assert checker.check("Bearer  k \t") == "k"
+    for header in ("Bearer \xa0k", "Bearer k\x85"):  # str.strip() took these too
+        with pytest.raises(APIError):
+            checker.check(header)
+
+
+def test_retry_after_is_never_short_of_the_wait():
+    """2.0002 s of waiting said 2: a client waiting exactly as told was refused again."""
+    from heron.entrypoints.openai.errors import too_many_requests
+
+    assert too_many_requests("m", 2.0002, "c").headers == {"Retry-After": "3"}
+    assert too_many_requests("m", 2.0, "c").headers == {"Retry-After": "2"}
+    assert too_many_requests("m", 0.01, "c").headers == {"Retry-After": "1"}
+
+
+def test_the_bucket_map_forgets_the_least_recently_seen_key_in_constant_time(monkeypatch):
+    """Past 100,000 keys every new client rebuilt the whole map (55 ms each on
+    the event loop) and kept every key seen within the hour."""
+    from heron.entrypoints.openai import gateway
+
+    monkeypatch.setattr(gateway, "MAX_BUCKETS", 3)
+    clock = FakeClock()
+    limiter = TokenBucketLimiter(rate=1.0, burst=1, clock=clock)
+    for key in ("a", "b", "c"):
+        limiter.acquire(key)
+    with pytest.raises(APIError):
+        limiter.acquire("a")  # "a" was seen again: now the most recent
+    limiter.acquire("d")  # "b" goes
+    assert list(limiter._buckets) == ["c", "a", "d"]
+    with pytest.raises(APIError):
+        limiter.acquire("a")  # kept, still empty
+
+
+@pytest.mark.parametrize("body_limit, key, status", [(10**10, "Bearer wrong", b"401"), (10**6, "Bearer k", b"413")])
+def test_a_refusal_before_the_body_closes_the_connection(body_limit, key, status):
+    """A 401 (or a 413) sent before the body was read left the connection open,
+    and the server read and dropped every byte the client declared: 2 GB, or
+    10 GB in 10 s, with no key needed."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.gateway import GatewayMiddleware
+    from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware
+    from heron.entrypoints.openai.server import GatewaySettings, uvicorn_config
+
+    async def app(scope, receive, send):  # never reached: both requests are refused
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guarded = RequestSizeLimitMiddleware(GatewayMiddleware(app, APIKeyChecker(["k"]), None), body_limit, 65536)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(guarded, build_parser().parse_args(["serve", "--port", str(port)]),
+                                           GatewaySettings(api_keys=[])))
+
+    def exchange() -> tuple[bytes, int]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {key}\r\n"
+                           "Content-Type: application/json\r\nContent-Length: 2000000000\r\n\r\n".encode())
+            sent = 0
+            answer = b""
+            try:
+                for _ in range(200):  # keep sending body, as a client streaming its upload does
+                    client.sendall(b"x" * 65536)
+                    sent += 65536
+            except OSError:  # the server closed: what it would have read is no longer sent
+                pass
+            while chunk := client.recv(65536):
+                answer += chunk
+            return answer, sent
+
+    async def main() -> tuple[bytes, int]:
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            return await asyncio.to_thread(exchange)
+        finally:
+            server.should_exit = True
+            await serving
+
+    answer, sent = asyncio.run(main())
+    assert answer.startswith(b"HTTP/1.1 " + status) and b"connection: close" in answer.lower(), answer[:300]
+    assert sent < 200 * 65536  # the server closed before the client had sent it all

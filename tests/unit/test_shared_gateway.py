@@ -75,6 +75,17 @@ def test_buckets_refill_per_key_and_report_the_wait(state_file):
     other.close()
 
 
+def test_a_clock_read_before_the_lock_does_not_set_a_bucket_back(state_file):
+    """A process that read its clock, then waited for the lock, wrote its older
+    time over a newer one: the span between was refilled twice."""
+    state = SharedGatewayState(state_file, 0)
+    assert state.take_token("a", rate=1.0, burst=1, now=10.0) == 0.0
+    assert state.take_token("a", rate=1.0, burst=1, now=11.0) == 0.0  # refilled by 11
+    assert state.take_token("a", rate=1.0, burst=1, now=10.5) > 0  # the late one: nothing left
+    assert state.take_token("a", rate=1.0, burst=1, now=11.5) == pytest.approx(0.5)  # 11.5 - 11, not - 10.5
+    state.close()
+
+
 def test_a_full_table_gives_way_to_the_bucket_used_longest_ago(state_file):
     state = SharedGatewayState(state_file, 0)
     for number in range(500):  # far more keys than the 64 slots

@@ -7,7 +7,7 @@ import os
 
 from heron import envs
 from heron.engine.args import parse_size
-from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, port
+from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, number_at_least, port
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
 
@@ -50,7 +50,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--rate-limit", type=POSITIVE_FLOAT, default=None,
                          help="requests per second allowed per API key")
     gateway.add_argument(
-        "--rate-limit-burst", type=POSITIVE_FLOAT, default=None, help="burst size (default: 2x the rate, at least 1)"
+        "--rate-limit-burst", type=number_at_least(float, 1), default=None,
+        help="burst size (default: 2x the rate, at least 1)"
     )
     gateway.add_argument(
         "--forwarded-allow-ips", default=None, metavar="IPS",
@@ -81,6 +82,10 @@ def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[s
             lines = [line.strip() for line in handle]
         keys += [line for line in lines if line and not line.startswith("#")]  # an indented comment is one too
     for key in keys:
+        if not key or key != key.strip():
+            # `--api-key "$UNSET"` turned keys on with "", which the empty bearer token matched
+            raise ValueError("an API key must not be empty nor begin or end with whitespace (an unset "
+                             "variable given to --api-key?)")
         if not key.isascii() or not key.isprintable():
             # HTTP headers carry bytes a client may encode any way: such a key could never match
             raise ValueError("an API key must be printable ASCII (a key with other characters can never match "
@@ -102,6 +107,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
         if path is not None and not os.path.isfile(path):  # it was "[Errno 2] No such file", naming none
             raise ValueError(f"{flag} {path!r}: no such file")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):  # uvicorn's bare AssertionError, after start
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: TLS needs the key and its certificate")
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,8 +33,12 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def response(self, close: bool = False) -> JSONResponse:
+        """``close``: end the connection after it (a refusal sent before the
+        request's body was read: else the server goes on reading and dropping
+        the whole body the client declared, gigabytes if it says so)."""
+        headers = {**(self.headers or {}), "Connection": "close"} if close else self.headers
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -117,7 +122,7 @@ def headers_too_large(max_bytes: int) -> APIError:
 
 
 def too_many_requests(message: str, retry_after_s: float, code: str) -> APIError:
-    retry = max(1, int(retry_after_s + 0.999))
+    retry = max(1, math.ceil(retry_after_s))  # whole seconds, never short of the wait (2.0002 s is 3)
     return APIError(429, message, "rate_limit_error", None, code, headers={"Retry-After": str(retry)})
 
 

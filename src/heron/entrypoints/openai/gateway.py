@@ -8,12 +8,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
+from heron.entrypoints.openai.http_limits import has_body
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 
 
@@ -37,7 +39,7 @@ class APIKeyChecker:
             return ""
         if not authorization or not authorization.lower().startswith("bearer "):
             raise unauthorized()
-        presented = authorization[7:].strip()
+        presented = authorization[7:].strip(" \t")  # HTTP's spaces: str.strip() took \xa0 and \x85 too
         digest = _digest(presented.encode())
         matched = False
         for stored in self._digests:  # no early exit: every key is compared
@@ -49,6 +51,11 @@ class APIKeyChecker:
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+# buckets a process keeps; past it the least recently used is forgotten (full again for its key: only a key
+# seen again within burst / rate seconds, after this many others, gets more than its share)
+MAX_BUCKETS = 100_000
 
 
 @dataclass
@@ -70,7 +77,7 @@ class TokenBucketLimiter:
         self.burst = burst
         self.clock = clock
         self.shared = shared
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()  # least recently used first
 
     def acquire(self, key: str) -> None:
         """Take one token for ``key`` or raise a 429 APIError with Retry-After."""
@@ -87,13 +94,15 @@ class TokenBucketLimiter:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(self.burst, now)
+            while len(self._buckets) > MAX_BUCKETS:  # the least recently seen key goes: O(1), never a scan
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
         bucket.updated = now
         if bucket.tokens < 1.0:
             return (1.0 - bucket.tokens) / self.rate
         bucket.tokens -= 1.0
-        if len(self._buckets) > 100_000:  # forget idle keys rather than grow forever
-            self._buckets = {k: b for k, b in self._buckets.items() if now - b.updated < 3600}
         return 0.0
 
 
@@ -138,7 +147,7 @@ class GatewayMiddleware:
         if scope["type"] == "http":
             error = self._refusal(scope)
             if error is not None:
-                await error.response()(scope, receive, send)
+                await error.response(close=has_body(scope))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -51,10 +51,10 @@ class RequestSizeLimitMiddleware:
             if name == b"content-length" and value.isdigit():
                 declared = int(value)
         if header_bytes > self.max_header_bytes:
-            await headers_too_large(self.max_header_bytes).response()(scope, receive, send)
+            await headers_too_large(self.max_header_bytes).response(close=has_body(scope))(scope, receive, send)
             return
         if declared > self.max_body_bytes:
-            await body_too_large(self.max_body_bytes).response()(scope, receive, send)
+            await body_too_large(self.max_body_bytes).response(close=True)(scope, receive, send)
             return
         await self._counting_body(scope, receive, send)
 
@@ -88,11 +88,19 @@ class RequestSizeLimitMiddleware:
         except _BodyTooLarge:
             pass
         if overflowed and not started:
-            await body_too_large(self.max_body_bytes).response()(scope, receive, send)
+            await body_too_large(self.max_body_bytes).response(close=True)(scope, receive, send)
 
 
 class _BodyTooLarge(Exception):
     pass
+
+
+def has_body(scope: Scope) -> bool:
+    """Whether the request declares a body (a length above 0, or chunks)."""
+    for name, value in scope.get("headers", ()):
+        if (name == b"content-length" and value.strip() not in (b"", b"0")) or name == b"transfer-encoding":
+            return True
+    return False
 
 
 def raw_response(error: APIError, reason: bytes) -> bytes:

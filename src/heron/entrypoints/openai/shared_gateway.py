@@ -97,7 +97,9 @@ class SharedGatewayState:
                 wait = (1.0 - tokens) / rate
             else:
                 tokens -= 1.0
-            _BUCKET.pack_into(self._map, offset, digest, tokens, now)
+            # a process that read its clock before waiting for the lock must not set the time back: the span
+            # between would be refilled twice
+            _BUCKET.pack_into(self._map, offset, digest, tokens, max(now, updated))
             return wait
 
     def _slot(self, digest: bytes) -> int:
