@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import ssl
+import threading
 import time
 
 import httpx
@@ -83,6 +84,32 @@ def test_protect_metrics_puts_every_route_behind_the_key(protected):
     # but the chat page, which asks for the key itself: behind it, a browser could never load the page
     assert httpx.get(f"{protected.base_url}/").status_code == 200
     assert post(protected, PROTECTED_KEY, {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_a_huge_prompt_is_counted_off_the_event_loop(protected):
+    """An 8 MB prompt (under the default 10 MiB body limit, refused once
+    counted) was tokenized on the event loop: for its ~10 s every stream froze
+    and /health did not answer."""
+    prompt = "the heron stood in the shallow water at dawn. " * 180_000
+    finished: dict = {}
+
+    def send_it() -> None:
+        answer = httpx.post(f"{protected.base_url}/v1/completions", timeout=300,
+                            headers={"Authorization": f"Bearer {PROTECTED_KEY}"},
+                            json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        finished.update(at=time.monotonic(), status=answer.status_code)
+
+    sender = threading.Thread(target=send_it)
+    sender.start()
+    time.sleep(1.0)  # its body is in; its tokens are being counted
+    asked = time.monotonic()
+    health = httpx.get(f"{protected.base_url}/health", headers={"Authorization": f"Bearer {PROTECTED_KEY}"},
+                       timeout=300)
+    answered = time.monotonic()
+    sender.join(300)
+    assert health.status_code == 200 and finished["status"] == 400  # past max_model_len
+    assert answered - asked < 1.5, f"/health waited {answered - asked:.1f} s"
+    assert finished["at"] > answered, "the prompt was counted before /health was asked: no overlap to judge"
 
 
 def test_protect_metrics_without_a_key_is_refused_at_start_up():

@@ -19,6 +19,7 @@ from heron.core.hashing import BLOCK_HASH_SCHEME
 from heron.engine.input_processor import InvalidRequestError
 from heron.engine.kv_events_publisher import connectable
 from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body, model_not_found
+from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -161,13 +162,17 @@ def response_not_found(response_id: str) -> APIError:
 
 
 @router.post("/tokenize", responses=INVALID_BODY)
-async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, ctx: Serving) -> dict[str, Any]:
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, ctx: Serving,
+                   raw_request: Request) -> dict[str, Any]:
     """A prompt (``{"prompt": ...}``) or a conversation (``{"messages": [...]}``)."""
     _check_model(ctx, body.model)
-    if isinstance(body, TokenizeChatRequest):
-        token_ids = chat_prompt(ctx, body).token_ids
-    else:
-        token_ids = ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    def token_ids_of() -> list[int]:
+        if isinstance(body, TokenizeChatRequest):
+            return chat_prompt(ctx, body).token_ids
+        return ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    token_ids = await prepare(raw_request, token_ids_of)
     return {"tokens": token_ids, "count": len(token_ids), "max_model_len": ctx.max_model_len}
 
 

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.logprob_fields import chat_logprobs, check_prompt_logprobs, prompt_logprobs_field
+from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
@@ -87,7 +88,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     check_prompt_logprobs(request.prompt_logprobs, request.stream)
-    prompt = chat_prompt(ctx, request)
+    prompt = await prepare(raw_request, lambda: chat_prompt(ctx, request))
     check_kv_transfer_params(ctx, request)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

@@ -19,6 +19,7 @@ from heron.entrypoints.openai.logprob_fields import (
     completion_token_label,
     prompt_logprobs_field,
 )
+from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import CompletionRequest
 from heron.entrypoints.openai.serving_common import (
     ServingContext,
@@ -72,7 +73,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         raise bad_request("suffix is not supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of must equal n (heron returns every sample)", "best_of")
-    prompts = [_process(ctx, request, p) for p in _prompts(request)]
+    prompts = await prepare(raw_request, lambda: [_process(ctx, request, p) for p in _prompts(request)])
     check_kv_transfer_params(ctx, request, len(prompts))
     check_prompt_logprobs(request.prompt_logprobs, request.stream)
     prompt_logprobs = request.prompt_logprobs

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError
 from heron.entrypoints.openai.errors import APIError, bad_request
+from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.protocol_responses import FunctionCallItem, MessageItem, ResponsesRequest
 from heron.entrypoints.openai.responses_store import StoredResponse
@@ -122,7 +123,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     chat = chat_request(request, system + conversation)
     tools = request_tools(ctx, chat)
-    prompt = chat_prompt(ctx, chat)
+    prompt = await prepare(raw_request, lambda: chat_prompt(ctx, chat))
     max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), request.max_output_tokens, "max_output_tokens", "input")
     params = sampling_params(chat, max_tokens, None, None, request.stream)
     if tools is not None:
