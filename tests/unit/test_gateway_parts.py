@@ -312,3 +312,65 @@ def test_a_refusal_before_the_body_closes_the_connection(body_limit, key, status
     answer, sent = asyncio.run(main())
     assert answer.startswith(b"HTTP/1.1 " + status) and b"connection: close" in answer.lower(), answer[:300]
     assert sent < 200 * 65536  # the server closed before the client had sent it all
+
+
+def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
+    """A client that sent part of a head, or of a body, and stopped held its
+    connection for ever (slowloris: enough of them took every descriptor);
+    one that never sent a byte too."""
+    import asyncio
+    import socket
+    import time
+
+    import uvicorn
+
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai import http_limits
+    from heron.entrypoints.openai.server import GatewaySettings, uvicorn_config
+
+    monkeypatch.setattr(http_limits, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_limits, "BODY_IDLE_TIMEOUT_S", 0.5)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, build_parser().parse_args(["serve", "--port", str(port)]),
+                                           GatewaySettings(api_keys=[])))
+
+    def held_for(first_bytes: bytes) -> tuple[float, bytes]:
+        """Seconds until the server closed a connection that sent ``first_bytes`` and stopped."""
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as client:
+            started = time.monotonic()
+            client.sendall(first_bytes)
+            answer = b""
+            while chunk := client.recv(4096):
+                answer += chunk
+            return time.monotonic() - started, answer
+
+    async def main() -> list[tuple[float, bytes]]:
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            return [await asyncio.to_thread(held_for, first) for first in (
+                b"",
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: a",
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789",
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a whole request: answered, then kept alive (uvicorn's 5 s)
+            )]
+        finally:
+            server.should_exit = True
+            await serving
+
+    (idle, _), (head, head_answer), (body, _), (whole, whole_answer) = asyncio.run(main())
+    assert idle < 5 and head < 5 and body < 5, (idle, head, body)
+    assert head_answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in head_answer
+    assert whole_answer.startswith(b"HTTP/1.1 200") and whole >= 4  # the timers never cut a served request

@@ -111,15 +111,26 @@ def raw_response(error: APIError, reason: bytes) -> bytes:
     return head + body
 
 
+# seconds a request's head may take to arrive whole (from the connection, or from its first byte), and a body
+# may go without a byte: a client that sends a few bytes and stops held its connection (and a descriptor) for
+# ever, and enough of them (slowloris) took every descriptor the server had
+HEAD_TIMEOUT_S = 30.0
+BODY_IDLE_TIMEOUT_S = 60.0
+
+
 def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | None:
     """uvicorn's httptools protocol with a bound on the request head it buffers
-    (``head_limit``), or None without httptools (then h11 bounds it)."""
+    (``head_limit``) and on the time a head or a stalled body may take
+    (``HEAD_TIMEOUT_S``, ``BODY_IDLE_TIMEOUT_S``), or None without httptools
+    (then h11 bounds the head's size, not its time)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return None
     limit = head_limit(max_header_bytes)
     rejection = raw_response(headers_too_large(max_header_bytes), b"Request Header Fields Too Large")
+    too_slow = raw_response(APIError(408, f"The request's head did not arrive within {HEAD_TIMEOUT_S:g} s.",
+                                     "invalid_request_error", None, "request_timeout"), b"Request Timeout")
 
     class BoundedHeadProtocol(HttpToolsProtocol):
         # bytes received of the request head being parsed; -1 between a complete
@@ -131,9 +142,43 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
         _began = False
         _others = 0
         _this_head = 0  # the parts of the head being parsed
+        _head_timer: asyncio.TimerHandle | None = None  # armed while a head is awaited
+        _body_timer: asyncio.TimerHandle | None = None  # armed while a body is awaited
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()  # a connection that never sends a byte is cut too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            for timer in (self._head_timer, self._body_timer):
+                if timer is not None:
+                    timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
+
+        def _head_too_slow(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.write(too_slow)
+                self.transport.close()
+
+        def _arm_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+            self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S, self._body_stalled)
+
+        def _body_stalled(self) -> None:
+            self._body_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()  # the app, waiting on the body, sees the client gone
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._arm_head_timer()
             self._head_bytes = 0
             self._this_head = len(b"GET  HTTP/1.1\r\n\r\n")  # the request line's and the head's separators
             self._began = True
@@ -149,11 +194,24 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
         def on_headers_complete(self) -> None:
             self._head_bytes = -1
             self._others += self._this_head
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
             super().on_headers_complete()
+            if has_body({"headers": self.headers}):
+                self._arm_body_timer()
 
         def on_body(self, body: bytes) -> None:
             self._others += len(body)
             super().on_body(body)
+            if self._body_timer is not None:
+                self._arm_body_timer()
+
+        def on_message_complete(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+            super().on_message_complete()
 
         def data_received(self, data: bytes) -> None:
             self._began, self._others = False, 0
