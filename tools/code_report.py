@@ -32,7 +32,8 @@ LONG_FUNCTION_MARK = "one piece"
 # prefix decides a module's layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("heron.config", "heron.envs", "heron.utils", "heron.outputs", "heron.step_outputs",
-              "heron.sampling_params", "heron.request", "heron.gc_freeze", "heron.profiling")),
+              "heron.sampling_params", "heron.request", "heron.gc_freeze", "heron.profiling",
+              "heron.tempdirs")),
     ("kernels", ("heron.kernels",)),
     ("loader", ("heron.loader",)),
     ("structured_output", ("heron.structured_output",)),

@@ -122,7 +122,8 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
     """uvicorn's httptools protocol with a bound on the request head it buffers
     (``head_limit``) and on the time a head or a stalled body may take
     (``HEAD_TIMEOUT_S``, ``BODY_IDLE_TIMEOUT_S``), or None without httptools
-    (then h11 bounds the head's size, not its time)."""
+    (then h11 bounds the head's size, not its time). Kept as one piece: the
+    class can only be defined where httptools' protocol imports."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
