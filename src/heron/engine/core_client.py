@@ -187,7 +187,8 @@ class EngineCoreClient:
         self._pending_calls[call_id] = future
         await self.input_socket.send(pack(MessageKind.UTILITY, [call_id, method, list(args)]))
         try:
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):  # never wait_for: 3.11's can swallow a cancel
+                return await future
         finally:
             self._pending_calls.pop(call_id, None)
 

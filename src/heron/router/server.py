@@ -135,7 +135,8 @@ class RouterServer:
                 logger.info("stopping: waiting up to %.0f s for %d request(s) under way", shutdown_timeout,
                             self._requests_under_way)
             try:
-                await asyncio.wait_for(self._all_answered.wait(), shutdown_timeout)
+                async with asyncio.timeout(shutdown_timeout):  # never wait_for: 3.11's can swallow a cancel
+                    await self._all_answered.wait()
             except TimeoutError:
                 logger.warning("stopping: %d request(s) still under way after %.0f s are cut",
                                self._requests_under_way, shutdown_timeout)

@@ -254,9 +254,12 @@ class UpstreamPool:
     async def _connect(self, host: str, port: int, tls: bool) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await asyncio.wait_for(
-                loop.create_connection(UpstreamConnection, host, port, ssl=self._ssl if tls else None),
-                self.connect_timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a connection that completes as the
+            # caller is cancelled, swallowing the cancel (a request taken off a replica went on to send there,
+            # and hung on its silence)
+            async with asyncio.timeout(self.connect_timeout):
+                _, connection = await loop.create_connection(UpstreamConnection, host, port,
+                                                             ssl=self._ssl if tls else None)
         except (OSError, TimeoutError) as exc:
             raise UpstreamFailed(f"no connection to {host}:{port}: {exc or type(exc).__name__}") from exc
         return connection
