@@ -14,13 +14,7 @@ def number_at_least(kind: type[int] | type[float], minimum: float, *, above: boo
     name = "an integer" if kind is int else "a number"
 
     def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}") from None
-        if not (value > minimum if above else value >= minimum):
-            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}")
-        return value
+        return _read(kind, text, f"{name} {bound}", lambda value: value > minimum if above else value >= minimum)
 
     return parse
 
@@ -31,16 +25,21 @@ POSITIVE_FLOAT = number_at_least(float, 0, above=True)
 NON_NEGATIVE_FLOAT = number_at_least(float, 0)
 
 
+def _read(kind: type[int] | type[float], text: str, expected: str, within: Callable[[float], bool]) -> float:
+    """``text`` as ``kind`` when ``within`` holds for it, else a usage error saying ``expected``."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not within(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535: a port past it failed only when
     the server bound it, with a traceback, after the model had loaded."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}")
-    return value
+    return int(_read(int, text, "a port number (0-65535)", lambda value: 0 <= value <= 65535))
 
 
 def percentiles(text: str) -> list[float]:
@@ -61,10 +60,4 @@ def percentiles(text: str) -> list[float]:
 def range_ratio(text: str) -> float:
     """A length range ratio r in [0, 1): lengths drawn from [L(1-r), L(1+r)]
     (a negative r or one of 1 or more drew lengths off that mean, or none)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
+    return _read(float, text, "a number in [0, 1)", lambda value: 0 <= value < 1)

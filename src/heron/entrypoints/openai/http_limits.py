@@ -157,25 +157,23 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
-
-        def _head_too_slow(self) -> None:
-            self._head_timer = None
-            if not self.transport.is_closing():
-                self.transport.write(too_slow)
-                self.transport.close()
+            self._head_timer = self._rearm(self._head_timer, HEAD_TIMEOUT_S, too_slow)
 
         def _arm_body_timer(self) -> None:
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-            self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S, self._body_stalled)
+            # the app, waiting on the body, sees the client gone
+            self._body_timer = self._rearm(self._body_timer, BODY_IDLE_TIMEOUT_S, b"")
 
-        def _body_stalled(self) -> None:
-            self._body_timer = None
+        def _rearm(self, timer: asyncio.TimerHandle | None, delay: float, answer: bytes) -> asyncio.TimerHandle:
+            """A timer (replacing ``timer``) that sends ``answer`` and closes the connection when it fires."""
+            if timer is not None:
+                timer.cancel()
+            return self.loop.call_later(delay, self._cut, answer)
+
+        def _cut(self, answer: bytes) -> None:
             if not self.transport.is_closing():
-                self.transport.close()  # the app, waiting on the body, sees the client gone
+                if answer:
+                    self.transport.write(answer)
+                self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
