@@ -221,6 +221,12 @@ def test_a_failed_answer_gives_its_question_back_and_a_cut_one_keeps_its_words(b
     assert answer.startswith("Herons wade") and "(the answer was cut: the engine stopped)" in answer
     assert sent[-1]["messages"] == [{"role": "user", "content": "Tell me about herons"}]  # the failed one left out
 
+    page.unroute("**/v1/chat/completions")
+    fulfilled_chat(page, 200, sse(delta("Herons "), delta("wait")))  # closed cleanly, but before its finish
+    ask(page, "And then?")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    assert last_answer(page).startswith("Herons wait") and "(the answer ended early" in last_answer(page)
+
     empty = sse({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]})
     page.unroute("**/v1/chat/completions")
     sent = fulfilled_chat(page, 200, empty)

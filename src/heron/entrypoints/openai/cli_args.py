@@ -55,9 +55,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     gateway.add_argument(
         "--forwarded-allow-ips", default=None, metavar="IPS",
-        help="trust X-Forwarded-For / X-Forwarded-Proto from these proxy addresses (comma separated, '*' for any) "
-             "for the client's address (the rate limit's key without API keys); by default the headers are "
-             "ignored: any client on this host could name itself anyone and pass the limit",
+        help="trust X-Forwarded-For / X-Forwarded-Proto from these proxy addresses (comma separated) for the "
+             "client's address (the rate limit's key without API keys); by default the headers are ignored: any "
+             "client on this host could name itself anyone and pass the limit. '*' trusts every sender, so any "
+             "client that reaches the port directly names itself: name the proxies instead",
     )
     gateway.add_argument("--max-waiting-requests", type=POSITIVE_INT, default=None,
                          help="requests without a first token beyond which new ones get 429")
