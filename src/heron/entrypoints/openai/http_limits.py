@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -118,22 +119,89 @@ HEAD_TIMEOUT_S = 30.0
 BODY_IDLE_TIMEOUT_S = 60.0
 
 
+if TYPE_CHECKING:  # the mixin below is checked against the protocol it is mixed into
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _MixedInto
+else:
+    _MixedInto = object
+
+
+class _StallTimers(_MixedInto):
+    """The time bounds of ``bounded_http_protocol``, mixed in before httptools'
+    protocol: a head must arrive whole within ``HEAD_TIMEOUT_S`` of the
+    connection or of its first byte (else 408 and closed), and a body may go
+    ``BODY_IDLE_TIMEOUT_S`` without a byte (else closed: the app, waiting on
+    the body, sees the client gone)."""
+
+    _head_timer: asyncio.TimerHandle | None = None  # armed while a head is awaited
+    _body_timer: asyncio.TimerHandle | None = None  # armed while a body is awaited
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()  # a connection that never sends a byte is cut too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        _disarm(self._head_timer)
+        _disarm(self._body_timer)
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        _disarm(self._head_timer)
+        super().on_headers_complete()
+        if has_body({"headers": self.headers}):
+            self._arm_body_timer()
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self._body_timer is not None:
+            self._arm_body_timer()
+
+    def on_message_complete(self) -> None:
+        _disarm(self._body_timer)
+        self._body_timer = None  # a later request's body is timed only once it declares one
+        super().on_message_complete()
+
+    def _arm_head_timer(self) -> None:
+        _disarm(self._head_timer)
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_late)
+
+    def _arm_body_timer(self) -> None:
+        _disarm(self._body_timer)
+        self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S, self._cut, b"")
+
+    def _head_too_late(self) -> None:
+        self._cut(raw_response(APIError(408, f"The request's head did not arrive within {HEAD_TIMEOUT_S:g} s.",
+                                        "invalid_request_error", None, "request_timeout"), b"Request Timeout"))
+
+    def _cut(self, answer: bytes) -> None:
+        """Send ``answer`` (if any) and close the connection."""
+        if not self.transport.is_closing():
+            if answer:
+                self.transport.write(answer)
+            self.transport.close()
+
+
+def _disarm(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
+
+
 def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | None:
     """uvicorn's httptools protocol with a bound on the request head it buffers
     (``head_limit``) and on the time a head or a stalled body may take
-    (``HEAD_TIMEOUT_S``, ``BODY_IDLE_TIMEOUT_S``), or None without httptools
-    (then h11 bounds the head's size, not its time). Kept as one piece: the
-    class can only be defined where httptools' protocol imports."""
+    (``_StallTimers``), or None without httptools (then h11 bounds the head's
+    size, not its time)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return None
     limit = head_limit(max_header_bytes)
     rejection = raw_response(headers_too_large(max_header_bytes), b"Request Header Fields Too Large")
-    too_slow = raw_response(APIError(408, f"The request's head did not arrive within {HEAD_TIMEOUT_S:g} s.",
-                                     "invalid_request_error", None, "request_timeout"), b"Request Timeout")
 
-    class BoundedHeadProtocol(HttpToolsProtocol):
+    class BoundedHeadProtocol(_StallTimers, HttpToolsProtocol):
         # bytes received of the request head being parsed; -1 between a complete
         # head and the next request's first byte
         _head_bytes = 0
@@ -143,41 +211,9 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
         _began = False
         _others = 0
         _this_head = 0  # the parts of the head being parsed
-        _head_timer: asyncio.TimerHandle | None = None  # armed while a head is awaited
-        _body_timer: asyncio.TimerHandle | None = None  # armed while a body is awaited
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_head_timer()  # a connection that never sends a byte is cut too
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            for timer in (self._head_timer, self._body_timer):
-                if timer is not None:
-                    timer.cancel()
-            super().connection_lost(exc)
-
-        def _arm_head_timer(self) -> None:
-            self._head_timer = self._rearm(self._head_timer, HEAD_TIMEOUT_S, too_slow)
-
-        def _arm_body_timer(self) -> None:
-            # the app, waiting on the body, sees the client gone
-            self._body_timer = self._rearm(self._body_timer, BODY_IDLE_TIMEOUT_S, b"")
-
-        def _rearm(self, timer: asyncio.TimerHandle | None, delay: float, answer: bytes) -> asyncio.TimerHandle:
-            """A timer (replacing ``timer``) that sends ``answer`` and closes the connection when it fires."""
-            if timer is not None:
-                timer.cancel()
-            return self.loop.call_later(delay, self._cut, answer)
-
-        def _cut(self, answer: bytes) -> None:
-            if not self.transport.is_closing():
-                if answer:
-                    self.transport.write(answer)
-                self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm_head_timer()
             self._head_bytes = 0
             self._this_head = len(b"GET  HTTP/1.1\r\n\r\n")  # the request line's and the head's separators
             self._began = True
@@ -193,24 +229,11 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
         def on_headers_complete(self) -> None:
             self._head_bytes = -1
             self._others += self._this_head
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
             super().on_headers_complete()
-            if has_body({"headers": self.headers}):
-                self._arm_body_timer()
 
         def on_body(self, body: bytes) -> None:
             self._others += len(body)
             super().on_body(body)
-            if self._body_timer is not None:
-                self._arm_body_timer()
-
-        def on_message_complete(self) -> None:
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
-            super().on_message_complete()
 
         def data_received(self, data: bytes) -> None:
             self._began, self._others = False, 0
@@ -222,7 +245,6 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
             else:
                 self._head_bytes += len(data)
             if self._head_bytes > limit:
-                self.transport.write(rejection)
-                self.transport.close()
+                self._cut(rejection)
 
     return BoundedHeadProtocol
