@@ -25,7 +25,8 @@ import stat
 import tempfile
 import threading
 
-PREFIXES = ("heron-ipc-", "heron-dp-", "heron-api-", "heron-kernels-")
+IPC_DIR_PREFIX = "heron-ipc-"  # an engine core's sockets (its orphan check removes only such a directory)
+PREFIXES = (IPC_DIR_PREFIX, "heron-dp-", "heron-api-", "heron-kernels-")
 LOCK_NAME = ".owner.lock"
 
 _lock = threading.Lock()

@@ -108,7 +108,7 @@ async def send_request(
                 if not text and not thought:
                     continue
                 now = time.perf_counter()
-                if not texts and not reasoning:
+                if not texts:  # the first timed chunk (each appends to both lists)
                     result.ttft = now - started
                 else:
                     result.itl.append(now - last)

@@ -25,8 +25,6 @@ from heron.step_outputs import EngineCoreOutputs
 
 # an outgoing message's target: an API server's index, or every API server
 ALL = -1
-# the directory of a local engine core's IPC sockets (made by the API server that starts it)
-IPC_DIR_PREFIX = "heron-ipc-"
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ import zmq.asyncio
 
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
-from heron.engine.core_channels import IPC_DIR_PREFIX, ClientAddresses
+from heron.engine.core_channels import ClientAddresses
 from heron.engine.input_processor import InvalidRequestError
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
-from heron.tempdirs import make_private_dir, remove_private_dir
+from heron.tempdirs import IPC_DIR_PREFIX, make_private_dir, remove_private_dir
 
 logger = logging.getLogger(__name__)
 

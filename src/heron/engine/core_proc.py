@@ -26,10 +26,11 @@ import zmq
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core import EngineCore
-from heron.engine.core_channels import ALL, IPC_DIR_PREFIX, ClientAddresses, ClientChannels
+from heron.engine.core_channels import ALL, ClientAddresses, ClientChannels
 from heron.engine.serialization import MessageKind, decode_request, pack
 from heron.gc_freeze import freeze_startup_objects
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs
+from heron.tempdirs import IPC_DIR_PREFIX
 
 logger = logging.getLogger(__name__)
 

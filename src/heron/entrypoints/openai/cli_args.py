@@ -45,8 +45,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")
     gateway.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
     gateway.add_argument("--protect-metrics", action="store_true",
-                         help="require the API key on every route: /metrics, /health and /version too "
-                              "(needs an API key)")
+                         help="require the API key on every route but the chat page (/): /metrics, /health and "
+                              "/version too (needs an API key)")
     gateway.add_argument("--rate-limit", type=POSITIVE_FLOAT, default=None,
                          help="requests per second allowed per API key")
     gateway.add_argument(
