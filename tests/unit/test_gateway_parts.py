@@ -374,3 +374,40 @@ def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
     assert idle < 5 and head < 5 and body < 5, (idle, head, body)
     assert head_answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in head_answer
     assert whole_answer.startswith(b"HTTP/1.1 200") and whole >= 4  # the timers never cut a served request
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], None),  # off by default: no cross-origin page reads an answer
+    (["--allowed-origins", "http://localhost:3000,https://app.example"],
+     ("http://localhost:3000", "https://app.example")),
+    (["--allowed-origins", '["http://a.example"]', "--allowed-origins", "*"], ("http://a.example", "*")),  # vLLM's form
+])
+def test_allowed_origins_are_read_as_a_list(flags, expected):
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.cors import cors_settings_from_args
+
+    settings = cors_settings_from_args(build_parser().parse_args(["serve", *flags]))
+    assert (settings.allowed_origins if settings else None) == expected
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://app.example/", "http://app.example/chat", "ftp://x",
+                                    '["http://a", 3]', "http://a,,http://b"])
+def test_an_origin_a_browser_could_never_send_is_a_usage_error(origin, capsys):
+    from heron.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--allowed-origins", origin])
+    assert exited.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--allowed-origins", "*", "--allow-credentials"], "not '\\*'"),  # any site could act as the user
+    (["--allowed-methods", "GET"], "--allowed-methods does nothing without --allowed-origins"),
+    (["--allow-credentials"], "--allow-credentials does nothing"),
+])
+def test_cors_flags_that_would_mislead_are_refused_before_start(flags, message):
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.cli_args import check_serve_args
+
+    with pytest.raises(ValueError, match=message):
+        check_serve_args(build_parser().parse_args(["serve", *flags]))

@@ -8,6 +8,7 @@ import os
 from heron import envs
 from heron.engine.args import parse_size
 from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, number_at_least, port
+from heron.entrypoints.openai.cors import add_cors_args, cors_settings_from_args
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
 
@@ -71,6 +72,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="largest accepted request body (413 past it)")
     gateway.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,
                          help="most bytes of request header names and values (431 past it)")
+    add_cors_args(gateway)
 
 
 def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[str]:
@@ -104,6 +106,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """The gateway flags' checks, before ``heron serve`` starts anything (the
     engine cores start before the server reads its flags)."""
     check_gateway(collect_api_keys(args.api_key, args.api_key_file), args.protect_metrics)
+    cors_settings_from_args(args)
     read_chat_template(args.chat_template)
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
         if path is not None and not os.path.isfile(path):  # it was "[Errno 2] No such file", naming none

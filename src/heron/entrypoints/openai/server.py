@@ -28,6 +28,7 @@ from heron.engine.async_llm import AsyncLLM, StartedEngineCore
 from heron.engine.core_client import OwnedEngineCore
 from heron.engine.dp_client import start_engine_cores
 from heron.entrypoints.openai.cli_args import check_gateway, collect_api_keys, read_chat_template
+from heron.entrypoints.openai.cors import CorsSettings, add_cors, cors_settings_from_args
 from heron.entrypoints.openai.gateway import APIKeyChecker, GatewayMiddleware, TokenBucketLimiter
 from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware, bounded_http_protocol, head_limit
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -55,6 +56,7 @@ class GatewaySettings:
     trust_request_chat_template: bool = False
     chat_template: str | None = None  # --chat-template, read
     tool_call_parser: str | None = None
+    cors: CorsSettings | None = None  # --allowed-origins and company; None: no cross-origin page reads an answer
 
     def __post_init__(self) -> None:
         check_gateway(self.api_keys, self.protect_metrics)
@@ -114,6 +116,8 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     # outermost: keys, rate limit and readiness before the body is read
     app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, unavailable=lambda: engine_unavailable(engine),
                        protect_all=settings.protect_metrics)
+    if settings.cors is not None:  # outside the gateway: a preflight carries no key, a refusal needs the headers
+        add_cors(app, settings.cors)
     app.add_middleware(ConnectionAbortMiddleware)  # around them all: it finds the connection (streaming.py)
     install_error_handlers(app)
     app.include_router(router)
@@ -136,6 +140,7 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        cors=cors_settings_from_args(args),
     )
 
 
