@@ -262,28 +262,18 @@ def test_a_refusal_before_the_body_closes_the_connection(body_limit, key, status
     """A 401 (or a 413) sent before the body was read left the connection open,
     and the server read and dropped every byte the client declared: 2 GB, or
     10 GB in 10 s, with no key needed."""
-    import asyncio
     import socket
 
-    import uvicorn
-
-    from heron.entrypoints.cli import build_parser
     from heron.entrypoints.openai.gateway import GatewayMiddleware
     from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware
-    from heron.entrypoints.openai.server import GatewaySettings, uvicorn_config
 
     async def app(scope, receive, send):  # never reached: both requests are refused
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
     guarded = RequestSizeLimitMiddleware(GatewayMiddleware(app, APIKeyChecker(["k"]), None), body_limit, 65536)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(guarded, build_parser().parse_args(["serve", "--port", str(port)]),
-                                           GatewaySettings(api_keys=[])))
 
-    def exchange() -> tuple[bytes, int]:
+    def exchange(port: int) -> tuple[bytes, int]:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {key}\r\n"
                            "Content-Type: application/json\r\nContent-Length: 2000000000\r\n\r\n".encode())
@@ -299,17 +289,7 @@ def test_a_refusal_before_the_body_closes_the_connection(body_limit, key, status
                 answer += chunk
             return answer, sent
 
-    async def main() -> tuple[bytes, int]:
-        serving = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        try:
-            return await asyncio.to_thread(exchange)
-        finally:
-            server.should_exit = True
-            await serving
-
-    answer, sent = asyncio.run(main())
+    answer, sent = serve_while(guarded, exchange)
     assert answer.startswith(b"HTTP/1.1 " + status) and b"connection: close" in answer.lower(), answer[:300]
     assert sent < 200 * 65536  # the server closed before the client had sent it all
 
@@ -318,15 +298,9 @@ def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
     """A client that sent part of a head, or of a body, and stopped held its
     connection for ever (slowloris: enough of them took every descriptor);
     one that never sent a byte too."""
-    import asyncio
-    import socket
     import time
 
-    import uvicorn
-
-    from heron.entrypoints.cli import build_parser
     from heron.entrypoints.openai import http_limits
-    from heron.entrypoints.openai.server import GatewaySettings, uvicorn_config
 
     monkeypatch.setattr(http_limits, "HEAD_TIMEOUT_S", 0.5)
     monkeypatch.setattr(http_limits, "BODY_IDLE_TIMEOUT_S", 0.5)
@@ -339,38 +313,20 @@ def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, build_parser().parse_args(["serve", "--port", str(port)]),
-                                           GatewaySettings(api_keys=[])))
-
-    def held_for(first_bytes: bytes) -> tuple[float, bytes]:
+    def held_for(port: int, first_bytes: bytes) -> tuple[float, bytes]:
         """Seconds until the server closed a connection that sent ``first_bytes`` and stopped."""
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as client:
-            started = time.monotonic()
-            client.sendall(first_bytes)
-            answer = b""
-            while chunk := client.recv(4096):
-                answer += chunk
-            return time.monotonic() - started, answer
+        started = time.monotonic()
+        answer = read_all(port, first_bytes)
+        return time.monotonic() - started, answer
 
-    async def main() -> list[tuple[float, bytes]]:
-        serving = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        try:
-            return [await asyncio.to_thread(held_for, first) for first in (
-                b"",
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: a",
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789",
-                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a whole request: answered, then kept alive (uvicorn's 5 s)
-            )]
-        finally:
-            server.should_exit = True
-            await serving
-
-    (idle, _), (head, head_answer), (body, _), (whole, whole_answer) = asyncio.run(main())
+    firsts = (
+        b"",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: a",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789",
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a whole request: answered, then kept alive (uvicorn's 5 s)
+    )
+    (idle, _), (head, head_answer), (body, _), (whole, whole_answer) = serve_while(
+        app, lambda port: [held_for(port, first) for first in firsts])
     assert idle < 5 and head < 5 and body < 5, (idle, head, body)
     assert head_answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in head_answer
     assert whole_answer.startswith(b"HTTP/1.1 200") and whole >= 4  # the timers never cut a served request
@@ -411,3 +367,61 @@ def test_cors_flags_that_would_mislead_are_refused_before_start(flags, message):
 
     with pytest.raises(ValueError, match=message):
         check_serve_args(build_parser().parse_args(["serve", *flags]))
+
+
+def serve_while(app, work):
+    """Run ``app`` under uvicorn with ``heron serve``'s protocol on a free
+    port, call ``work(port)`` on a thread, stop the server, return its result."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.server import GatewaySettings, uvicorn_config
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, build_parser().parse_args(["serve", "--port", str(port)]),
+                                           GatewaySettings(api_keys=[])))
+
+    async def main():
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            return await asyncio.to_thread(work, port)
+        finally:
+            server.should_exit = True
+            await serving
+
+    return asyncio.run(main())
+
+
+def read_all(port: int, sent: bytes) -> bytes:
+    """What the server answers to ``sent`` until it closes the connection."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as client:
+        client.sendall(sent)
+        answer = b""
+        while chunk := client.recv(4096):
+            answer += chunk
+        return answer
+
+
+@pytest.mark.parametrize("sent", [b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"])
+def test_a_request_that_cannot_be_parsed_gets_an_openai_shaped_400(sent):
+    """uvicorn answered it in text/plain, the one error not in OpenAI's shape."""
+    import json
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("an unparsable request reached the app")
+
+    answer = serve_while(app, lambda port: read_all(port, sent))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http_request", error

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from heron.entrypoints.openai.errors import APIError, body_too_large, headers_too_large
+from heron.entrypoints.openai.errors import APIError, bad_request, body_too_large, headers_too_large
 
 
 def head_limit(max_header_bytes: int) -> int:
@@ -234,6 +234,10 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
         def on_body(self, body: bytes) -> None:
             self._others += len(body)
             super().on_body(body)
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to a request httptools cannot parse was text/plain, the one error not in OpenAI's shape
+            self._cut(raw_response(bad_request(msg, code="invalid_http_request"), b"Bad Request"))
 
         def data_received(self, data: bytes) -> None:
             self._began, self._others = False, 0
