@@ -208,6 +208,18 @@ def test_max_waiting_requests_rejects_the_overflow(bounded):
     assert codes.count(200) >= 2 and codes.count(429) >= 1
 
 
+def test_the_waiting_bound_counts_each_prompt_and_choice(bounded):
+    """A completion of 256 prompts passed a bound of 2 whole: the bound was checked once per request."""
+    def post_batch(prompts: list[str], n: int = 1) -> httpx.Response:
+        return httpx.post(f"{bounded.base_url}/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": prompts, "max_tokens": 2, "n": n})
+
+    assert post_batch(["a", "b"]).status_code == 200  # two sequences: within the bound
+    for prompts, n in ((["a", "b", "c"], 1), (["a", "b"], 2)):
+        refused = post_batch(prompts, n)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "too_many_sequences", refused.text
+
+
 def test_dead_engine_gives_503_and_health_says_so(bounded):
     os.kill(bounded.engine_core_pid(), signal.SIGKILL)
     deadline = time.monotonic() + 10

@@ -116,12 +116,24 @@ def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) 
         logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
 
 
-def check_waiting_bound(ctx: ServingContext, waiting: int) -> None:
-    """429 when ``--max-waiting-requests`` requests are already waiting."""
-    if ctx.max_waiting_requests is not None and waiting >= ctx.max_waiting_requests:
+def check_waiting_bound(ctx: ServingContext, waiting: int, adding: int = 1) -> None:
+    """429 when the ``adding`` sequences of a request (one per prompt and
+    choice) would take the sequences waiting past ``--max-waiting-requests``;
+    400 when they alone exceed it (no retry would ever fit them). Counted per
+    request, a completion of 256 prompts passed a bound of 8 whole."""
+    limit = ctx.max_waiting_requests
+    if limit is None:
+        return
+    if adding > limit:
+        raise bad_request(
+            f"This request would add {adding} sequences (prompts times n), more than the server lets wait at once "
+            f"(--max-waiting-requests {limit}); send them in smaller requests.",
+            code="too_many_sequences",
+        )
+    if waiting + adding > limit:
         raise too_many_requests(
             f"The server is overloaded: {waiting} requests are already waiting "
-            f"(limit {ctx.max_waiting_requests}); retry later.",
+            f"(limit {limit}); retry later.",
             1.0,
             "server_overloaded",
         )
@@ -347,7 +359,7 @@ def start_generation(
     to the engine in one step (checks and additions of concurrent requests, in
     this process or another API server, never interleave)."""
     with ctx.admitting() as waiting:
-        check_waiting_bound(ctx, waiting)
+        check_waiting_bound(ctx, waiting, sum(prompt_params.n for prompt_params in params))
         arrival = time.monotonic()
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
