@@ -62,7 +62,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
              "client that reaches the port directly names itself: name the proxies instead",
     )
     gateway.add_argument("--max-waiting-requests", type=POSITIVE_INT, default=None,
-                         help="requests without a first token beyond which new ones get 429")
+                         help="sequences (prompts times n) without a first token beyond which new requests get 429")
     gateway.add_argument("--request-timeout", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
                          help="seconds before a request is aborted (default: never)")
     gateway.add_argument("--stream-stall-timeout", type=NON_NEGATIVE_FLOAT, default=60.0, metavar="SECONDS",
