@@ -58,6 +58,12 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None  # override; defaults to the model's own
 
+    def __post_init__(self) -> None:
+        # torch's generator takes [-2^63, 2^64); past it the engine core died at start on an "Overflow when
+        # unpacking long long" that named no flag
+        if not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValueError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+
     @property
     def dtype(self) -> torch.dtype:
         import torch

@@ -26,7 +26,8 @@ FETCH_CHAT = """async ([url, key]) => {
     const response = await fetch(url + '/v1/chat/completions', {
       method: 'POST',
       headers: {'Content-Type': 'application/json', 'Authorization': 'Bearer ' + key},
-      body: JSON.stringify({model: 'SmolLM2-135M-Instruct', messages: [{role: 'user', content: 'What is the capital of Japan?'}],
+      body: JSON.stringify({model: 'SmolLM2-135M-Instruct',
+                            messages: [{role: 'user', content: 'What is the capital of Japan?'}],
                             max_tokens: 16, temperature: 0, stream: true}),
     });
     return {status: response.status, body: await response.text()};

@@ -88,15 +88,31 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
         args = parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--policy", "round_robin", *flags])
         assert run_router(args) == 0
         assert created.pop()["request_timeout"] == timeout
-    with pytest.raises(ValueError, match="--request-timeout"):
-        run_router(parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--request-timeout", "-1"]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--request-timeout", "-1"], ">= 0"),
+    (["--port", "99999"], "port number"),
+    (["--cache-weight", "inf"], "finite"),  # inf x 0 uncached blocks is NaN: no replica won, every request a 500
+    (["--cache-weight", "nan"], "finite"),
+    (["--imbalance-threshold", "-1"], ">= 0"),
+    (["--probe-interval", "nan"], "> 0"),  # asyncio.sleep(nan) returned at once: a busy loop of probes
+    (["--probe-interval", "0"], "> 0"),
+    (["--max-attempts", "0"], ">= 1"),
+    (["--shutdown-timeout", "inf"], "finite"),
+])
+def test_router_flags_out_of_range_are_usage_errors(flags, message, capsys):
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["router", "--replica", "http://127.0.0.1:1", *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--replica", "localhost:18151"], "must be http://HOST"),  # taken, then every request was a 503
     (["--replica", "http://127.0.0.1:99999"], "out of range"),
     (["--replica", "http://127.0.0.1:1", "--prefill", "ftp://x"], "must be http://HOST"),
-    (["--replica", "http://127.0.0.1:1", "--port", "99999"], "not a TCP port"),
 ])
 def test_a_replica_url_or_port_the_router_cannot_use_is_refused_at_start(flags, message):
     parser = argparse.ArgumentParser()

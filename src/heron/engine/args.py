@@ -51,13 +51,31 @@ from heron.loader.model_source import resolve_model_source, resolve_tokenizer_so
 
 
 def parse_size(text: str) -> int:
-    """'4GiB', '512MB', '1e9' -> bytes."""
+    """'4GiB', '512MB', '1e9' -> bytes (a whole, finite, non-negative number
+    of them: 'inf' was an OverflowError traceback, and a negative size was
+    taken, so that a header limit of -1 refused every request)."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
     lowered = text.strip().lower()
-    for suffix, factor in units.items():
+    number, factor = lowered, 1
+    for suffix, unit in units.items():
         if lowered.endswith(suffix):
-            return int(float(lowered[: -len(suffix)]) * factor)
-    return int(float(lowered))
+            number, factor = lowered[: -len(suffix)], unit
+            break
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GB or 1e9, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite size of at least 0 bytes, got {text!r}")
+    return int(value)
+
+
+def positive_size(text: str) -> int:
+    """``parse_size`` of at least one byte (a limit of 0 refused everything)."""
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
+    return size
 
 
 def parse_json_object(text: str) -> dict[str, Any]:

@@ -4,17 +4,22 @@ all) is a usage error naming the flag, not a ZeroDivisionError later on."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
-def number_at_least(kind: type[int] | type[float], minimum: float, *, above: bool = False) -> Callable[[str], float]:
+def number_at_least(kind: type[int] | type[float], minimum: float, *, above: bool = False,
+                    finite: bool = False) -> Callable[[str], float]:
     """A type reading ``kind`` no smaller than ``minimum`` (greater than it when
-    ``above``); NaN is refused too."""
+    ``above``); NaN is refused too, and infinity when ``finite``."""
     bound = f"> {minimum:g}" if above else f">= {minimum:g}"
-    name = "an integer" if kind is int else "a number"
+    name = ("a finite number" if finite else "a number") if kind is float else "an integer"
+
+    def within(value: float) -> bool:
+        return (value > minimum if above else value >= minimum) and (not finite or math.isfinite(value))
 
     def parse(text: str) -> float:
-        return _read(kind, text, f"{name} {bound}", lambda value: value > minimum if above else value >= minimum)
+        return _read(kind, text, f"{name} {bound}", within)
 
     return parse
 
@@ -23,6 +28,8 @@ POSITIVE_INT = number_at_least(int, 1)
 NON_NEGATIVE_INT = number_at_least(int, 0)
 POSITIVE_FLOAT = number_at_least(float, 0, above=True)
 NON_NEGATIVE_FLOAT = number_at_least(float, 0)
+FINITE_NON_NEGATIVE_FLOAT = number_at_least(float, 0, finite=True)
+FINITE_POSITIVE_FLOAT = number_at_least(float, 0, above=True, finite=True)
 
 
 def _read(kind: type[int] | type[float], text: str, expected: str, within: Callable[[float], bool]) -> float:

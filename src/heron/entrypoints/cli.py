@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="heron", description="heron: LLM inference engine and OpenAI-compatible server"
     )
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", **LOG_LEVEL)
     subcommands = parser.add_subparsers(dest="command", required=True)
 
     generate = subcommands.add_parser("generate", help="complete one prompt, streaming the text")
@@ -53,7 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(subcommands)
     add_router_parser(subcommands)
+    _add_log_level_to_subcommands(parser)
     return parser
+
+
+LOG_LEVEL: dict = {"type": str.upper, "choices": ["DEBUG", "INFO", "WARNING", "ERROR"],
+                   "help": "how much heron logs (any case)"}
+
+
+def _add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` after the subcommand too (``heron serve --log-level
+    DEBUG``, as vLLM takes it), at every depth; given there, it wins over one
+    given before (the default leaves the top level's value alone)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                subparser.add_argument("--log-level", default=argparse.SUPPRESS, **LOG_LEVEL)
+                _add_log_level_to_subcommands(subparser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
+from heron.entrypoints.arg_types import FINITE_NON_NEGATIVE_FLOAT, FINITE_POSITIVE_FLOAT, POSITIVE_INT, port
 from heron.routing.policies import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ def add_router_parser(subcommands: Any) -> None:
                         help="also route to the heron servers registered on this Ray cluster (those started with "
                              "--data-parallel-backend ray), as they come and go; 'auto': this machine's cluster")
     router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--port", type=port, default=8080)
     router.add_argument("--policy", default="kv_aware", choices=list(get_args(RoutingPolicy)))
     router.add_argument("--model", default=None,
                         help="the replicas' model, for its tokenizer and chat template (default: the embedded one)")
@@ -35,18 +36,19 @@ def add_router_parser(subcommands: Any) -> None:
                              "router renders chats as they do (else no chat prompt's blocks match theirs)")
     router.add_argument("--replica-api-key", default=None,
                         help="key for the replicas' /metrics and /v1/kv_events (clients send their own)")
-    router.add_argument("--cache-weight", type=float, default=2.0,
+    router.add_argument("--cache-weight", type=FINITE_NON_NEGATIVE_FLOAT, default=2.0,
                         help="kv_aware: cost of one uncached prompt block against one block of queued prefill")
-    router.add_argument("--imbalance-threshold", type=float, default=64.0,
+    router.add_argument("--imbalance-threshold", type=FINITE_NON_NEGATIVE_FLOAT, default=64.0,
                         help="kv_aware: load spread (in blocks of queued work) beyond which the least-loaded "
                              "replica wins")
-    router.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
-    router.add_argument("--max-attempts", type=int, default=3, help="replicas tried before a request fails")
-    router.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
+    router.add_argument("--probe-interval", type=FINITE_POSITIVE_FLOAT, default=1.0,
+                        help="seconds between health probes")
+    router.add_argument("--max-attempts", type=POSITIVE_INT, default=3, help="replicas tried before a request fails")
+    router.add_argument("--request-timeout", type=FINITE_NON_NEGATIVE_FLOAT, default=0.0, metavar="SECONDS",
                         help="longest time a request may take, from its arrival to its answer's end (0, the "
                              "default: no limit); past it the client gets 504, or an error event ending its "
                              "stream, and the request is not retried elsewhere")
-    router.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+    router.add_argument("--shutdown-timeout", type=FINITE_NON_NEGATIVE_FLOAT, default=5.0, metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
                              "are refused meanwhile) before the rest are cut; 0 cuts them at once")
 
@@ -57,18 +59,10 @@ def run_router(args: argparse.Namespace) -> int:
     from heron.router.server import RouterServer
     from heron.routing.policies import Router
 
-    if args.max_attempts < 1 or args.probe_interval <= 0:
-        raise ValueError("--max-attempts must be >= 1 and --probe-interval > 0")
-    if not args.request_timeout >= 0:  # NaN included
-        raise ValueError("--request-timeout must be >= 0 (0: no limit)")
-    if not args.shutdown_timeout >= 0:
-        raise ValueError("--shutdown-timeout must be >= 0 (0: cut requests under way at once)")
     if not args.replica and not args.ray_address:
         raise ValueError("give the replicas: --replica URL (repeatable) and/or --ray-address")
     for url in args.replica + args.prefill:
         _check_replica_url(url)
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
     replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval,
                           discover=_ray_discovery(args.ray_address) if args.ray_address else None)

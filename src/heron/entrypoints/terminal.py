@@ -51,8 +51,8 @@ def stream_completion(
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)  # a bad flag is named before the model loads, not after
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
-    params = sampling_params_from_args(args)
     processor = engine.input_processor
     if args.chat:
         prompt = processor.process_chat([{"role": "user", "content": args.prompt}])
@@ -62,34 +62,67 @@ def run_generate(args: argparse.Namespace) -> int:
         _, finish_reason = stream_completion(engine, prompt, params, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
-    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a Unix filter does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
-        return 1
+    except BrokenPipeError:
+        return _reader_left()
     print(f"[finish_reason={finish_reason}]", file=sys.stderr)
     return 130 if finish_reason == "abort" else 0  # stopped by Ctrl-C, as a shell reports it
 
 
+def _reader_left() -> int:
+    """The reader of stdout left (``| head``): stop quietly, as a Unix filter does."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+    return 1
+
+
 def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+    params = sampling_params_from_args(args)  # a bad flag is named before the model loads, not after
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
-    params = sampling_params_from_args(args)
-    history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
+    try:
+        return _chat_loop(engine, params, args.system, input_stream, out)
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _read_line(input_stream: TextIO) -> str | None:
+    """The next line typed, '' for one that is not UTF-8 text, None at the end
+    of input. (A strict decoder raised on such a line and ended the session;
+    the default one let it through as surrogates the tokenizer refused.)"""
+    try:
+        line = input_stream.readline()
+    except UnicodeDecodeError:
+        return ""
+    if not line:
+        return None
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return ""
+    return line
+
+
+def _chat_loop(engine: LLMEngine, params: SamplingParams, system: str | None, input_stream: TextIO,
+               out: TextIO) -> int:
+    history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     out.write(
         f"heron chat with {engine.config.model.served_model_name}: /reset clears the history, /exit or Ctrl-D quits\n"
     )
     while True:
         out.write("\n> ")
         out.flush()
-        line = input_stream.readline()
-        if not line:
+        line = _read_line(input_stream)
+        if line is None:
             out.write("\n")
             return 0
+        if line == "":
+            out.write("(that line is not UTF-8 text: not sent)\n")
+            continue
         message = line.strip()
         if not message:
             continue
         if message in ("/exit", "/quit"):
             return 0
         if message == "/reset":
-            history = history[:1] if args.system else []
+            history = history[:1] if system else []
             out.write("(history cleared)\n")
             continue
         history.append({"role": "user", "content": message})

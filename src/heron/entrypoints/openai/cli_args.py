@@ -6,7 +6,7 @@ import argparse
 import os
 
 from heron import envs
-from heron.engine.args import parse_size
+from heron.engine.args import positive_size
 from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, number_at_least, port
 from heron.entrypoints.openai.cors import add_cors_args, cors_settings_from_args
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -68,9 +68,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--stream-stall-timeout", type=NON_NEGATIVE_FLOAT, default=60.0, metavar="SECONDS",
                          help="end a stream (abort its request, close the connection) whose client has taken no "
                               "bytes for this long while the server had some to send; 0 disables")
-    gateway.add_argument("--max-request-body-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+    gateway.add_argument("--max-request-body-bytes", type=positive_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                          help="largest accepted request body (413 past it)")
-    gateway.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,
+    gateway.add_argument("--max-header-bytes", type=positive_size, default=DEFAULT_MAX_HEADER_BYTES,
                          help="most bytes of request header names and values (431 past it)")
     add_cors_args(gateway)
 
