@@ -8,6 +8,7 @@ the offending parameter, before any engine work is done.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 from heron.config import ModelConfig
 from heron.request import EngineCoreRequest
 from heron.sampling_params import SamplingParamError, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
@@ -46,6 +49,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(model_eos_token_ids(model_config, tokenizer))
         self.vocab_size = model_config.vocab_size
+        if hasattr(tokenizer, "__len__") and len(tokenizer) > self.vocab_size:
+            logger.warning("the tokenizer has %d tokens, the model's vocabulary %d: a prompt using the others is "
+                           "refused", len(tokenizer), self.vocab_size)
 
     # ---- prompts -----------------------------------------------------------------
 
@@ -157,6 +163,15 @@ class InputProcessor:
                                       "served", "priority")
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        if not 0 <= min(prompt.token_ids) <= max(prompt.token_ids) < self.vocab_size:
+            # a text prompt too: a tokenizer larger than the model's vocabulary (--tokenizer from another model, a
+            # fine-tune's added tokens) gave ids the embedding could not look up, and the engine core died on them
+            bad = [t for t in prompt.token_ids if not 0 <= t < self.vocab_size]
+            raise InvalidRequestError(
+                f"the prompt has token ids out of the model's vocabulary (size {self.vocab_size}): {bad[:5]}"
+                + (" (the tokenizer knows more tokens than the model)" if prompt.text is not None else ""),
+                "prompt",
+            )
         if num_prompt_tokens >= max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's maximum context "
