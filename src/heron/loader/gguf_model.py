@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from heron.loader.arch_config import ArchConfig, arch_config_from_dict
-from heron.loader.gguf_file import GGUFFile
+from heron.loader.gguf_file import GGUFFile, GGUFFormatError
 
 if TYPE_CHECKING:  # the config and tokenizer read GGUF files in the API server, which never imports torch
     import torch
@@ -105,7 +105,17 @@ def _end_tokens(meta: dict[str, Any]) -> int | list[int] | None:
 
 def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
     """Build the model config (the fields transformers' config would hold) from the
-    GGUF metadata."""
+    GGUF metadata; metadata missing or of the wrong kind is a ``GGUFFormatError``
+    naming the file (it was a TypeError traceback from ``int(None)``)."""
+    try:
+        return _hf_config(gguf)
+    except GGUFFormatError:
+        raise
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as exc:
+        raise GGUFFormatError(f"{gguf.path}: the GGUF metadata is damaged or incomplete ({exc})") from exc
+
+
+def _hf_config(gguf: GGUFFile) -> ArchConfig:
     model_type, architecture = gguf_architecture(gguf)
     meta = gguf.metadata
     arch = gguf.architecture
@@ -113,8 +123,14 @@ def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    num_heads = int(get("attention.head_count"))
-    hidden_size = int(get("embedding_length"))
+    def required(key: str) -> int:
+        value = get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise GGUFFormatError(f"{gguf.path}: the GGUF metadata has no valid {arch}.{key} ({value!r})")
+        return value
+
+    num_heads = required("attention.head_count")
+    hidden_size = required("embedding_length")
     head_dim = int(get("attention.key_length", hidden_size // num_heads))
     vocab_size = int(get("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))))
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
@@ -124,8 +140,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
         architectures=[architecture],
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
