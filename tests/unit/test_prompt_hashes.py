@@ -221,3 +221,10 @@ def test_templates_with_loop_controls_are_read_in_the_environment_they_were_comp
     assert renderer is not None and renderer._skeletons is not None
     messages = [{"role": "user", "content": "Hi"}]
     assert renderer.render(messages, False) == processor.render_chat(messages, add_generation_prompt=False)
+
+
+def test_text_parts_are_rendered_one_a_line_as_vllm_does(hasher):
+    """They were joined with nothing: "Translate to French:" and "Good morning" read "French:Good morning"."""
+    parts = [{"type": "text", "text": "Translate to French:"}, {"type": "text", "text": "Good morning"}]
+    rendered = hasher.processor.render_chat([{"role": "user", "content": parts}])
+    assert "Translate to French:\nGood morning" in rendered

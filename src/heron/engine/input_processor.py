@@ -240,7 +240,8 @@ def _check_text(text: str, param: str) -> None:
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts ([{"type": "text", "text": ...}]) -> a plain string."""
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> a plain string,
+    one part a line (as vLLM renders them)."""
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -250,7 +251,7 @@ def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(part.get("text"), str):
                 raise InvalidRequestError("a text content part needs its text as a string", "messages")
             texts.append(part["text"])
-        return {**message, "content": "".join(texts)}
+        return {**message, "content": "\n".join(texts)}  # vLLM's join: "Translate:" + "Good day" ran together
     if content is None:
         return {**message, "content": ""}
     return message
