@@ -23,6 +23,7 @@ def test_prefix_hit_shares_blocks_and_leaves_a_token_to_compute():
     second = make_request(36, token_offset=0)  # same first 36 tokens
     hits, num_hit = manager.get_computed_blocks(second)
     assert hits.get_block_ids() == [0, 1] and num_hit == 32
+    manager.record_lookup(second, hits)
     new = manager.allocate_slots(second, 36 - 32, new_computed_blocks=hits, num_new_computed_tokens=num_hit)
     assert new is not None and new.get_block_ids() == [3]
     assert manager.get_block_ids(second.request_id) == [0, 1, 3]
@@ -31,6 +32,7 @@ def test_prefix_hit_shares_blocks_and_leaves_a_token_to_compute():
     exact = make_request(32, token_offset=0)
     hits, num_hit = manager.get_computed_blocks(exact)
     assert hits.get_block_ids() == [0] and num_hit == 16
+    manager.record_lookup(exact, hits)
     stats = manager.prefix_cache_stats
     assert (stats.queries, stats.hits, stats.requests) == (36 + 32, 32 + 16, 2)
     manager.check_integrity()

@@ -156,6 +156,22 @@ def test_preemption_frees_the_latest_request_and_it_resumes_by_recompute():
     assert second.num_output_tokens == 4
 
 
+def test_prefix_cache_stats_count_each_admitted_request_once():
+    """A request waiting for room was looked up, and counted, again at every
+    step (queries 10,849 for 465 prompt tokens on a server), and a preempted
+    one's recompute counted as prefix hits: the hit rate followed the queue."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    first = make_request(8, max_tokens=4)
+    second = make_request(8, token_offset=100, max_tokens=4)
+    third = make_request(8, token_offset=200, max_tokens=2)  # waits for room while the others run
+    add(scheduler, first, second, third)
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert second.num_preemptions == 1 and third.num_output_tokens == 2
+    stats = scheduler.kv_cache_manager.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (3, 24, 0)
+
+
 def test_priority_policy_orders_waiting_and_preempts_the_least_important():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, policy="priority", max_num_seqs=2)
     low = make_request(7, priority=5, max_tokens=4)

@@ -154,15 +154,27 @@ class KVCacheManager:
                     break
                 found.on_disk.append(True)
             found.offloaded.append(block_hash)
+        return found, (len(hits) + len(found.offloaded)) * self.block_size
+
+    def record_lookup(self, request: Request, found: KVCacheBlocks) -> None:
+        """Count the prefix ``get_computed_blocks`` found for a request that was
+        admitted (or went on to load it): a request waiting for room is looked up
+        again each step, and counting each lookup made the hit rate follow the
+        requests stuck in the queue. The re-admission of a preempted request is
+        its own recompute, not a prefix shared: it counts in the tiers' hits
+        only (as vLLM keeps it out of the hit rate)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return  # looked nothing up
         num_on_disk = sum(found.on_disk)
         if self.offload is not None:
             self.offload.stats.hit_tokens += (len(found.offloaded) - num_on_disk) * self.block_size
         if self.disk is not None:
             self.disk.stats.hit_tokens += num_on_disk * self.block_size
+        if request.num_preemptions:
+            return
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += len(hits) * self.block_size
-        return found, (len(hits) + len(found.offloaded)) * self.block_size
+        self.prefix_cache_stats.hits += len(found.blocks) * self.block_size
 
     def allocate_slots(
         self,

@@ -304,6 +304,8 @@ class Scheduler(SchedulerKVMixin):
             if computed_blocks.needs_load:
                 started = self._start_load(request, computed_blocks, num_hit_tokens)
                 self.kv_pool_short |= not started
+                if started:
+                    self.kv_cache_manager.record_lookup(request, computed_blocks)
                 return started
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.token_budget:
@@ -320,6 +322,8 @@ class Scheduler(SchedulerKVMixin):
         if new_blocks is None:
             self.kv_pool_short = True
             return False
+        if computed_blocks is not None:
+            self.kv_cache_manager.record_lookup(request, computed_blocks)
         self.waiting.pop()
         self._holding.pop(request.request_id, None)
         self.running.append(request)

@@ -169,6 +169,7 @@ class SchedulerKVMixin:
         blocks = self.kv_cache_manager.start_remote_load(request, hits, num_blocks)
         if blocks is None:
             return False
+        self.kv_cache_manager.record_lookup(request, hits)
         request.remote_prefill_tried = True
         self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),
                                              str(params["remote_request_id"]), len(hits.blocks), blocks))
