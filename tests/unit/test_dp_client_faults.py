@@ -133,6 +133,20 @@ def test_merged_statistics_count_a_steps_tokens_once():
     assert merged == [(512, 1), (1, 2), (1, 2)]  # running requests add up over engines, a step's tokens do not
 
 
+def test_merged_kv_usage_is_the_mean_over_every_engine():
+    """An engine that had not reported yet (no request since the start) was
+    left out of the mean: one busy engine of two read 0.59 where 0.30 was used."""
+    client = DataParallelClient.__new__(DataParallelClient)
+    client.engines = [_Engine(0, None), _Engine(1, None)]
+    client._owner = {}
+    usage = []
+    for rank, used in [(0, 0.6), (1, 0.2)]:
+        outputs = client._merge(client.engines[rank], EngineCoreOutputs(scheduler_stats=SchedulerStats(
+            kv_cache_usage=used)))
+        usage.append(outputs.scheduler_stats.kv_cache_usage)
+    assert usage == pytest.approx([0.3, 0.4])
+
+
 def test_an_engines_kv_event_subscription_that_ends_is_followed_again(fake_engines, monkeypatch):
     """It was started once: had it ended, the client would have placed prompts
     by what that engine held then, for good."""

@@ -181,7 +181,7 @@ class DataParallelClient:
             engine.load.reported_running = stats.num_running_reqs
             engine.load.reported_waiting = stats.num_waiting_reqs
             engine.load.kv_cache_usage = stats.kv_cache_usage
-            merged = _sum_stats([e.stats for e in self.engines if e.stats is not None])
+            merged = _sum_stats([e.stats for e in self.engines if e.stats is not None], len(self.engines))
             merged.num_scheduled_tokens = stats.num_scheduled_tokens  # this step's: this engine's alone
             outputs.scheduler_stats = merged
         return outputs
@@ -258,11 +258,13 @@ class DataParallelClient:
         self._context.destroy(0)
 
 
-def _sum_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
+def _sum_stats(all_stats: list[SchedulerStats], num_engines: int) -> SchedulerStats:
     """Every engine's statistics as one: counts add up, KV usage is the mean
+    over all ``num_engines`` (one that has not reported yet has run nothing: it
+    counts as empty, where leaving it out read N times the usage after a start)
     (a step's scheduled tokens are the reporting engine's: ``_merge``)."""
     total = SchedulerStats()
     for spec in fields(SchedulerStats):
         values = [getattr(stats, spec.name) for stats in all_stats]
         setattr(total, spec.name, sum(values))
-    return replace(total, kv_cache_usage=total.kv_cache_usage / max(1, len(all_stats)))
+    return replace(total, kv_cache_usage=total.kv_cache_usage / max(1, num_engines, len(all_stats)))
