@@ -99,6 +99,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
     num_scheduled_tokens: int = 0  # this step
+    # the step processed just before this one in the same call (async scheduling: a step in flight, then one
+    # that could not be scheduled ahead): its tokens, so that the iteration histogram sees both steps
+    earlier_step_tokens: int = 0
     # speculative decoding, cumulative
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

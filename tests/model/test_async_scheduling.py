@@ -102,3 +102,28 @@ def test_abort_while_a_step_is_in_flight(llama):
     manager = engine.engine_core.scheduler.kv_cache_manager
     manager.check_integrity()
     assert manager.num_free_blocks == manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_statistics_count_each_step_once(llama, async_scheduling):
+    """Under async scheduling a burst's first step was reported when launched
+    and again when processed, and its last step, processed in the same call as
+    an empty one, not at all: heron:iteration_tokens read 6, 6, 1 ... for steps
+    of 6, 1, 1 ..."""
+    directory, prompts, _ = llama
+    llm = LLM(directory, dtype="float32", max_model_len=128, num_kv_blocks=64, async_scheduling=async_scheduling)
+    core = llm.engine.engine_core
+    observed: list[int] = []
+    step = core.step
+
+    def recording_step():
+        outputs = step()
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            observed.extend(tokens for tokens in (stats.earlier_step_tokens, stats.num_scheduled_tokens) if tokens)
+        return outputs
+
+    core.step = recording_step
+    prompt = prompts[0]  # 5 tokens
+    llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert observed == [len(prompt)] + [1] * 9

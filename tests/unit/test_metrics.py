@@ -64,6 +64,7 @@ def test_exporter_records_everything_it_declares():
     logger = PrometheusStatLogger("m")
     logger.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=100,
                                  prefix_cache_hits=40, num_preemptions=3, num_scheduled_tokens=17,
+                                 earlier_step_tokens=5,
                                  spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=11,
                                  kv_host_stored=7, kv_host_loaded=4, kv_host_evicted=1,
                                  kv_host_hit_tokens=64, kv_host_blocks=6, kv_host_bytes=6144,
@@ -77,6 +78,8 @@ def test_exporter_records_everything_it_declares():
     assert values["heron:kv_cache_usage_perc[('model_name', 'm')]"] == 0.25
     assert values["heron:prefix_cache_hits_total[('model_name', 'm')]"] == 40
     assert values["heron:num_preemptions_total[('model_name', 'm')]"] == 3
+    assert values["heron:iteration_tokens_total_count[('model_name', 'm')]"] == 2  # two steps in one message
+    assert values["heron:iteration_tokens_total_sum[('model_name', 'm')]"] == 22
     assert values["heron:spec_decode_num_drafts_total[('model_name', 'm')]"] == 5
     assert values["heron:spec_decode_num_draft_tokens_total[('model_name', 'm')]"] == 20
     assert values["heron:spec_decode_num_accepted_tokens_total[('model_name', 'm')]"] == 11

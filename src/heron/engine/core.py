@@ -231,15 +231,19 @@ class EngineCore:
         self._in_flight = None
         if isinstance(runner_output, PendingRunnerOutput):
             self._in_flight = (scheduler_output, runner_output)
-            # while the device runs the step just launched, process the one before
+            # while the device runs the step just launched, process the one before; a step only launched
+            # reports no tokens (its processing will: counting them now counted them twice)
             outputs = self._process(*in_flight) if in_flight is not None else EngineCoreOutputs(
-                scheduler_stats=self.scheduler.make_stats(scheduler_output)
+                scheduler_stats=self.scheduler.make_stats()
             )
         else:
             earlier = self._process(*in_flight) if in_flight is not None else None
             outputs = self._process(scheduler_output, runner_output)
             if earlier is not None:
                 outputs.outputs = earlier.outputs + outputs.outputs
+                if outputs.scheduler_stats is not None and earlier.scheduler_stats is not None:
+                    # one message for two steps: the earlier one's tokens were dropped (a burst's last step)
+                    outputs.scheduler_stats.earlier_step_tokens = earlier.scheduler_stats.num_scheduled_tokens
         if self.profiler is not None:
             self.profiler.after_step()
         return outputs

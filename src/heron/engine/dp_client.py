@@ -183,6 +183,7 @@ class DataParallelClient:
             engine.load.kv_cache_usage = stats.kv_cache_usage
             merged = _sum_stats([e.stats for e in self.engines if e.stats is not None], len(self.engines))
             merged.num_scheduled_tokens = stats.num_scheduled_tokens  # this step's: this engine's alone
+            merged.earlier_step_tokens = stats.earlier_step_tokens
             outputs.scheduler_stats = merged
         return outputs
 

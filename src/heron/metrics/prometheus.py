@@ -195,8 +195,9 @@ class PrometheusStatLogger:
                 max(0, scheduler_stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
             )
             self._record_offload(scheduler_stats, last)
-            if scheduler_stats.num_scheduled_tokens:
-                self.iteration_tokens.labels(name).observe(scheduler_stats.num_scheduled_tokens)
+            for step_tokens in (scheduler_stats.earlier_step_tokens, scheduler_stats.num_scheduled_tokens):
+                if step_tokens:
+                    self.iteration_tokens.labels(name).observe(step_tokens)
             self._last_cumulative = scheduler_stats
         if iteration is None:
             return
