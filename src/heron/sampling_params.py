@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -17,6 +18,8 @@ MAX_LOGPROBS = 20
 # tensors there): a top_k past them stopped the engine core.
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+_INTEGER_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # The sampler works in float32: a temperature past float32's range became inf
 # (a banned token's -inf / inf is NaN: the whole row NaN, token 0 "sampled"), and a
 # repetition penalty near 0 divided a logit into inf. Within these bounds every
@@ -130,6 +133,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
+        self._plain_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -159,6 +163,19 @@ class SamplingParams:
         (penalties count output tokens, a grammar must accept it first): such a
         request cannot be scheduled before its previous token is known."""
         return self.has_penalties or self.structured_outputs is not None
+
+    def _plain_numbers(self) -> None:
+        """numpy's integers and floats (a per-prompt seed drawn with numpy) as
+        Python's: they were refused as "must be a 64-bit signed integer, got
+        np.int64(3)"."""
+        for name in _INTEGER_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool)):
+                setattr(self, name, float(value))
 
     def validate(self) -> None:
         def fail(param: str, message: str) -> None:

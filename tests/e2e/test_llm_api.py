@@ -153,6 +153,9 @@ def test_priority_needs_the_priority_policy(llm):
         ("hi " * 600, SamplingParams(), InvalidRequestError, "prompt"),
         ([999999], SamplingParams(), InvalidRequestError, "prompt"),
         ("hi", SamplingParams(logit_bias={10**6: 1.0}), InvalidRequestError, "logit_bias"),
+        # an image dropped without a word, a typo taken
+        ({"prompt": "hi", "multi_modal_data": {"image": None}}, SamplingParams(), InvalidRequestError, "prompt"),
+        ({"prompt": "hi", "cache_salt": ""}, SamplingParams(), InvalidRequestError, "cache_salt"),
     ],
 )
 def test_bad_input_fails_before_any_work(llm, prompt, params, error, param):
@@ -290,4 +293,20 @@ def test_allowed_token_ids_and_bad_words(llm):
         llm.generate("x", SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
     with pytest.raises(SamplingParamError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+    assert_idle(llm)
+
+
+def test_a_prompt_dicts_cache_salt_keeps_its_prefix_apart(llm):
+    """It was ignored: a prompt salted "bob" got the cached blocks of the same prompt salted "alice"."""
+    stats = llm.engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+
+    def hits_of(salt: str) -> int:
+        before = stats.hits
+        llm.generate([{"prompt": PROMPT * 4, "cache_salt": salt}], greedy, use_tqdm=False)
+        return stats.hits - before
+
+    hits_of("alice")
+    assert hits_of("bob") == 0
+    assert hits_of("alice") > 0
     assert_idle(llm)

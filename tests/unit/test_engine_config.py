@@ -231,3 +231,13 @@ def test_cuda_only_options_are_refused_on_the_cpu(monkeypatch):
         EngineArgs(device="cpu", attention_backend="triton").create_engine_config()
     with pytest.raises(ValueError, match="compile_model runs on CUDA only"):
         EngineArgs(device="cpu", compile_model=True).create_engine_config()
+
+
+def test_seed_none_is_a_random_seed_and_one_past_64_bits_is_named():
+    """``LLM(seed=None)`` (vLLM's random seed) died in the engine core on
+    torch's "manual_seed expected a long, but got NoneType"."""
+    seeds = {EngineArgs(device="cpu", seed=None).create_engine_config().model.seed for _ in range(3)}
+    assert len(seeds) == 3 and all(isinstance(seed, int) and 0 <= seed < 2**63 for seed in seeds)
+    assert EngineArgs(device="cpu", seed=7).create_engine_config().model.seed == 7
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\^63, 2\^64\)"):
+        EngineArgs(device="cpu", seed=2**64).create_engine_config()

@@ -104,3 +104,13 @@ def test_stop_strings_need_text():
     with pytest.raises(SamplingParamError, match="stop"):
         SamplingParams(stop=["."], detokenize=False)
     SamplingParams(stop_token_ids=[13], detokenize=False)  # tokens need no text
+
+
+def test_numpy_numbers_are_taken_as_python_numbers():
+    """A per-prompt seed drawn with numpy was refused: "seed must be a 64-bit signed integer, got np.int64(3)"."""
+    import numpy as np
+
+    params = SamplingParams(seed=np.int64(3), top_k=np.int64(5), max_tokens=np.int32(7), temperature=np.float32(0.5))
+    assert (params.seed, params.top_k, params.max_tokens, params.temperature) == (3, 5, 7, 0.5)
+    assert all(type(value) in (int, float) for value in (params.seed, params.top_k, params.max_tokens,
+                                                         params.temperature))

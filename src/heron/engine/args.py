@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import secrets
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -78,6 +79,16 @@ def positive_size(text: str) -> int:
     return size
 
 
+def parse_seed(text: str) -> int | None:
+    """--seed: an integer, or 'random' (None: a new seed each start)."""
+    if text.strip().lower() in ("random", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'random', got {text!r}") from None
+
+
 def parse_json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -135,7 +146,9 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks (overrides the memory budgets)")
     scheduling_policy: SchedulingPolicy = _arg("fcfs", "admission order: first come first served, or by "
                                                        "request priority")
-    seed: int = _arg(0, "seed of the random generator of requests sampled without a seed of their own")
+    seed: int | None = _arg(0, "seed of the random generator of requests sampled without a seed of their own "
+                                "('random', or None in Python: a different one each start, as in vLLM)",
+                            parse=parse_seed)
     device: Device = _arg("auto", "where the model runs (auto: CUDA when present)")
     model_impl: ModelImpl = _arg("auto", "heron's own implementation (the Llama family) or transformers'")
     attention_backend: AttentionBackendName = _arg("auto", "attention kernels (auto: torch on CPU, triton on CUDA)")
@@ -277,7 +290,7 @@ class EngineArgs:
             architecture=architecture_of(hf_config),
             model_impl=self.model_impl,
             quantization=quantization,
-            seed=self.seed,
+            seed=self.seed if self.seed is not None else secrets.randbits(63),
             tokenizer=resolve_tokenizer_source(self.tokenizer) if self.tokenizer else None,
         )
         select_implementation(model_config)  # unsupported architectures fail here, early

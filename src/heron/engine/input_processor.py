@@ -32,6 +32,12 @@ class InvalidRequestError(ValueError):
 class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None  # a prompt dict's own (vLLM's TextPrompt / TokensPrompt carry one)
+
+
+# the keys of vLLM's TextPrompt / TokensPrompt heron takes; others (multi_modal_data, mm_processor_kwargs) would
+# be dropped without a word: an image the model never saw
+PROMPT_DICT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -59,11 +65,7 @@ class InputProcessor:
         """Accepts a string, a list of token ids, or a dict with ``prompt`` or
         ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt)."""
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return self._token_prompt(prompt["prompt_token_ids"], prompt.get("prompt"))
-            if "prompt" in prompt:
-                return self.process_prompt(prompt["prompt"])
-            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+            return self._dict_prompt(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
@@ -74,6 +76,25 @@ class InputProcessor:
         raise InvalidRequestError(
             f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
         )
+
+    def _dict_prompt(self, prompt: dict[str, Any]) -> ProcessedPrompt:
+        unknown = sorted(str(key) for key in prompt.keys() - PROMPT_DICT_KEYS)
+        if unknown:
+            raise InvalidRequestError(f"a prompt dict takes {', '.join(sorted(PROMPT_DICT_KEYS))}; heron does not "
+                                      f"take {', '.join(unknown)} (it serves text models)", "prompt")
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+        if "prompt_token_ids" in prompt:
+            processed = self._token_prompt(prompt["prompt_token_ids"], prompt.get("prompt"))
+        elif "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise InvalidRequestError("a prompt dict's 'prompt' must be a string", "prompt")
+            processed = self.process_prompt(prompt["prompt"])
+        else:
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        processed.cache_salt = salt
+        return processed
 
     def _token_prompt(self, token_ids: Any, text: str | None) -> ProcessedPrompt:
         if not isinstance(token_ids, (list, tuple)) or not all(

@@ -53,8 +53,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of prompts (strings, token-id lists, or
-        ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dicts). Outputs come back
-        in prompt order."""
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dicts, which may carry a
+        ``cache_salt``: prompts of different salts share no cached prefix). Outputs
+        come back in prompt order."""
         processor = self.engine.input_processor
         prompt_list = _as_prompt_list(prompts)
         processed = [processor.process_prompt(prompt) for prompt in prompt_list]
@@ -123,7 +124,7 @@ class LLM:
         request_ids = []
         # validate every request before adding any, so bad input wastes no work
         for prompt, params in zip(prompts, params_list):
-            engine.input_processor.make_requests("validation", prompt, params)
+            engine.input_processor.make_requests("validation", prompt, params, cache_salt=prompt.cache_salt)
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(
             total=len(prompts),
@@ -140,6 +141,7 @@ class LLM:
                     prompt,
                     params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
                     priority=priority[index] if priority is not None else 0,
+                    cache_salt=prompt.cache_salt,
                 )
             while engine.has_unfinished_requests():
                 for output in engine.step():
