@@ -25,6 +25,7 @@ fi
 
 if [ ! -f "$dir/smollm2-hf/model.safetensors" ]; then
   step "the embedded model as a Hugging Face directory in $dir/smollm2-hf"
+  rm -rf "$dir/smollm2-hf"  # a cut-off conversion's leftovers (convert writes only into a new or empty directory)
   "$repo/.venv/bin/heron" convert --output "$dir/smollm2-hf"
 fi
 

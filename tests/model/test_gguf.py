@@ -282,6 +282,30 @@ def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     assert converted[0].outputs[0].token_ids == original[0].outputs[0].token_ids
 
 
+def test_convert_writes_float32_into_a_new_directory_only(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """Written into a checkpoint's directory, its old shards and index stayed
+    and won (heron and transformers loaded different weights from it); an
+    --output that is a file was a FileExistsError traceback; with no --dtype a
+    CPU with native bfloat16 wrote lossy bfloat16."""
+    import json
+
+    from heron.engine import resolve
+    from heron.entrypoints.cli import main
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "model.safetensors.index.json").write_text("{}")
+    (tmp_path / "file").write_text("")
+    for output, message in ((taken, "is not empty"), (tmp_path / "file", "is a file")):
+        assert main(["convert", "--model", tiny_gguf, "--output", str(output)]) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(resolve, "cpu_has_native_bf16", lambda: True)  # where "auto" means bfloat16
+    written = tmp_path / "hf"
+    assert main(["convert", "--model", tiny_gguf, "--quantization", "none", "--output", str(written)]) == 0
+    config = json.loads((written / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+
+
 def test_convert_keeps_llama3_rope_scaling(tmp_path, embedded_tokenizer):
     """A Llama 3.1-style GGUF keeps its RoPE scaling as per-frequency factors
     (rope_freqs.weight); the converted config.json said rope_type "default" and

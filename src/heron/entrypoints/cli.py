@@ -92,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_server(args, started)
         if args.command == "convert":
-            from heron.entrypoints.convert import export_hf_directory
+            from heron.entrypoints.convert import check_output_directory, export_hf_directory
 
+            check_output_directory(args.output)  # before the model loads
+            if args.dtype == "auto":  # "auto" is the fastest dtype here (bfloat16 on some CPUs): lossy for a copy
+                args.dtype = "float32"
             print(export_hf_directory(EngineArgs.from_cli_args(args).create_engine_config(), args.output))
             return 0
         if args.command == "router":

@@ -23,8 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 def export_hf_directory(config: EngineConfig, output_dir: str) -> str:
+    """Write ``config``'s model into ``output_dir``, a new or empty directory:
+    written into a checkpoint's directory, its old shards and index stayed
+    beside the new file, and the index won (heron and transformers then loaded
+    different weights from one directory)."""
     model = config.model
-    os.makedirs(output_dir, exist_ok=True)
+    prepare_output_directory(output_dir)
     tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
     tensors = {
         name: tensor.to(model.dtype).contiguous()
@@ -43,6 +47,26 @@ def export_hf_directory(config: EngineConfig, output_dir: str) -> str:
     load_tokenizer(model).save_pretrained(output_dir)
     logger.info("wrote %s (%d tensors, %s)", output_dir, len(tensors), hf_config.torch_dtype)
     return output_dir
+
+
+def check_output_directory(output_dir: str) -> None:
+    """A ValueError naming ``output_dir`` unless it is new or an empty directory."""
+    if os.path.exists(output_dir):
+        if not os.path.isdir(output_dir):
+            raise ValueError(f"--output {output_dir!r} is a file: give a new or empty directory")
+        if os.listdir(output_dir):
+            raise ValueError(f"--output {output_dir!r} is not empty: give a new or empty directory (files left "
+                             "there, an older checkpoint's shards, would be loaded with the new ones)")
+
+
+def prepare_output_directory(output_dir: str) -> None:
+    """Make ``output_dir``, or check that it is an empty directory (a
+    ValueError naming it, not an OSError traceback)."""
+    check_output_directory(output_dir)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output {output_dir!r}: cannot make the directory ({exc.strerror})") from exc
 
 
 def llama3_rope_from_factors(rope: dict[str, Any], factors: list[float]) -> dict[str, Any]:
