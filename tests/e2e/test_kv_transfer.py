@@ -154,6 +154,7 @@ def test_a_failed_pull_under_the_fail_policy_is_a_500_naming_why():
         assert response.status_code == 500, response.text
         error = response.json()["error"]
         assert error["code"] == "engine_error" and "blocks hold 8 tokens" in error["message"]
+        assert response.headers["x-heron-request-failure"] == "kv_load"  # a router blames no replica for it
         with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as streamed:
             lines = [line for line in streamed.iter_lines() if line]
         assert streamed.status_code == 200 and "blocks hold 8 tokens" in lines[-2] and lines[-1] == "data: [DONE]"

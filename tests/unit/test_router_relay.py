@@ -23,8 +23,10 @@ from heron.routing.policies import Router
 class FakeReplica:
     """A replica whose /v1/completions does what the request's ``mode`` says."""
 
-    def __init__(self, fail_with: int | None = None, silent: bool = False) -> None:
+    def __init__(self, fail_with: int | None = None, silent: bool = False,
+                 fail_headers: dict[str, str] | None = None) -> None:
         self.fail_with = fail_with
+        self.fail_headers = fail_headers
         self.silent = silent
         self.release = asyncio.Event()
         self.client_left = asyncio.Event()
@@ -54,7 +56,7 @@ class FakeReplica:
         self.requests += 1
         raw = await request.read()
         if self.fail_with is not None:
-            return web.json_response({"error": "down"}, status=self.fail_with)
+            return web.json_response({"error": "down"}, status=self.fail_with, headers=self.fail_headers)
         mode = json.loads(raw).get("mode", "echo")
         if self.silent:  # a hung host: no answer at all until the test says so
             await self.release.wait()
@@ -301,6 +303,25 @@ def test_a_replicas_own_504_is_its_answer_not_its_failure():
         assert server.replicas.replicas[0].breaker.consecutive_failures == 0
 
     run_with_router(test, [FakeReplica(fail_with=504)])
+
+
+def test_a_request_that_failed_on_its_own_is_passed_through_and_blames_no_replica():
+    """A decode replica whose KV pull failed under kv_load_failure_policy
+    "fail" answers that request 500 and serves on: the router counted it
+    against the replica (three opened a healthy replica's breaker), retried
+    the spent handle on the others, and told the client "no replica could
+    serve the request" instead of the replica's reason."""
+    from heron.routing.health import REQUEST_FAILURE_HEADER
+
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(4):
+                answer = await client.post("/v1/completions", json={"prompt": "x"})
+                assert answer.status_code == 500 and answer.json() == {"error": "down"}
+        assert fakes[0].requests == 4 and server.metrics.retries._value.get() == 0  # noqa: SLF001
+        assert server.replicas.replicas[0].breaker.consecutive_failures == 0
+
+    run_with_router(test, [FakeReplica(fail_with=500, fail_headers={REQUEST_FAILURE_HEADER: "kv_load"})])
 
 
 def test_a_refused_request_leaves_no_expected_blocks():

@@ -44,7 +44,7 @@ from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
 from heron.router.upstream import UpstreamConnection, UpstreamCut, UpstreamFailed, UpstreamPool
-from heron.routing.health import is_replica_failure
+from heron.routing.health import is_replica_failure, is_request_failure
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
@@ -317,10 +317,11 @@ class RouterServer:
                 self.replicas.record(replica, None)
                 return False
             status, upstream_headers = connection.head.result()
-            self.replicas.record(replica, status)
-            if 400 <= status < 500:  # refused: the replica caches nothing of it (it was expected there for 30 s)
+            request_failure = is_request_failure(upstream_headers)
+            self.replicas.record(replica, 200 if request_failure else status)  # the replica serves on
+            if 400 <= status < 500 or request_failure:  # refused or failed: nothing of it is cached there
                 replica.index.forget_expected(hashes)
-            if is_replica_failure(status):  # nothing reached the client yet: another replica may serve it
+            if is_replica_failure(status) and not request_failure:  # nothing sent yet: another may serve it
                 connection.stream_to(_discard)
                 await _until(connection.done, deadline)
                 return False

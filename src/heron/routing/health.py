@@ -29,6 +29,17 @@ class BreakerState(enum.Enum):
 REPLICA_FAILURES = frozenset({500, 502, 503})
 
 
+# set on a replica's error answer to a request that failed on its own while the replica serves on (a KV pull
+# under kv_load_failure_policy "fail"): the router passes it through, neither blaming the replica nor sending
+# the request elsewhere (one dead prefill engine's handles opened every decode replica's breaker)
+REQUEST_FAILURE_HEADER = "x-heron-request-failure"
+
+
+def is_request_failure(headers: list[tuple[str, str]]) -> bool:
+    """Whether an answer's headers say that its error is the request's alone."""
+    return any(name.lower() == REQUEST_FAILURE_HEADER for name, _ in headers)
+
+
 def is_replica_failure(status: int | None) -> bool:
     """Whether an outcome counts against the replica (and another may be tried):
     no response at all (None) or a 500, 502 or 503. Client errors (4xx, 429

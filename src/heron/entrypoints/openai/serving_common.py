@@ -33,6 +33,7 @@ from heron.entrypoints.openai.responses_store import ResponseStore
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 from heron.entrypoints.openai.streaming import GuardedStreamingResponse
 from heron.outputs import RequestOutput
+from heron.routing.health import REQUEST_FAILURE_HEADER
 from heron.sampling_params import RequestOutputKind, SamplingParamError, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -440,8 +441,9 @@ def engine_error(exc: BaseException) -> APIError | None:
         return unavailable(str(exc), "model_loading")
     if isinstance(exc, InvalidRequestError):
         return invalid_input(exc)
-    if isinstance(exc, EngineRequestError):
-        return APIError(500, f"The engine could not serve the request: {exc}", "server_error", code="engine_error")
+    if isinstance(exc, EngineRequestError):  # this request's failure: the engine serves on
+        return APIError(500, f"The engine could not serve the request: {exc}", "server_error", code="engine_error",
+                        headers={REQUEST_FAILURE_HEADER: "kv_load"})
     return None
 
 
