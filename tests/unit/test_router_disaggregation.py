@@ -29,14 +29,15 @@ class RecordingReplica:
     """Answers every generation request 200, as a prefill replica would (with
     ``kv_transfer_params``), and keeps the (path, body) of each."""
 
-    def __init__(self) -> None:
+    def __init__(self, health: dict[str, Any] | None = None) -> None:
+        self.health = health or {"status": "ok"}
         self.seen: list[tuple[str, dict[str, Any]]] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> None:
         app = web.Application()
-        for path, answer in (("/health", {"status": "ok"}), ("/v1/kv_events", {"enabled": False}), ("/metrics", {})):
+        for path, answer in (("/health", self.health), ("/v1/kv_events", {"enabled": False}), ("/metrics", {})):
             app.router.add_get(path, _answer(answer))
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
             app.router.add_post(path, self.generate)
@@ -61,25 +62,53 @@ def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Resp
     return handler
 
 
-def run_disaggregated(test: Callable[[httpx.AsyncClient, RecordingReplica, RecordingReplica], Awaitable[None]]) -> None:
+def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingReplica) -> None:
+    """``test(client, prefill, decode, ...)`` against a router over one prefill
+    replica and ``decodes`` (default: one that answers /health as vLLM would)."""
     async def main() -> None:
-        prefill, decode = RecordingReplica(), RecordingReplica()
-        await prefill.start()
-        await decode.start()
-        server = RouterServer(ReplicaSet([decode.url], {}, probe_interval=30.0), Router("round_robin"), None,
+        prefill = RecordingReplica()
+        decode_replicas = list(decodes) or [RecordingReplica()]
+        for replica in (prefill, *decode_replicas):
+            await replica.start()
+        server = RouterServer(ReplicaSet([d.url for d in decode_replicas], {}, probe_interval=30.0),
+                              Router("round_robin"), None,
                               prefill_replicas=ReplicaSet([prefill.url], {}, probe_interval=30.0))
         await server.start()
         front = await serve(server.handle, "127.0.0.1", 0)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}") as client:
-                await asyncio.wait_for(test(client, prefill, decode), 30)
+                await asyncio.wait_for(test(client, prefill, *decode_replicas), 30)
         finally:
             front.close()
             await server.stop()
-            await prefill.stop()
-            await decode.stop()
+            for replica in (prefill, *decode_replicas):
+                await replica.stop()
 
     asyncio.run(main())
+
+
+def test_a_decode_replica_that_pulls_no_kv_gets_the_request_as_it_came():
+    """A plain heron serve among the decode replicas got the router's
+    kv_transfer_params and answered 400, naming a field the client never sent;
+    with no replica that pulls KV, the prefill stage only held a lease."""
+    body = {"prompt": "a heron", "max_tokens": 4}
+
+    async def mixed(client: httpx.AsyncClient, prefill: RecordingReplica, plain: RecordingReplica,
+                    pulling: RecordingReplica) -> None:
+        for _ in range(4):  # round robin over both
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert len(prefill.seen) == 4
+        assert plain.seen == [("/v1/completions", body)] * 2  # round robin: the stages took turns from one counter
+        assert pulling.seen == [("/v1/completions", {**body, "kv_transfer_params": _PARAMS})] * 2
+
+    run_disaggregated(mixed, RecordingReplica({"status": "ok", "kv_role": None}),
+                      RecordingReplica({"status": "ok", "kv_role": "kv_consumer"}))
+
+    async def plain_only(client: httpx.AsyncClient, prefill: RecordingReplica, plain: RecordingReplica) -> None:
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert prefill.seen == [] and plain.seen == [("/v1/completions", body)]
+
+    run_disaggregated(plain_only, RecordingReplica({"status": "ok", "kv_role": None}))
 
 
 def test_requests_of_several_samples_or_prompts_go_to_a_decode_replica_unchanged():

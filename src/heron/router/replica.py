@@ -33,6 +33,19 @@ _LOAD_QUERY = [("name[]", f"heron:{name}") for name in ("num_requests_running", 
                                                        "kv_cache_usage_perc")]
 
 
+def _takes_kv_transfers(health: bytes) -> bool:
+    """Whether a replica's /health says it pulls prefilled KV: a heron replica
+    names its kv_role (None: no --kv-transfer-config); one that names none (vLLM's
+    empty body) is taken at its word that it was set up as a decode server."""
+    try:
+        body = json.loads(health) if health else None
+    except ValueError:
+        return True
+    if not isinstance(body, dict) or "kv_role" not in body:
+        return True
+    return body["kv_role"] in ("kv_consumer", "kv_both")
+
+
 def _epoch(health: bytes) -> str | None:
     """The KV events epoch in a /health body (None: not there, or not JSON, as vLLM's empty body)."""
     try:
@@ -56,6 +69,9 @@ class Replica:
     rank_indexes: list[KVBlockIndex] = field(default_factory=list)
     rank_subscriptions: list[asyncio.Task[None]] = field(default_factory=list)
     num_requests: int = 0
+    # whether it pulls a prefill engine's KV: one that does not is sent the client's request as it came (a
+    # kv_transfer_params it cannot take was a 400 naming a field the client never sent)
+    takes_kv_transfers: bool = True
     # requests waiting for its answer's head: told when its breaker opens, to go elsewhere
     head_waiters: set[asyncio.Future[None]] = field(default_factory=set)
 
@@ -189,6 +205,11 @@ class ReplicaSet:
         it used to escape the probe, which then recorded nothing (a half-open
         breaker never closed again)."""
         try:
+            takes = _takes_kv_transfers(health)
+            if takes != replica.takes_kv_transfers:
+                logger.info("replica %s pulls %s", replica.url, "prefilled KV" if takes else
+                            "no prefilled KV (started without --kv-transfer-config): it computes its prompts")
+                replica.takes_kv_transfers = takes
             self._follow_restarts(replica, _epoch(health))
             await self._read_metrics(session, replica)
             if replica.subscription is None:

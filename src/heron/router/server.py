@@ -107,7 +107,7 @@ class RouterServer:
         self.responses = ResponseAffinity()
         self.upstream = UpstreamPool()
         self.session: aiohttp.ClientSession | None = None
-        self.prefill = (PrefillStage(prefill_replicas, router, self.metrics.registry)
+        self.prefill = (PrefillStage(prefill_replicas, router.with_own_state(), self.metrics.registry)
                         if prefill_replicas is not None else None)
         # large prompts are hashed here, one at a time, off the event loop
         self._hash_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-router-hash")
@@ -214,16 +214,18 @@ class RouterServer:
         hashes = await self._block_hashes(request.path, body, len(raw)) if self.hasher and body else []
         session = (body.get("user") if body else None) or request.headers.get("x-session-id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        if self.prefill is not None and body is not None and prefills_first(request.path, body):
+        prefilled = None
+        if (self.prefill is not None and body is not None and prefills_first(request.path, body)
+                and any(replica.takes_kv_transfers for replica in self.replicas.usable())):
             assert self.session is not None
             kv_transfer_params = await self.prefill.run(self.session, request.path, body,
                                                         dict(_passed_headers(request)), hashes, deadline)
             if kv_transfer_params is not None:
-                raw = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
+                prefilled = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
         previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
         pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
         await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned,
-                          deadline)
+                          deadline, prefilled)
 
     async def _block_hashes(self, path: str, body: dict[str, Any], body_bytes: int) -> list[Any]:
         """The prompt's block hashes: on the loop for a small body (fast), on the
@@ -254,10 +256,13 @@ class RouterServer:
     # ---- proxying ----------------------------------------------------------------
 
     async def _proxy(self, request: HttpRequest, writer: ResponseWriter, raw: bytes, hashes: list[bytes],
-                     session: str | None, pinned: str | None = None, deadline: float | None = None) -> None:
+                     session: str | None, pinned: str | None = None, deadline: float | None = None,
+                     prefilled: bytes | None = None) -> None:
         """``pinned``: the replica holding the stored response the request names
         (tried first while usable; elsewhere it answers that it has no such response).
-        ``deadline``: the loop's time by which the answer must have ended."""
+        ``deadline``: the loop's time by which the answer must have ended.
+        ``prefilled``: the body with the prefill stage's ``kv_transfer_params``,
+        for a replica that pulls KV (one that does not gets ``raw``)."""
         tried: list[Replica] = []
         headers = _passed_headers(request)
         for attempt in range(self.max_attempts):
@@ -280,7 +285,9 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            if await self._send(request, writer, replica, raw, headers, hashes, decision.uncached_blocks, deadline):
+            payload = prefilled if prefilled is not None and replica.takes_kv_transfers else raw
+            if await self._send(request, writer, replica, payload, headers, hashes, decision.uncached_blocks,
+                                deadline):
                 return
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         self.metrics.failed.inc()

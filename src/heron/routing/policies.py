@@ -93,6 +93,13 @@ class Router:
     _turn: itertools.count = field(default_factory=itertools.count)
     _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
+    def with_own_state(self) -> Router:
+        """A router of the same settings with a turn and sessions of its own, for
+        another set of replicas (the prefill stage's): sharing them, each request
+        took two turns, so round robin sent every request to the same one of two
+        decode replicas, and a session's replica alternated between the stages'."""
+        return Router(self.policy, self.cache_weight, self.imbalance_threshold, self.max_sessions)
+
     def choose(
         self, candidates: Sequence[Candidate], block_hashes: Sequence[BlockHash], session: str | None = None
     ) -> RoutingDecision:

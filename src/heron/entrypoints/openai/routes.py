@@ -67,7 +67,10 @@ async def health(ctx: Serving) -> Response:
     events = engine.engine_info.get("kv_events")
     # which numbering of KV events this replica publishes: a router resubscribes when it changes (a restart)
     epoch = {"kv_events_epoch": events["epoch"]} if events else {}
-    return JSONResponse({"status": "ok", **epoch, **ctx.health_extra})
+    # whether it pulls a prefill engine's KV (a router adds kv_transfer_params only where it does)
+    transfer = engine.config.kv_transfer
+    role = {"kv_role": transfer.kv_role if transfer is not None else None}
+    return JSONResponse({"status": "ok", **epoch, **role, **ctx.health_extra})
 
 
 @router.get("/version")
