@@ -147,6 +147,7 @@ class AsyncLLM:
         # done with dead_reason (made in start(), in the serving loop); every send races it
         self._dead: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget utility calls, held till done
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -234,6 +235,22 @@ class AsyncLLM:
         self._not_started.update(engine_ids)
         self._waiting_changed()
         return self._stream(request_id, collector, core_requests, engine_ids)
+
+    def release_refused_prefill(self, handle: dict[str, Any] | None) -> None:
+        """A request refused before it reached the engine core that names a
+        prefill engine's handle frees that engine's lease now (its blocks stayed
+        held for the lease's 30 s: a burst of refusals filled the prefill
+        engine's pool). A handle already pulled or released is ignored there."""
+        if not isinstance(handle, dict) or not handle.get("do_remote_prefill") or not self.is_ready:
+            return
+        task = asyncio.ensure_future(self.call_utility("release_remote_prefill", dict(handle)))
+        self._background.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("could not release a refused request's prefill lease: %s", task.exception())
 
     async def _stream(
         self,

@@ -15,9 +15,12 @@ unfinished request needs its previous token on the host to sample the next one
 from __future__ import annotations
 
 import logging
+import uuid
+from typing import Any
 
 from heron.config import EngineConfig
 from heron.core.kv_disk_layout import DiskTierLayout, layout_fingerprint
+from heron.core.kv_remote import RemoteLoad
 from heron.core.scheduler import Scheduler
 from heron.core.scheduler_output import SchedulerOutput
 from heron.engine.kv_events_publisher import ZmqEventPublisher
@@ -261,6 +264,21 @@ class EngineCore:
         """Write the trace now, even if the window was not complete."""
         if self.profiler is not None:
             self.profiler.finish()
+
+    def release_remote_prefill(self, params: dict[str, Any]) -> bool:
+        """Tell the prefill engine a handle names that nothing will be pulled:
+        its request was refused here before it reached the scheduler (too long,
+        say), and the lease held the blocks there until it expired, 30 s by
+        default. Only for a handle this engine could have pulled (a consumer's
+        peer): False, doing nothing, otherwise."""
+        transfer = self.config.kv_transfer
+        address, remote_id = params.get("remote_engine_address"), params.get("remote_request_id")
+        if (transfer is None or not transfer.consumes or not params.get("do_remote_prefill")
+                or not isinstance(address, str) or not address.startswith("tcp://")
+                or not transfer.allows_peer(address) or not isinstance(remote_id, str)):
+            return False
+        self.model_runner.start_remote_loads([RemoteLoad(f"refused-{uuid.uuid4().hex}", address, remote_id, 0, [])])
+        return True
 
     def reset_prefix_cache(self) -> bool:
         reset = self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -179,6 +179,8 @@ class EngineCoreProc:
     def _utility(self, method: str, args: list[Any]) -> Any:
         if method == "reset_prefix_cache":
             return self.engine.reset_prefix_cache()
+        if method == "release_remote_prefill":
+            return self.engine.release_remote_prefill(*args)
         if method == "check_integrity":
             self.engine.scheduler.kv_cache_manager.check_integrity()
             return True

@@ -5,6 +5,7 @@ OpenAI's shape (the OpenAPI schema says so too). Each route finds the server's
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from importlib import resources
 from typing import Annotated, Any, Literal
 
@@ -104,12 +105,24 @@ async def model(model: str, ctx: Serving, raw_request: Request) -> dict[str, Any
 
 @router.post("/v1/completions", responses=INVALID_BODY)
 async def completions(request: CompletionRequest, raw_request: Request, ctx: Serving) -> Any:
-    return await create_completion(ctx, request, raw_request)
+    return await _releasing_refused_prefill(ctx, request, create_completion(ctx, request, raw_request))
 
 
 @router.post("/v1/chat/completions", responses=INVALID_BODY)
 async def chat_completions(request: ChatCompletionRequest, raw_request: Request, ctx: Serving) -> Any:
-    return await create_chat_completion(ctx, request, raw_request)
+    return await _releasing_refused_prefill(ctx, request, create_chat_completion(ctx, request, raw_request))
+
+
+async def _releasing_refused_prefill(ctx: ServingContext, request: CompletionRequest | ChatCompletionRequest,
+                                     answer: Awaitable[Any]) -> Any:
+    """``answer``; a request it refuses (4xx) that carries a prefill engine's
+    handle frees that engine's lease at once (``AsyncLLM.release_refused_prefill``)."""
+    try:
+        return await answer
+    except APIError as exc:
+        if 400 <= exc.status_code < 500:
+            ctx.engine.release_refused_prefill(request.kv_transfer_params)
+        raise
 
 
 @router.post("/v1/responses", responses=INVALID_BODY)
