@@ -4,6 +4,7 @@ reference, in transformers (which dequantizes the same GGUF to float32)."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -62,3 +63,18 @@ def default_client(default_server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused")
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: `make setup` installs Debian's as root")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, headless, driven by Playwright (mark the module ``needs_chromium``)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()

@@ -10,26 +10,14 @@ its words; empty settings are left out; a reader scrolled up stays there."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import httpx
-import pytest
 
+from tests.e2e.conftest import needs_chromium
 from tests.e2e.server_process import ServerProcess
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: `make setup` installs Debian's as root")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
+pytestmark = needs_chromium
 
 
 def chat_requests(page) -> list[dict]:

@@ -7,16 +7,15 @@ page from an origin not named can read nothing."""
 from __future__ import annotations
 
 import http.server
-import shutil
 import threading
 from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.conftest import needs_chromium
 from tests.e2e.server_process import ServerProcess, free_port
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: `make setup` installs Debian's as root")
+pytestmark = needs_chromium
 
 KEY = "cors-key"
 # what a web app's page runs: a streamed chat request with its key (a JSON body and an Authorization header
@@ -72,16 +71,6 @@ def cors_server(allowed_origin):
     process = ServerProcess("--api-key", KEY, "--allowed-origins", allowed_origin, api_key=KEY)
     yield process
     process.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
 
 
 def fetch_from(browser, origin: str, server: ServerProcess, key: str) -> dict:
