@@ -17,6 +17,7 @@ from heron.entrypoints.openai.errors import APIError
 from heron.entrypoints.openai.gateway import TokenBucketLimiter
 from heron.entrypoints.openai.serving_common import ServingContext, start_generation
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState, create_shared_gateway_file
+from heron.sampling_params import SamplingParams
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 
@@ -224,14 +225,14 @@ def test_requests_are_added_under_the_check_that_admitted_them(state_file):
                          max_waiting_requests=3, shared=state)
     other.publish_waiting(1)
     for number in range(2):
-        start_generation(ctx, [object()], [object()], f"r{number}", 0, None)  # type: ignore[list-item]
+        start_generation(ctx, [object()], [SamplingParams()], f"r{number}", 0, None)  # type: ignore[list-item]
     assert engine.added_under_lock == [True, True]
     assert other.total_waiting() == 3
     with pytest.raises(APIError) as refused:
-        start_generation(ctx, [object()], [object()], "r2", 0, None)  # type: ignore[list-item]
+        start_generation(ctx, [object()], [SamplingParams()], "r2", 0, None)  # type: ignore[list-item]
     assert refused.value.status_code == 429 and "3 requests are already waiting" in refused.value.message
     other.publish_waiting(0)  # the other server's request got its first token
-    start_generation(ctx, [object()], [object()], "r3", 0, None)  # type: ignore[list-item]
+    start_generation(ctx, [object()], [SamplingParams()], "r3", 0, None)  # type: ignore[list-item]
     assert engine.num_waiting_requests == 3
     state.close()
     other.close()
