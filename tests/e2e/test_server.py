@@ -109,6 +109,28 @@ def test_completions_n2_logprobs_and_echo(client):
     assert all(token in top for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_text_offsets_equal_non_streamed_under_stop_strings(server, echo):
+    """Streamed offsets were counted from the text sent so far, which stop
+    strings hold back: every offset was short by up to the longest stop
+    string's length less one."""
+    body = {"model": MODEL, "prompt": "Once upon a time, in a small village,", "max_tokens": 12,
+            "temperature": 0, "logprobs": 0, "stop": ["Elwes", "zzzz"], "echo": echo}
+    url = f"{server.base_url}/v1/completions"
+    whole = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    offsets, text = [], ""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                text += choice["text"]
+                offsets += choice["logprobs"]["text_offset"]
+    assert text == whole["text"] and offsets == whole["logprobs"]["text_offset"]
+    # each token's text is where its offset says (those of the stop string cut from the text aside)
+    assert all(text[offset:].startswith(token) for offset, token in zip(offsets, whole["logprobs"]["tokens"])
+               if "\ufffd" not in token and offset + len(token) <= len(text))
+
+
 def test_chat_logprobs_shape(client):
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0,
                                               logprobs=True, top_logprobs=3)

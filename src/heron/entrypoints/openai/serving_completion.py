@@ -121,7 +121,9 @@ class _CompletionBuilder:
         self.tokenizer = ctx.engine.tokenizer
 
     def _choice(self, prompt_index: int, completion: CompletionOutput, prompt_logprobs: PromptLogprobs | None,
-                echo_prompt: bool, text_offset: int) -> dict[str, Any]:
+                echo_prompt: bool, offsets: TextOffsets | None = None) -> dict[str, Any]:
+        """``offsets``: where this choice's next token starts (a stream keeps one
+        per choice: its text sent so far is no guide, stop strings hold some back)."""
         text = completion.text
         logprobs = None
         prompt = self.prompts[prompt_index]
@@ -133,7 +135,7 @@ class _CompletionBuilder:
                 completion.logprobs or [],
                 prompt.token_ids if echo_prompt else None,
                 prompt_logprobs if echo_prompt else None,
-                text_offset,
+                offsets or TextOffsets(self.tokenizer, 0),
             )
         choice = {
             "index": prompt_index * self.request.n + completion.index,
@@ -153,7 +155,7 @@ class _CompletionBuilder:
         logprobs: SampleLogprobs,
         prompt_ids: list[int] | None,
         prompt_logprobs: PromptLogprobs | None,
-        text_offset: int,
+        offset: TextOffsets,
     ) -> dict[str, Any]:
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
@@ -164,7 +166,6 @@ class _CompletionBuilder:
             entries = prompt_logprobs or [None] * len(prompt_ids)
             pairs += list(zip(prompt_ids, entries))
         pairs += list(zip(token_ids, logprobs))
-        offset = TextOffsets(self.tokenizer, text_offset)
         num_top = self.request.logprobs or 0
         for token_id, entry in pairs:
             text = self.tokenizer.decode([token_id])
@@ -192,7 +193,7 @@ class _CompletionBuilder:
             cached += output.num_cached_tokens
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
-                choices.append(self._choice(prompt_index, completion, output.prompt_logprobs, self.request.echo, 0))
+                choices.append(self._choice(prompt_index, completion, output.prompt_logprobs, self.request.echo))
         return {
             "id": self.request_id,
             "object": "text_completion",
@@ -209,7 +210,7 @@ class _CompletionBuilder:
         continuous = bool(options and options.continuous_usage_stats)
         n = self.request.n
         completion_tokens = [0] * (len(self.prompts) * n)
-        text_offsets = [0] * (len(self.prompts) * n)
+        text_offsets = [TextOffsets(self.tokenizer, 0) for _ in range(len(self.prompts) * n)]
         echoed: set[int] = set()
         cached = [0] * len(self.prompts)
         prompt_total = sum(len(p.token_ids) for p in self.prompts)
@@ -232,7 +233,6 @@ class _CompletionBuilder:
                         completion_tokens[index] += len(completion.token_ids)
                         choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo,
                                               text_offsets[index])
-                        text_offsets[index] += len(choice["text"])
                         chunk = self._chunk([choice])
                         if continuous:
                             chunk["usage"] = usage(prompt_total, sum(completion_tokens), sum(cached))
