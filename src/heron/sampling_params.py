@@ -66,6 +66,9 @@ class StructuredOutputsParams:
                 "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
                 + (f" (got {', '.join(given)})" if given else ""),
             )
+        for name in ("regex", "grammar"):  # a list or dict here was a 500 (unhashable, in the grammar cache)
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise SamplingParamError("structured_outputs", f"structured_outputs.{name} must be a string")
         if self.choice is not None and (
             not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):

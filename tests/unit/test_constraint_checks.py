@@ -81,6 +81,14 @@ def test_a_pattern_past_the_bound_is_refused_before_xgrammar_parses_it():
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/i", "minimum": 5}}, "$defs": {"i": {}}}, "minimum",
      "/properties/a"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "/"),
+    # a required key the object's grammar could never write: it gave {}
+    ({"type": "object", "required": ["city"]}, "required", "/"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, "required", "/"),
+    # beside a combinator, dropped: an object with neither "a" nor "b", and 0 for "at least 5 or at most -5"
+    ({"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "properties", "/"),
+    ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": -5}]}, "type", "/"),
+    ({"type": "object", "properties": {"p": {"type": "number", "multipleOf": 0.7}}}, "multipleOf", "/properties/p"),
 ])
 def test_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword, path):
     """xgrammar compiles these and leaves them out: uniqueItems gave [1, 2, 2], an
@@ -96,7 +104,13 @@ def test_keywords_it_enforces_or_that_only_annotate_pass():
         "choice": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
         "ref": {"$ref": "#/$defs/i", "description": "described"},
         "single": {"allOf": [{"type": "integer", "minimum": 1}]},
-        "n": {"type": "integer", "multipleOf": 5}}, "$defs": {"i": {"type": "integer"}}}
+        "n": {"type": "integer", "multipleOf": 5},
+        # pydantic's shapes: an optional field, a tagged union, a required key named in properties, open objects
+        "optional": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Optional"},
+        "tagged": {"oneOf": [{"$ref": "#/$defs/i"}, {"type": "string"}], "discriminator": {"propertyName": "k"}},
+        "typed": {"type": "object", "anyOf": [{"type": "object", "properties": {"x": {"type": "integer"}}}]},
+        "open": {"type": "object", "required": ["any"], "additionalProperties": True}},
+        "required": ["n"], "$defs": {"i": {"type": "integer"}}}
     xgrammar_backend.validate_constraint("json", json.dumps(schema))
 
 

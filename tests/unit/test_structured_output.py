@@ -22,6 +22,9 @@ def test_exactly_one_constraint_and_keys():
         StructuredOutputsParams(json={"type": "object"}, regex="a+")
     with pytest.raises(SamplingParamError, match="choice"):
         StructuredOutputsParams(choice=[])
+    for kind, value in (("regex", ["a"]), ("grammar", {"x": 1})):  # a 500: unhashable in the grammar cache
+        with pytest.raises(SamplingParamError, match=f"structured_outputs.{kind} must be a string"):
+            StructuredOutputsParams(**{kind: value})
     schema = {"type": "object", "properties": {"b": {}, "a": {}}}
     assert StructuredOutputsParams(json=schema).key() == ("json",
                                                           '{"type": "object", "properties": {"b": {}, "a": {}}}')

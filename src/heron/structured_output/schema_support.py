@@ -33,6 +33,13 @@ _REF_SIBLINGS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "
                  "examples", "deprecated", "readOnly", "writeOnly"}
 
 
+# what may stand beside anyOf / oneOf / allOf: xgrammar compiles the combinator alone and drops the rest (an
+# anyOf of two "required" lists beside "properties" gave an object with neither key); "type" too where every
+# branch names its own kind (a branch of bounds alone, {"minimum": 5}, took any value)
+_COMBINATOR_SIBLINGS = _REF_SIBLINGS | {"anyOf", "oneOf", "allOf", "discriminator", "type"}
+_BRANCH_KINDS = ("type", "$ref", "enum", "const")
+
+
 class UnenforcedSchema(ValueError):
     """A schema keyword the grammar cannot enforce."""
 
@@ -56,6 +63,12 @@ def unenforced_keywords(schema: Any, path: str = "") -> Iterator[tuple[str, str]
             yield path, keyword
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         yield path, "allOf"
+    yield from _dropped_beside_combinators(schema, path)
+    if schema.get("type") == "number" and "multipleOf" in schema:
+        yield path, "multipleOf"  # enforced on integers only
+    missing = _required_not_allowed(schema)
+    if missing:
+        yield path, "required"
     generative = "pattern" in schema or schema.get("format") in _FORMATS
     if generative and ("minLength" in schema or "maxLength" in schema):
         yield path, "minLength" if "minLength" in schema else "maxLength"  # beside a pattern or format
@@ -75,3 +88,29 @@ def unenforced_keywords(schema: Any, path: str = "") -> Iterator[tuple[str, str]
         if isinstance(members, dict):
             for name, member in members.items():
                 yield from unenforced_keywords(member, f"{path}/{keyword}/{name}")
+
+
+def _dropped_beside_combinators(schema: dict[str, Any], path: str) -> Iterator[tuple[str, str]]:
+    for combinator in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(combinator)
+        if isinstance(branches, list):
+            extra = sorted(set(schema) - _COMBINATOR_SIBLINGS)
+            if extra:
+                yield path, extra[0]
+            elif "type" in schema and not all(
+                    isinstance(branch, dict) and any(kind in branch for kind in _BRANCH_KINDS) for branch in branches):
+                yield path, "type"
+            return
+
+
+def _required_not_allowed(schema: dict[str, Any]) -> list[str]:
+    """The ``required`` keys an object's grammar could never write: xgrammar
+    takes only the named properties (and patternProperties) unless
+    ``additionalProperties`` says more are allowed; it gave ``{}`` for a
+    required key it did not know."""
+    required = schema.get("required")
+    if not isinstance(required, list) or schema.get("additionalProperties") not in (None, False):
+        return []
+    named = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    return [key for key in required if isinstance(key, str) and key not in named and not patterns]
