@@ -264,4 +264,46 @@ def test_a_scratch_directory_on_another_file_system_still_fills_the_cache(tmp_pa
         path = library._build(library._compiler(), [*_BASE_FLAGS, *cpu_isa.compile_flags("scalar")])
     assert path.startswith(str(tmp_path / "cache" / "kernels")) and os.path.exists(path)
     assert "cannot write the kernel cache" not in caplog.text
-    assert os.listdir(os.path.dirname(path)) == ["libheron_cpu.so"]  # no partial file left
+    assert sorted(os.listdir(os.path.dirname(path))) == ["libheron_cpu.so", "libheron_cpu.so.sha256"]  # no partial
+
+
+def test_a_cached_library_cut_short_is_built_again(tmp_path, monkeypatch):
+    """A library cut short in the cache (a crash before it reached the disk)
+    killed every later start with a SIGBUS in dlopen, until someone deleted it."""
+    from heron.kernels.cpu.library import _compiler
+
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path))
+    flags = [*_BASE_FLAGS, *cpu_isa.compile_flags("scalar")]
+    path = _build(_compiler(), flags)
+    whole = os.path.getsize(path)
+    for damage in (lambda: os.truncate(path, 1000), lambda: os.truncate(path, 0), lambda: os.remove(f"{path}.sha256")):
+        damage()
+        assert _build(_compiler(), flags) == path and os.path.getsize(path) == whole
+    library = ctypes.CDLL(path)
+    library.heron_kernel_isa.restype = ctypes.c_char_p
+    assert library.heron_kernel_isa() == b"scalar"
+
+
+@pytest.mark.parametrize("compiler, works", [("/nonexistent/cc", False), ("cc -m64", True), ("", True)])
+def test_cc_is_split_as_a_shell_would_and_a_missing_one_falls_back(compiler, works, monkeypatch, caplog):
+    """CC="gcc -m64" (or "ccache gcc") and a CC naming no program were
+    FileNotFoundError tracebacks at start, where the torch fallbacks were promised."""
+    import shutil
+
+    from heron.kernels.cpu import library
+
+    if shutil.which("cc") is None:
+        pytest.skip("no cc here")
+    monkeypatch.setenv("CC", compiler)
+    if works:
+        assert library._compiler()[0].endswith("cc")
+        return
+    library.native_library.cache_clear()
+    library.load_library.cache_clear()  # built already: it would not look for the compiler again
+    try:
+        with caplog.at_level("WARNING", logger="heron.kernels.cpu.library"):
+            assert library.native_library() is None
+    finally:
+        library.native_library.cache_clear()
+        library.load_library.cache_clear()
+    assert "names no program" in caplog.text and "torch fallbacks" in caplog.text

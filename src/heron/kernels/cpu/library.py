@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -44,11 +45,22 @@ def _cache_dir() -> str:
     return envs.cache_dir("kernels")
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` split as a shell would (``ccache gcc``,
+    ``gcc -m64``), else cc or gcc; None without one. A ``$CC`` naming no program
+    is a RuntimeError (the torch fallbacks, with a warning; it was a
+    FileNotFoundError traceback)."""
+    given = os.environ.get("CC")
+    if given:
+        command = shlex.split(given)
+        if not command or shutil.which(command[0]) is None:
+            raise RuntimeError(f"CC={given!r} names no program on this machine")
+        return command
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
-def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> str:
+def _build(compiler: list[str], flags: list[str], source_dir: str | None = None) -> str:
     """The path of the library built with ``flags`` from ``source_dir`` (default:
     this package's ``csrc``), compiling it unless cached (keyed by the sources too).
     Where the cache cannot be written (a read-only home in a container), the
@@ -58,10 +70,10 @@ def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> st
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())
-    digest.update(" ".join([compiler, *flags]).encode())
+    digest.update(" ".join([*compiler, *flags]).encode())
     target_dir = os.path.join(_cache_dir(), digest.hexdigest()[:16])
     target = os.path.join(target_dir, "libheron_cpu.so")
-    if os.path.exists(target):
+    if _is_whole(target):
         with contextlib.suppress(OSError):
             os.utime(target_dir)  # in use: the newest are the ones pruning keeps
         return target
@@ -71,7 +83,11 @@ def _build(compiler: str, flags: list[str], source_dir: str | None = None) -> st
                 handle.write(file.read_bytes())
         partial = os.path.join(scratch, "libheron_cpu.so")
         sources = [os.path.join(scratch, name) for name in SOURCES]
-        result = subprocess.run([compiler, *flags, *sources, "-o", partial, "-lm"], capture_output=True, text=True)
+        try:
+            result = subprocess.run([*compiler, *flags, *sources, "-o", partial, "-lm"], capture_output=True,
+                                    text=True)
+        except OSError as exc:  # the compiler could not be run at all
+            raise KernelBuildError(f"{' '.join(compiler)}: {exc}") from exc
         if result.returncode != 0:
             raise KernelBuildError(result.stderr[-2000:])
         try:
@@ -104,17 +120,42 @@ def _prune(cache_dir: str, keep: int) -> None:
 
 def _install(built: str, target: str) -> None:
     """Put the library ``built`` (in a scratch directory) at ``target``: copied
-    beside it, then renamed, so concurrent builders never see half a file even
-    where the scratch directory is on another file system (a tmpfs /tmp), across
-    which a rename fails."""
-    partial = f"{target}.{os.getpid()}.partial"
+    beside it, synced, then renamed, so concurrent builders never see half a
+    file even where the scratch directory is on another file system (a tmpfs
+    /tmp), across which a rename fails; then its digest beside it, which marks
+    it whole (``_is_whole``)."""
+    with open(built, "rb") as handle:
+        data = handle.read()
+    for path, content in ((target, data), (_digest_path(target), hashlib.sha256(data).hexdigest().encode())):
+        partial = f"{path}.{os.getpid()}.partial"
+        try:
+            with open(partial, "wb") as handle:
+                handle.write(content)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise
+
+
+def _digest_path(target: str) -> str:
+    return f"{target}.sha256"
+
+
+def _is_whole(target: str) -> bool:
+    """Whether a cached library is the one its build wrote: a file cut short (a
+    crash before it reached the disk) killed every start that loaded it, with a
+    SIGBUS, until someone found and deleted it; such a file is built again."""
     try:
-        shutil.copyfile(built, partial)
-        os.replace(partial, target)
+        with open(target, "rb") as handle:
+            data = handle.read()
+        with open(_digest_path(target), "rb") as handle:
+            expected = handle.read().decode("ascii", errors="replace").strip()
     except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(partial)
-        raise
+        return False
+    return hashlib.sha256(data).hexdigest() == expected
 
 
 @functools.cache
