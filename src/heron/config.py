@@ -189,6 +189,9 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
+            # vLLM's reading: one bound given is both (min 5 alone met the default max 4 and was refused)
+            value = {**value, "prompt_lookup_max": value["prompt_lookup_min"]}
         return SpeculativeConfig(**{**value, "method": method})
 
     def __post_init__(self) -> None:

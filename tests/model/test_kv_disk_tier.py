@@ -117,6 +117,22 @@ def test_engines_sharing_a_directory_share_prefixes(llama, tmp_path):
     settle(second)
 
 
+def test_a_directory_removed_while_running_is_made_again(llama, tmp_path):
+    """A cleaner (or an operator freeing space) removed the tier's directory:
+    every later write failed, for good, until a restart."""
+    import shutil
+
+    directory, with_prefix, fillers, expected = llama
+    tier = tmp_path / "tier"
+    llm = LLM(directory, kv_offloading_dir=str(tier), **POOL)
+    check(llm, with_prefix[:1], expected)
+    settle(llm)
+    shutil.rmtree(tier)
+    check(llm, fillers, expected)  # written through to a directory that is gone
+    settle(llm)
+    assert block_files(tier)  # made again, and written
+
+
 def test_a_slow_lookup_holds_up_no_one(llama, tmp_path, monkeypatch):
     """A file system too slow to ask inline (a budget of 0: every lookup goes
     to the background prober, whose stats of existing files are held until

@@ -31,6 +31,21 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert short.propose(np.array([3, 1, 9, 9, 1])) == []  # a 1-gram match is too short
 
 
+def test_ngram_drafts_a_whole_k_in_a_loop():
+    """In a loop the latest match runs into the end: cut there, a loop of one
+    token drafted one token a step (twice the steps of vLLM's k)."""
+    proposer = NgramProposer(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    assert proposer.propose(np.array([7, 5, 5, 5, 5])) == [5, 5, 5, 5]
+    assert proposer.propose(np.array([9, 1, 2, 1, 2, 1, 2])) == [1, 2, 1, 2]
+    assert proposer.propose(np.array([9, 1, 2, 1, 2, 1, 2]), max_drafts=3) == [1, 2, 1]
+
+
+def test_one_prompt_lookup_bound_given_is_both_as_in_vllm():
+    """{"prompt_lookup_min": 5} met the default max of 4 and was refused."""
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5})
+    assert config is not None and (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+
+
 @pytest.mark.parametrize(
     "config, fragment",
     [

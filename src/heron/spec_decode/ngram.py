@@ -2,7 +2,8 @@
 
 For a request whose tokens end in ``s`` (its last ``n`` tokens, ``n`` from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``), find the latest earlier
-place where ``s`` occurs and propose the ``k`` tokens that followed it. Input
+place where ``s`` occurs and propose the ``k`` tokens that followed it (a
+match that runs into the end, in a loop, proposes the loop repeated). Input
 copying workloads (editing, summarising, code changes, retrieval answers) match
 often; the longest matching ``n`` wins.
 
@@ -37,5 +38,9 @@ class NgramProposer:
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the latest occurrence: the freshest context
-                return token_ids[start : start + limit].tolist()
+                if start + limit <= length:
+                    return token_ids[start : start + limit].tolist()
+                # the match runs into the end (a loop): what followed it ends in the suffix again, so what
+                # follows now is that again; cut at the end, a loop of one token drafted one token a step
+                return np.resize(token_ids[start:], limit).tolist()
         return []

@@ -165,7 +165,7 @@ class DiskKVStore:
 
     def _write_file(self, block_hash: BlockHash, buffer: torch.Tensor) -> None:
         path = self.layout.path_for(block_hash)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # the tier's directory too, if it was removed (a cleaner)
         payload = memoryview(buffer.numpy().data)
         tmp = path.with_name(path.name + self._tmp_suffix)
         try:
