@@ -160,3 +160,17 @@ def test_a_compile_failure_after_admission_names_the_field():
     assert seen == ["first"] and error.param == "tools" and "could not be compiled" in str(error)
     _, error = asyncio.run(main("structured_outputs"))
     assert error.param == "structured_outputs"
+
+
+def test_string_length_bounds_have_a_compile_budget():
+    """Each distinct maxLength costs seconds of compile against the vocabulary
+    and they add up: two requests of 20 such fields held both compile threads,
+    and every new structured request, for minutes."""
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 7000 + i} for i in range(20)}}
+    xgrammar_backend.validate_constraint.cache_clear()
+    with pytest.raises(ValueError, match="20 distinct string length bounds"):
+        xgrammar_backend.validate_constraint("json", json.dumps(many))
+    shared = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 7000} for i in range(20)}}
+    short = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 10 + i} for i in range(20)}}
+    for schema in (shared, short):  # one bound shared by every field costs once; small bounds cost little
+        xgrammar_backend.validate_constraint("json", json.dumps(schema))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from heron.structured_output.backend import GrammarMatcher, StructuredOutputBackend
-from heron.structured_output.pattern_size import PatternTooLarge, check_schema_patterns
+from heron.structured_output.pattern_size import PatternTooLarge, check_length_bounds, check_schema_patterns
 from heron.structured_output.schema_support import UnenforcedSchema, check_schema_support
 
 
@@ -51,6 +51,7 @@ def validate_constraint(kind: str, spec: str) -> None:
         if kind.split("-")[0] == "json":
             schema = json.loads(spec)
             check_schema_patterns(schema)
+            check_length_bounds(schema)
             check_schema_support(schema)
             xgr.Grammar.from_json_schema(spec, **_json_options(kind))
         elif kind == "regex":
