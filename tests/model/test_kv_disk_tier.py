@@ -133,6 +133,31 @@ def test_a_directory_removed_while_running_is_made_again(llama, tmp_path):
     assert block_files(tier)  # made again, and written
 
 
+def test_blocks_a_full_disk_could_not_take_are_not_counted_held(llama, tmp_path, monkeypatch):
+    """The index counted every block written through as held though its write
+    failed (a full disk): /metrics said 42 blocks where 5 files were, and a
+    request whose prefix was 'stored' there failed under the fail policy."""
+    import errno
+
+    from heron.worker.kv_disk_store import DiskKVStore
+
+    def disk_full(self, block_hash, buffer):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskKVStore, "_write_file", disk_full)
+    directory, with_prefix, fillers, expected = llama
+    llm = LLM(directory, kv_offloading_dir=str(tmp_path), kv_load_failure_policy="fail", **POOL)
+    check(llm, with_prefix[:1], expected)
+    settle(llm)
+    check(llm, fillers, expected)  # its first step takes the failed writes back; the prefix leaves the pool
+    settle(llm)
+    check(llm, with_prefix[1:], expected)  # recomputed: the tier never claimed its prefix
+    stats = disk_stats(llm)
+    assert stats.load_failures == 0 and stats.loaded == 0
+    assert len(core(llm).scheduler.kv_cache_manager.disk) == stats.stored <= 3 * 6  # at most the last step's
+    assert not block_files(tmp_path)
+
+
 def test_a_slow_lookup_holds_up_no_one(llama, tmp_path, monkeypatch):
     """A file system too slow to ask inline (a budget of 0: every lookup goes
     to the background prober, whose stats of existing files are held until

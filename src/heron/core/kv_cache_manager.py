@@ -156,6 +156,11 @@ class KVCacheManager:
             found.offloaded.append(block_hash)
         return found, (len(hits) + len(found.offloaded)) * self.block_size
 
+    def forget_failed_disk_writes(self, blocks: list[BlockHash]) -> None:
+        """The disk tier's writes of these blocks failed: it does not hold them."""
+        if blocks and self.disk is not None:
+            self.disk.forget_failed_writes(blocks)
+
     def record_lookup(self, request: Request, found: KVCacheBlocks) -> None:
         """Count the prefix ``get_computed_blocks`` found for a request that was
         admitted (or went on to load it): a request waiting for room is looked up

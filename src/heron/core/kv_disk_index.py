@@ -184,6 +184,17 @@ class DiskIndex:
                 self.stats.stored -= 1
                 return
 
+    def forget_failed_writes(self, blocks: Iterable[BlockHash]) -> None:
+        """Blocks whose write failed (a full or read-only disk): no longer held,
+        nor counted stored (``on_drop`` told of each, for the KV events). One a
+        load has pinned stays until that load fails on it (``finish_load``)."""
+        for block_hash in blocks:
+            if block_hash in self._held and block_hash not in self._pins:
+                del self._held[block_hash]
+                self.stats.stored -= 1
+                if self.on_drop is not None:
+                    self.on_drop(block_hash)
+
     def load(self, request_id: str, blocks: list[tuple[BlockHash, int]]) -> None:
         """Read these blocks into the pool in the background; pinned until ``finish_load``."""
         for block_hash, _ in blocks:

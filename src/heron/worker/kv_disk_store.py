@@ -73,6 +73,7 @@ class DiskKVStore:
         self._loads: queue.Queue[DiskLoad | None] = queue.Queue()
         self.reports = reports
         self._write_errors = 0
+        self._failed_writes: list[BlockHash] = []  # blocks the tier's index counts, with no file (under _lock)
         # the threads hold the store weakly: an engine dropped without close() is
         # collected, and its threads stop with it
         self._threads = [
@@ -150,12 +151,23 @@ class DiskKVStore:
                 self._write_file(block_hash, buffer)
         except OSError as error:
             self._count_error("write", path, error)
+            with self._lock:
+                self._failed_writes.append(block_hash)
         finally:
             with self._lock:
                 if self._buffered.get(block_hash) is buffer:
                     del self._buffered[block_hash]
                 self._buffered_bytes -= buffer.numel()
                 self._lock.notify_all()
+
+    def take_failed_writes(self) -> list[BlockHash]:
+        """The blocks whose write failed since the last call (a full or read-only
+        disk): the tier's index forgets them, which it counted as held (its
+        metrics said so, and a request that hit one paid for a load that failed,
+        or failed itself under the fail policy)."""
+        with self._lock:
+            failed, self._failed_writes = self._failed_writes, []
+        return failed
 
     def _count_error(self, action: str, path: Path, error: OSError) -> None:
         self._write_errors += 1

@@ -218,6 +218,9 @@ class ModelRunner:
         if self.kv_server is not None:
             self.kv_server.wait_for_release(timeout)
 
+    def take_failed_disk_writes(self) -> list[BlockHash]:
+        return self.disk_store.take_failed_writes() if self.disk_store is not None else []
+
     def take_finished_kv_loads(self) -> list[tuple[str, list[BlockHash]]]:
         """Background KV loads done since the last call: (request id, hashes that failed)."""
         return self.kv_load_reports.take()
