@@ -278,14 +278,18 @@ def test_the_tier_keeps_to_its_size(llama, tmp_path):
     assert len(block_files(tmp_path / "small")) <= 3
 
 
-def test_another_layout_gets_its_own_directory(llama, tmp_path):
+def test_another_layout_gets_its_own_directory(llama, tmp_path, caplog):
+    """...and is told of the first's files: outside its bound, no one's to
+    delete, they stayed unnoticed (every layout change left a bound's worth)."""
     directory, with_prefix, _, expected = llama
     first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
     check(first, with_prefix[:1], expected)
     core(first).shutdown()
-    other = LLM(directory, kv_offloading_dir=str(tmp_path), **{**POOL, "block_size": 16})
+    with caplog.at_level("WARNING", logger="heron.core.kv_disk_index"):
+        other = LLM(directory, kv_offloading_dir=str(tmp_path), **{**POOL, "block_size": 16})
     assert len(core(other).scheduler.kv_cache_manager.disk) == 0
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+    assert "also holds 1 other layouts' blocks" in caplog.text
 
 
 def test_another_draft_model_gets_its_own_directory(llama, tmp_path):

@@ -23,6 +23,9 @@ knows of; replicas sharing a directory each keep within their own bound.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 from heron.core.hashing import BlockHash
 from heron.core.kv_disk_layout import DiskTierLayout
 from heron.core.kv_disk_probe import MISSING_TTL_S, DiskProbe, timed_is_file
+
+logger = logging.getLogger(__name__)
 
 # file-system time a step may spend on lookups before the rest go to the prober:
 # a local disk answers a 2,000-token prompt's every lookup within it (about
@@ -82,6 +87,7 @@ class DiskIndex:
             raise ValueError(f"kv_offloading_dir_size {max_bytes} bytes holds no block file of "
                              f"{layout.file_bytes} bytes")
         found = layout.scan()  # least recently written first
+        _warn_of_other_layouts(layout)
         self._held: OrderedDict[BlockHash, None] = OrderedDict.fromkeys(found[-self.capacity:])
         self._pins: dict[BlockHash, int] = {}
         # (pool block id, hash) registered while the step being scheduled is planned
@@ -272,3 +278,30 @@ class DiskIndex:
                     self.on_drop(block_hash)
                 return True
         return False
+
+
+def _warn_of_other_layouts(layout: DiskTierLayout) -> None:
+    """Say what other layouts (another model, dtype, block size, heron version)
+    keep in the same directory: the bound is this layout's, and their files are
+    no one's to delete here (a replica of that layout may be using them), so
+    they stay until removed by hand."""
+    others: list[tuple[str, int]] = []
+    with contextlib.suppress(OSError), os.scandir(layout.root.parent) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False) and entry.path != str(layout.root):
+                others.append((entry.name, _tree_bytes(entry.path)))
+    if others:
+        total = sum(size for _, size in others)
+        logger.warning("the disk KV tier's directory %s also holds %d other layouts' blocks (%.1f MiB: %s), "
+                       "outside this server's --kv-offloading-dir-size; remove the ones no server uses",
+                       layout.root.parent, len(others), total / (1 << 20),
+                       ", ".join(f"{name[:12]} {size / (1 << 20):.1f} MiB" for name, size in others[:4]))
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
