@@ -111,6 +111,8 @@ def _required_not_allowed(schema: dict[str, Any]) -> list[str]:
     required = schema.get("required")
     if not isinstance(required, list) or schema.get("additionalProperties") not in (None, False):
         return []
-    named = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
-    return [key for key in required if isinstance(key, str) and key not in named and not patterns]
+    properties, patterns = schema.get("properties"), schema.get("patternProperties")
+    named: dict[str, Any] = properties if isinstance(properties, dict) else {}
+    if isinstance(patterns, dict) and patterns:
+        return []  # a pattern may name it
+    return [key for key in required if isinstance(key, str) and key not in named]
