@@ -114,6 +114,23 @@ def test_a_streamed_prefill_for_another_engine_is_a_400(disaggregated):
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream", response.text
 
 
+def test_a_request_the_decode_server_refuses_frees_its_prefill_lease_at_once(disaggregated):
+    """A request too long for the decode server (a 400) left the prefill
+    server's blocks under their lease for its 30 s: a burst of such mistakes
+    filled the prefill server's pool. (It runs before the test that kills
+    the prefill server.)"""
+    prefill, decode, _ = disaggregated
+    wait_for(lambda: prefill.metric("heron:kv_cache_usage_perc") == 0, what="earlier leases released")
+    prefilled = httpx.post(f"{prefill.base_url}/v1/completions", timeout=60, json={
+        "prompt": PROMPT.replace("heron", "egret"), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    handle = prefilled.json()["kv_transfer_params"]
+    assert prefill.metric("heron:kv_cache_usage_perc") > 0  # held for the decode server
+    refused = httpx.post(f"{decode.base_url}/v1/completions", timeout=60, json={
+        "prompt": PROMPT.replace("heron", "egret"), "max_tokens": 1000, "kv_transfer_params": handle})
+    assert refused.status_code == 400, refused.text
+    wait_for(lambda: prefill.metric("heron:kv_cache_usage_perc") == 0, timeout=10, what="the lease released")
+
+
 def test_a_dead_prefill_server_costs_a_recompute_not_a_request(disaggregated):
     prefill, decode, router = disaggregated
     prefill.process.send_signal(signal.SIGKILL)
@@ -138,22 +155,6 @@ def test_kv_transfer_params_a_server_cannot_honour_are_400s(disaggregated, body,
     assert response.status_code == 400
     error = response.json()["error"]
     assert message in error["message"] and error["param"] == "kv_transfer_params"
-
-
-def test_a_request_the_decode_server_refuses_frees_its_prefill_lease_at_once(disaggregated):
-    """A request too long for the decode server (a 400) left the prefill
-    server's blocks under their lease for its 30 s: a burst of such mistakes
-    filled the prefill server's pool."""
-    prefill, decode, _ = disaggregated
-    wait_for(lambda: prefill.metric("heron:kv_cache_usage_perc") == 0, what="earlier leases released")
-    prefilled = httpx.post(f"{prefill.base_url}/v1/completions", timeout=60, json={
-        "prompt": PROMPT.replace("heron", "egret"), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    handle = prefilled.json()["kv_transfer_params"]
-    assert prefill.metric("heron:kv_cache_usage_perc") > 0  # held for the decode server
-    refused = httpx.post(f"{decode.base_url}/v1/completions", timeout=60, json={
-        "prompt": PROMPT.replace("heron", "egret"), "max_tokens": 1000, "kv_transfer_params": handle})
-    assert refused.status_code == 400, refused.text
-    wait_for(lambda: prefill.metric("heron:kv_cache_usage_perc") == 0, timeout=10, what="the lease released")
 
 
 def test_a_failed_pull_under_the_fail_policy_is_a_500_naming_why():
