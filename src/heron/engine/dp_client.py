@@ -268,4 +268,4 @@ def _sum_stats(all_stats: list[SchedulerStats], num_engines: int) -> SchedulerSt
     for spec in fields(SchedulerStats):
         values = [getattr(stats, spec.name) for stats in all_stats]
         setattr(total, spec.name, sum(values))
-    return replace(total, kv_cache_usage=total.kv_cache_usage / max(1, num_engines, len(all_stats)))
+    return replace(total, kv_cache_usage=total.kv_cache_usage / max(1, num_engines))

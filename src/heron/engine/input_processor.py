@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,9 +83,6 @@ class InputProcessor:
         if unknown:
             raise InvalidRequestError(f"a prompt dict takes {', '.join(sorted(PROMPT_DICT_KEYS))}; heron does not "
                                       f"take {', '.join(unknown)} (it serves text models)", "prompt")
-        salt = prompt.get("cache_salt")
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         if "prompt_token_ids" in prompt:
             processed = self._token_prompt(prompt["prompt_token_ids"], prompt.get("prompt"))
         elif "prompt" in prompt:
@@ -93,7 +91,7 @@ class InputProcessor:
             processed = self.process_prompt(prompt["prompt"])
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-        processed.cache_salt = salt
+        processed.cache_salt = prompt.get("cache_salt")  # checked with every request's (make_requests)
         return processed
 
     def _token_prompt(self, token_ids: Any, text: str | None) -> ProcessedPrompt:
@@ -101,12 +99,19 @@ class InputProcessor:
             isinstance(t, int) and not isinstance(t, bool) for t in token_ids
         ):
             raise InvalidRequestError("prompt token ids must be a list of integers", "prompt")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids out of the vocabulary (size {self.vocab_size}): {bad[:5]}", "prompt"
-            )
+        # checked here too, not only with every prompt in make_requests: the server reads a token prompt before it
+        # makes requests of it, and an id past 64 bits was an OverflowError there
+        self._check_vocab(token_ids, hint="")
         return ProcessedPrompt(text, list(token_ids))
+
+    def _check_vocab(self, token_ids: Sequence[int], hint: str) -> None:
+        """InvalidRequestError naming the prompt's token ids outside the model's vocabulary (``hint``: why)."""
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            raise InvalidRequestError(
+                f"the prompt has token ids out of the model's vocabulary (size {self.vocab_size}): {bad[:5]}{hint}",
+                "prompt",
+            )
 
     def process_chat(
         self,
@@ -176,7 +181,8 @@ class InputProcessor:
         """Validate and build one engine request per sample (``params.n``)."""
         num_prompt_tokens = len(prompt.token_ids)
         max_model_len = self.model_config.max_model_len
-        if cache_salt == "":  # it hashed as no salt: the unsalted cache, shared
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            # "" hashed as no salt: the unsalted cache, shared
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         if priority and not self.priority_scheduling:
             raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy "
@@ -184,15 +190,10 @@ class InputProcessor:
                                       "served", "priority")
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        if not 0 <= min(prompt.token_ids) <= max(prompt.token_ids) < self.vocab_size:
-            # a text prompt too: a tokenizer larger than the model's vocabulary (--tokenizer from another model, a
-            # fine-tune's added tokens) gave ids the embedding could not look up, and the engine core died on them
-            bad = [t for t in prompt.token_ids if not 0 <= t < self.vocab_size]
-            raise InvalidRequestError(
-                f"the prompt has token ids out of the model's vocabulary (size {self.vocab_size}): {bad[:5]}"
-                + (" (the tokenizer knows more tokens than the model)" if prompt.text is not None else ""),
-                "prompt",
-            )
+        # a text prompt too: a tokenizer larger than the model's vocabulary (--tokenizer from another model, a
+        # fine-tune's added tokens) gave ids the embedding could not look up, and the engine core died on them
+        self._check_vocab(prompt.token_ids,
+                          " (the tokenizer knows more tokens than the model)" if prompt.text is not None else "")
         if num_prompt_tokens >= max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's maximum context "
