@@ -15,6 +15,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import zmq.asyncio
@@ -33,26 +34,25 @@ _LOAD_QUERY = [("name[]", f"heron:{name}") for name in ("num_requests_running", 
                                                        "kv_cache_usage_perc")]
 
 
-def _takes_kv_transfers(health: bytes) -> bool:
+def _health_fields(health: bytes) -> dict[str, Any]:
+    """A /health body's JSON object ({} when it is none: vLLM's empty body, or not JSON)."""
+    try:
+        body = json.loads(health) if health else None
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _takes_kv_transfers(health: dict[str, Any]) -> bool:
     """Whether a replica's /health says it pulls prefilled KV: a heron replica
     names its kv_role (None: no --kv-transfer-config); one that names none (vLLM's
     empty body) is taken at its word that it was set up as a decode server."""
-    try:
-        body = json.loads(health) if health else None
-    except ValueError:
-        return True
-    if not isinstance(body, dict) or "kv_role" not in body:
-        return True
-    return body["kv_role"] in ("kv_consumer", "kv_both")
+    return "kv_role" not in health or health["kv_role"] in ("kv_consumer", "kv_both")
 
 
-def _epoch(health: bytes) -> str | None:
-    """The KV events epoch in a /health body (None: not there, or not JSON, as vLLM's empty body)."""
-    try:
-        body = json.loads(health) if health else None
-    except ValueError:
-        return None
-    epoch = body.get("kv_events_epoch") if isinstance(body, dict) else None
+def _epoch(health: dict[str, Any]) -> str | None:
+    """The KV events epoch a /health body names (None: none)."""
+    epoch = health.get("kv_events_epoch")
     return epoch if isinstance(epoch, str) else None
 
 
@@ -205,12 +205,13 @@ class ReplicaSet:
         it used to escape the probe, which then recorded nothing (a half-open
         breaker never closed again)."""
         try:
-            takes = _takes_kv_transfers(health)
+            fields = _health_fields(health)
+            takes = _takes_kv_transfers(fields)
             if takes != replica.takes_kv_transfers:
                 logger.info("replica %s pulls %s", replica.url, "prefilled KV" if takes else
                             "no prefilled KV (started without --kv-transfer-config): it computes its prompts")
                 replica.takes_kv_transfers = takes
-            self._follow_restarts(replica, _epoch(health))
+            self._follow_restarts(replica, _epoch(fields))
             await self._read_metrics(session, replica)
             if replica.subscription is None:
                 await self._subscribe(session, replica)
