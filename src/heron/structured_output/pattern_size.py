@@ -31,20 +31,26 @@ MAX_PATTERN_EXPANSION = 2000
 _HUGE = 10**12  # any bound past this is just "too large"
 
 
+def _objects(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every JSON object in a schema, at any depth (the schema's own included)."""
+    if isinstance(schema, dict):
+        yield schema
+        for value in schema.values():
+            yield from _objects(value)
+    elif isinstance(schema, list):
+        for item in schema:
+            yield from _objects(item)
+
+
 def schema_patterns(schema: Any) -> Iterator[str]:
     """Every regular expression a JSON schema carries: ``pattern`` values and
     ``patternProperties`` keys, at any depth (a property *named* "pattern"
     holds a schema, not a string, and is not one)."""
-    if isinstance(schema, dict):
-        for key, value in schema.items():
-            if key == "pattern" and isinstance(value, str):
-                yield value
-            elif key == "patternProperties" and isinstance(value, dict):
-                yield from (name for name in value if isinstance(name, str))
-            yield from schema_patterns(value)
-    elif isinstance(schema, list):
-        for item in schema:
-            yield from schema_patterns(item)
+    for node in _objects(schema):
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from (name for name in node["patternProperties"] if isinstance(name, str))
 
 
 class _Group:
@@ -164,15 +170,10 @@ MAX_LENGTH_BOUND_COST = 1024
 def length_bounds(schema: Any) -> set[tuple[int, int]]:
     """The distinct (minLength, maxLength) pairs of a schema's strings, at any depth."""
     found: set[tuple[int, int]] = set()
-    if isinstance(schema, dict):
-        low, high = schema.get("minLength"), schema.get("maxLength")
+    for node in _objects(schema):
+        low, high = node.get("minLength"), node.get("maxLength")
         if isinstance(low, int) or isinstance(high, int):
             found.add((low if isinstance(low, int) else 0, high if isinstance(high, int) else -1))
-        for value in schema.values():
-            found |= length_bounds(value)
-    elif isinstance(schema, list):
-        for item in schema:
-            found |= length_bounds(item)
     return found
 
 
