@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from heron.core.scheduler_output import NewRequestData
-from heron.sample.ops import apply_penalties, apply_top_k_top_p
+from heron.sample.ops import apply_penalties
 from heron.sample.sampler import Sampler
+from heron.sample.top_k_top_p import _sorted_top_k_top_p, apply_top_k_top_p
 from heron.sampling_params import SamplingParams
 from heron.worker.request_state import CachedRequestState
 from heron.worker.sampling_metadata import build_sampling_metadata
@@ -84,6 +85,38 @@ def test_top_k_candidates_match_the_full_sort():
             full_sort = apply_top_k_top_p(logits, top_k, p, max_top_k=logits.shape[1])
             assert torch.equal(torch.isinf(candidates), torch.isinf(full_sort))
             assert torch.equal(candidates[~torch.isinf(candidates)], logits[~torch.isinf(candidates)])
+
+
+def test_top_p_alone_through_candidates_matches_the_sort():
+    """Top-p alone on the CPU cuts among each row's 1,024 largest logits, and
+    sorts only a row whose candidates hold less than top_p: a flat row (its
+    cut-off lies past 1,024 tokens) batched with peaked ones."""
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(10):
+        logits = torch.randn(5, 5000, generator=generator) * (0.5 + trial)
+        logits[0] = torch.rand(5000, generator=generator) * 0.01  # flat: needs most of the vocabulary
+        top_p = torch.rand(5, generator=generator) * 0.9 + 0.05
+        top_p[1] = 1.0
+        through_candidates = apply_top_k_top_p(logits, None, top_p)
+        sorted_path = _sorted_top_k_top_p(logits, None, top_p)
+        assert torch.equal(torch.isinf(through_candidates), torch.isinf(sorted_path)), trial
+        assert torch.isinf(through_candidates[0]).sum() > 0 and torch.isfinite(through_candidates[1]).all()
+
+
+def test_every_logit_tied_with_the_top_p_cut_off_stays_on_every_path():
+    """Two tied logits where top-p 0.3 needs one of them: which one a sort
+    ordered first decided which token a row could draw. Every path (top-k's
+    candidates, top-p's candidates, the sort) keeps both."""
+    row = torch.tensor([[4.0, 1.0, 4.0] + [-20.0] * 2000])
+    top_p = torch.tensor([0.3])
+    paths = {
+        "top-k candidates": apply_top_k_top_p(row, torch.tensor([3]), top_p, max_top_k=3),
+        "top-p candidates": apply_top_k_top_p(row, None, top_p),
+        "sort": _sorted_top_k_top_p(row, None, top_p),
+        "sort with top-k": _sorted_top_k_top_p(row, torch.tensor([3]), top_p),
+    }
+    for name, kept in paths.items():
+        assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == [0, 2], name
 
 
 def test_min_p_drops_unlikely_tokens():

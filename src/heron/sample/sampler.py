@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from heron.sample.metadata import SamplingMetadata
-from heron.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, sample_from_probs
+from heron.sample.ops import apply_min_p, apply_penalties, sample_from_probs
+from heron.sample.top_k_top_p import apply_top_k_top_p
 from heron.step_outputs import TokenLogprobs
 
 
