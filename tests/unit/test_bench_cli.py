@@ -31,6 +31,7 @@ class ScriptedServer:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.answered = itertools.count()
+        self.bodies: list[dict] = []
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -38,6 +39,7 @@ class ScriptedServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         number = next(self.answered)
+        self.bodies.append(await request.json())
         if self.mode.startswith("fail_after:") and number >= int(self.mode.split(":")[1]):
             return web.json_response({"error": {"message": "boom"}}, status=500)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -132,6 +134,23 @@ def test_each_server_gets_its_own_result_file_and_unlabelled_runs_compare_by_fil
     assert f"{files[1]} / {files[0]}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("scripted", ["text"], indirect=True)
+def test_sampling_flags_go_into_every_request_and_the_result(scripted, tmp_path):
+    """--top-p, --top-k and --min-p (vLLM's bench flags) are sent when given, and
+    not otherwise: a run could only measure greedy or plain temperature before."""
+    result_file = str(tmp_path / "r.json")
+    assert bench("--base-url", scripted.base_url, "--temperature", "0.7", "--top-p", "0.9", "--top-k", "50",
+                 "--result-filename", result_file) == 0
+    assert len(scripted.bodies) == 4
+    assert all((b["temperature"], b["top_p"], b["top_k"]) == (0.7, 0.9, 50) for b in scripted.bodies)
+    assert all("min_p" not in b for b in scripted.bodies)
+    assert json.loads(open(result_file).read())["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
+    scripted.bodies.clear()
+    assert bench("--base-url", scripted.base_url) == 0
+    sent = [sorted(set(body) & {"temperature", "top_p", "top_k", "min_p"}) for body in scripted.bodies]
+    assert sent == [["temperature"]] * 4
+
+
 @pytest.mark.parametrize("args", [
     ["serve", "--request-rate", "0"],
     ["serve", "--burstiness", "0"],
@@ -141,6 +160,11 @@ def test_each_server_gets_its_own_result_file_and_unlabelled_runs_compare_by_fil
     ["throughput", "--output-len", "0"],
     ["latency", "--num-iters", "0"],
     ["latency", "--batch-size", "x"],
+    ["serve", "--top-p", "0"],
+    ["serve", "--top-p", "1.5"],
+    ["serve", "--top-k", "-2"],
+    ["serve", "--min-p", "nan"],
+    ["serve", "--temperature", "-1"],
 ])
 def test_bad_arguments_are_usage_errors(args, capsys):
     with pytest.raises(SystemExit) as info:

@@ -76,7 +76,8 @@ def run_against_stub(prompt: str, path: str):
         try:
             async with aiohttp.ClientSession() as client:
                 return await send_request(
-                    client, f"http://127.0.0.1:{port}{path}", request_body("m", sample, "chat" in path, True, 0.0),
+                    client, f"http://127.0.0.1:{port}{path}",
+                    request_body("m", sample, "chat" in path, True, {"temperature": 0.0}),
                     sample, time.perf_counter(), {}, lambda text: len(text.split()),
                 )
         finally:

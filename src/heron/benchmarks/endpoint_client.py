@@ -38,11 +38,15 @@ class RequestResult:
     error: str = ""
 
 
-def request_body(model: str, sample: SampleRequest, chat: bool, ignore_eos: bool, temperature: float) -> dict[str, Any]:
+def request_body(
+    model: str, sample: SampleRequest, chat: bool, ignore_eos: bool, sampling: dict[str, float]
+) -> dict[str, Any]:
+    """The streamed request for ``sample``; ``sampling`` holds the temperature and
+    any of top_p, top_k and min_p the run asks for."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": sample.expected_output_len,
-        "temperature": temperature,
+        **sampling,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -68,7 +68,7 @@ async def run_load(
     burstiness: float,
     max_concurrency: int | None,
     ignore_eos: bool,
-    temperature: float,
+    sampling: dict[str, float],
     api_key: str | None,
     count_tokens: Any,
     seed: int,
@@ -85,7 +85,7 @@ async def run_load(
         start = time.perf_counter()
 
         async def one(sample: SampleRequest) -> RequestResult:
-            body = request_body(model, sample, chat, ignore_eos, temperature)
+            body = request_body(model, sample, chat, ignore_eos, sampling)
             if semaphore is None:
                 result = await send_request(client, url, body, sample, start, headers, count_tokens)
             else:

@@ -68,3 +68,13 @@ def range_ratio(text: str) -> float:
     """A length range ratio r in [0, 1): lengths drawn from [L(1-r), L(1+r)]
     (a negative r or one of 1 or more drew lengths off that mean, or none)."""
     return _read(float, text, "a number in [0, 1)", lambda value: 0 <= value < 1)
+
+
+def unit_interval(*, above_zero: bool = False) -> Callable[[str], float]:
+    """A type reading a number in [0, 1], or in (0, 1] when ``above_zero`` (a top_p of 0)."""
+    expected = "a number in (0, 1]" if above_zero else "a number in [0, 1]"
+
+    def parse(text: str) -> float:
+        return _read(float, text, expected, lambda value: (value > 0 if above_zero else value >= 0) and value <= 1)
+
+    return parse

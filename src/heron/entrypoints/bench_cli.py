@@ -11,7 +11,17 @@ import time
 from typing import Any
 
 from heron.engine.args import EngineArgs
-from heron.entrypoints.arg_types import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, percentiles, port, range_ratio
+from heron.entrypoints.arg_types import (
+    NON_NEGATIVE_FLOAT,
+    NON_NEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    number_at_least,
+    percentiles,
+    port,
+    range_ratio,
+    unit_interval,
+)
 
 
 def add_bench_parsers(subcommands: Any) -> None:
@@ -36,7 +46,12 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--burstiness", type=POSITIVE_FLOAT, default=1.0)
     serve.add_argument("--max-concurrency", type=POSITIVE_INT, default=None)
     serve.add_argument("--ignore-eos", action="store_true")
-    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.0)
+    serve.add_argument("--top-p", type=unit_interval(above_zero=True), default=None,
+                       help="sent with every request when given (in (0, 1])")
+    serve.add_argument("--top-k", type=number_at_least(int, -1), default=None,
+                       help="sent with every request when given (-1 or 0: all tokens)")
+    serve.add_argument("--min-p", type=unit_interval(), default=None, help="sent with every request when given")
     serve.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="e.g. ttft:500 tpot:50 e2el:3000 (ms)")
     serve.add_argument("--metric-percentiles", type=percentiles, default=[50.0, 90.0, 99.0])
     serve.add_argument("--save-result", action="store_true")
@@ -248,7 +263,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         raw, duration = asyncio.run(run_load(
             base_url, args.endpoint, model, samples,
             request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-            ignore_eos=args.ignore_eos, temperature=args.temperature, api_key=args.api_key,
+            ignore_eos=args.ignore_eos, sampling=_sampling(args), api_key=args.api_key,
             count_tokens=count_tokens, seed=args.seed, show_progress=not args.disable_tqdm,
         ))
         settings = {
@@ -263,6 +278,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency,
             "goodput_slos_ms": goodput or None,
+            "sampling": _sampling(args),
             # this process's CPU over the run (all threads): where a client saturates a core
             "client_cpu_s": time.process_time() - client_cpu_started,
             "started_at": started_at,  # epoch seconds: runs of several clients line up by it
@@ -290,6 +306,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
         print(comparison_table(results))
     # nothing measured (no server, or every request failed) is not a result: a script must see it
     return 1 if any(result["completed"] == 0 for result in results) else 0
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, float]:
+    """The sampling fields every request of ``bench serve`` carries."""
+    chosen = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    return {name: value for name, value in chosen.items() if value is not None}
 
 
 def _served_model(base_url: str, api_key: str | None) -> str:
