@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: host phases vs device time.
 
     PYTHONPATH=src:. python3 benchmarks/gpu_profile_decode.py [--batch 1 64] [--max-num-seqs N] \\
-        [--no-async-scheduling] [--kernels]
+        [--no-async-scheduling] [--kernels] [--sampled]
 
 ``--kernels`` also lists the GPU kernels of a step (CUPTI sees inside CUDA
 graphs): how many run per step and which take the device's time.
@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --batch")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--kernels", action="store_true", help="also profile the device kernels of a step")
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.95, top-k 50 (not greedy)")
     args = parser.parse_args()
     build_model(args.model_dir)
     llm = LLM(args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=args.max_num_seqs or max(args.batch),
@@ -33,7 +34,8 @@ def main() -> None:
     engine = llm.engine
     for batch in args.batch:
         prompts = random_prompts(batch, 128, 128, LLAMA_1B["vocab_size"], seed=batch)
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        sampling = dict(temperature=0.8, top_p=0.95, top_k=50) if args.sampled else dict(temperature=0)
+        params = SamplingParams(**sampling, max_tokens=400, ignore_eos=True)
         for index, prompt in enumerate(prompts):
             engine.add_request(f"p{batch}-{index}", engine.input_processor.process_prompt(prompt), params)
         for _ in range(20):

@@ -68,8 +68,8 @@ def sample_from_probs(
     others share the engine's generator.
 
     On the CPU, E is -log(1 - U) of a uniform draw: torch's ``exponential_``
-    took 1.1-1.7 ms for one row of a 49,152-token vocabulary on a Zen 3 core,
-    the uniform draw and the logarithm 0.26 ms. E is kept above zero there, so a
+    took 1.54 ms for one row of a 49,152-token vocabulary on a Zen 3 core, the
+    uniform draw and the logarithm 0.49 ms (benchmarks/sampler_ops_time.py). E is kept above zero there, so a
     token of probability 0 is never drawn (0 / 0 would be NaN, which argmax
     takes). A GPU keeps ``exponential_``: one pass over the noise, not four."""
     noise = torch.empty_like(probs)
