@@ -273,6 +273,24 @@ def test_required_resolves_each_functions_references_in_its_own_schema():
     assert info.value.param == "tools[1].function.parameters"
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_constrained_tool_schema_the_grammar_cannot_enforce_is_refused_by_its_own_path(choice):
+    """It was refused through the combined "required" schema, named by heron's
+    wrapper path ("/$defs/tool_1/properties/n"), a path the client never wrote.
+    "auto" does not constrain the output, so it takes such a schema."""
+    from heron.entrypoints.openai.tools.choice import tool_choice_of
+
+    number = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 3}}}
+    tools = [tool("g", WEATHER), tool("f", number)]
+    named = choice if isinstance(choice, str) else SimpleNamespace(function=SimpleNamespace(name="f"))
+    with pytest.raises(InvalidRequestError) as info:
+        tool_choice_of(tools, named, None)
+    assert info.value.param == "tools[1].function.parameters"
+    assert "'multipleOf' at /properties/n cannot be enforced" in str(info.value)
+    assert "$defs" not in str(info.value)
+    assert tool_choice_of(tools, "auto", None).mode == "auto"
+
+
 def test_a_template_that_takes_tools_gets_past_arguments_as_objects():
     # templates write them with `| tojson`: the JSON text came out as a quoted string
     template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}" \

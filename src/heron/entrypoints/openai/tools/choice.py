@@ -21,6 +21,7 @@ from typing import Any, Literal, cast
 from heron.engine.input_processor import InvalidRequestError
 from heron.entrypoints.openai.tools.parsers import ToolCall, call_from_json, json_values
 from heron.sampling_params import StructuredOutputsParams
+from heron.structured_output.schema_support import UnenforcedSchema, check_schema_support
 
 Mode = Literal["none", "auto", "required", "named"]
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -111,8 +112,25 @@ def tool_choice_of(tools: list[Any] | None, choice: Any, parallel: bool | None) 
         raise InvalidRequestError("tools: function names must be unique", "tools")
     if choice is None or isinstance(choice, str):
         mode = cast(Mode, choice or "auto")  # the request model allows none, auto, required
+        if mode == "required":
+            _check_enforced(functions, list(functions))
         return ToolChoice(mode, functions, None, parallel is not False)
     name = choice.function.name
     if name not in functions:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+    _check_enforced(functions, [name])
     return ToolChoice("named", functions, name, parallel is not False)
+
+
+def _check_enforced(functions: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """Refuse a constrained function whose parameters the grammar could not
+    enforce, naming the tool and the path within its parameters (checked in
+    the combined "required" schema, the path named heron's own wrapper,
+    ``/$defs/tool_0/...``)."""
+    for index, name in enumerate(functions):
+        if name in names:
+            try:
+                check_schema_support(functions[name])
+            except UnenforcedSchema as exc:
+                param = f"tools[{index}].function.parameters"
+                raise InvalidRequestError(f"{param}: {exc}", param) from exc
