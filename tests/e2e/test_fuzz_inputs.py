@@ -79,10 +79,16 @@ def chat(messages: Any, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": 1, "messages": messages, **fields}
 
 
+# hypothesis' text leaves surrogates out: a lone one (JSON's "\\ud800", which Python's strings keep) is put in
+LONE_SURROGATES = st.builds(lambda head, code, tail: head + chr(code) + tail, st.text(max_size=20),
+                            st.integers(0xD800, 0xDFFF), st.text(max_size=20))
+
+
 @FUZZ
-@given(text=st.text(max_size=200))
+@given(text=st.text(max_size=200) | LONE_SURROGATES)
 def test_any_text_as_prompt_message_or_tokenize(fuzzed, text):
-    """Lone surrogates are not text a tokenizer can read: a 400 naming the field."""
+    """Lone surrogates are not text a tokenizer can read: a 400 naming the field
+    (/tokenize's prompt answered 500: it went to the tokenizer unchecked)."""
     assert_ok_or_names(post(fuzzed, "/v1/completions", completion(prompt=text), "text prompt"), {"prompt"})
     messages = [{"role": "system", "content": text}, {"role": "user", "content": [{"type": "text", "text": text}]}]
     assert_ok_or_names(post(fuzzed, "/v1/chat/completions", chat(messages), "text chat"), {"messages"})

@@ -266,6 +266,33 @@ def test_chat_passes_tools_to_the_template(llm):
     assert output.prompt == "get_weather: Weather in Paris?" and output.outputs[0].token_ids
 
 
+def test_chat_prepares_tool_conversations_as_the_server_does(llm):
+    """A past call's arguments reach a template that takes tools as an object
+    (they were JSON text, which `| tojson` quoted again), and a template that
+    does not (the embedded model's) gets the tools, the call and its result
+    written in (they were dropped: the tools, and an assistant turn with only a
+    call, rendered as nothing)."""
+    tools = [{"type": "function", "function": {"name": "get_weather",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    conversation = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C sunny"},
+    ]
+    takes_tools = ("{{ tools | length }} tools: {% for m in messages %}{% for c in m.tool_calls or [] %}"
+                   "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    [output] = llm.chat(conversation, SamplingParams(max_tokens=1), tools=tools, chat_template=takes_tools,
+                        use_tqdm=False)
+    assert output.prompt == '1 tools: {"city": "Paris"}'
+    [output] = llm.chat(conversation, SamplingParams(max_tokens=1), tools=tools, use_tqdm=False)
+    assert '"name": "get_weather"' in output.prompt  # the tools, in the system message
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in output.prompt
+    assert "<tool_response>\n22C sunny\n</tool_response>" in output.prompt
+
+
 def test_nothing_to_do_is_an_error(llm):
     with pytest.raises(ValueError, match="no prompts given"):
         llm.generate([], use_tqdm=False)

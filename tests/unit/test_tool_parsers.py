@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from heron.engine.input_processor import InvalidRequestError
-from heron.entrypoints.openai.tools.chat import ChatTools, template_messages
+from heron.engine.tool_prompting import template_messages, write_tools_in
+from heron.entrypoints.openai.tools.chat import ChatTools
 from heron.entrypoints.openai.tools.choice import ToolChoice
 from heron.entrypoints.openai.tools.parsers import PARSERS, parser_for_template
-from heron.entrypoints.openai.tools.prompting import write_tools_in
 from heron.entrypoints.openai.tools.streaming import ToolCallStream, held_tail
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

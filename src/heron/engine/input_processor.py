@@ -70,7 +70,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
-            _check_text(prompt, "prompt")
+            check_text(prompt, "prompt")
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return self._token_prompt(prompt, None)
@@ -163,7 +163,7 @@ class InputProcessor:
             )
         except Exception as exc:  # jinja errors raised by the template itself
             raise InvalidRequestError(f"the chat template failed: {exc}", "messages") from exc
-        _check_text(str(text), "messages")
+        check_text(str(text), "messages")
         return str(text)
 
     # ---- requests ----------------------------------------------------------------
@@ -249,7 +249,7 @@ class InputProcessor:
         return sequences
 
 
-def _check_text(text: str, param: str) -> None:
+def check_text(text: str, param: str) -> None:
     """A Python string that is not Unicode text (a lone surrogate, which JSON's
     ``\\ud800`` escapes and Python's strings allow) has no UTF-8 form for the
     tokenizer: the client's error, named, rather than the tokenizer's TypeError."""

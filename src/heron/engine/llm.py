@@ -17,6 +17,7 @@ from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.input_processor import ProcessedPrompt
 from heron.engine.llm_engine import LLMEngine
+from heron.engine.tool_prompting import template_messages
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParams
 
@@ -75,10 +76,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations, each a
         list of ``{"role": ..., "content": ...}`` messages. ``tools`` (OpenAI's
-        function definitions) go to the chat template, as vLLM's ``LLM.chat``
-        passes them; the reply is text (parse calls from it as you would)."""
-        if tools is not None:
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+        function definitions) and the conversation's calls and results are
+        prepared as the server prepares them (``template_messages``): a template
+        that takes ``tools`` gets them, and past calls' arguments as objects;
+        another gets them written into the messages. The reply is text (parse
+        calls from it as you would)."""
+        template = chat_template or getattr(self.engine.tokenizer, "chat_template", None)
         conversations: Sequence[Conversation]
         if not messages:  # as generate([]): an empty list was answered [] without a word
             raise ValueError("no conversations given")
@@ -87,16 +90,16 @@ class LLM:
         else:
             conversations = messages  # type: ignore[assignment]
         processor = self.engine.input_processor
-        processed = [
-            processor.process_chat(
-                list(conversation),
+        processed = []
+        for conversation in conversations:
+            prepared, tool_kwargs = template_messages(list(conversation), tools or None, template)
+            processed.append(processor.process_chat(
+                prepared,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-            for conversation in conversations
-        ]
+                chat_template_kwargs={**(chat_template_kwargs or {}), **tool_kwargs} or None,
+            ))
         return self._run(processed, sampling_params, use_tqdm, None)
 
     def _run(

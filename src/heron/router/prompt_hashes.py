@@ -131,8 +131,8 @@ class PromptHasher:
         tools = body.get("tools") or None
         template_kwargs = body.get("chat_template_kwargs")
         if tools or any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages):
+            from heron.engine.tool_prompting import template_messages
             from heron.entrypoints.openai.protocol import ChatCompletionRequest
-            from heron.entrypoints.openai.tools.chat import template_messages
 
             # the replica's reading of them (defaults filled, nulls dropped), then its rewriting
             request = ChatCompletionRequest.model_validate({"messages": messages, "tools": tools})

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from heron import __version__
 from heron.core.hashing import BLOCK_HASH_SCHEME
-from heron.engine.input_processor import InvalidRequestError
+from heron.engine.input_processor import InvalidRequestError, check_text
 from heron.engine.kv_events_publisher import connectable
 from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body, model_not_found
 from heron.entrypoints.openai.off_loop import prepare
@@ -186,6 +186,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, ctx: S
     def token_ids_of() -> list[int]:
         if isinstance(body, TokenizeChatRequest):
             return chat_prompt(ctx, body).token_ids
+        check_text(body.prompt, "prompt")  # a lone surrogate has no UTF-8 form: the tokenizer raised TypeError
         return ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
     token_ids = await prepare(raw_request, token_ids_of)

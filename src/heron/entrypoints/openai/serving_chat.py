@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
+from heron.engine.tool_prompting import template_messages
 from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.logprob_fields import chat_logprobs, check_prompt_logprobs, prompt_logprobs_field
 from heron.entrypoints.openai.off_loop import prepare
@@ -35,7 +36,7 @@ from heron.entrypoints.openai.serving_common import (
     streaming_response,
     usage,
 )
-from heron.entrypoints.openai.tools.chat import ChatTools, finish_reason, template_messages
+from heron.entrypoints.openai.tools.chat import ChatTools, finish_reason
 from heron.entrypoints.openai.tools.parsers import ToolCall
 from heron.entrypoints.openai.tools.streaming import ToolCallStream
 from heron.outputs import CompletionOutput, RequestOutput, SampleLogprobs

@@ -4,46 +4,14 @@ constrained to, and the calls read back from the output."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from heron.engine.tool_prompting import template_takes_tools
 from heron.entrypoints.openai.tools.choice import ToolChoice, tool_choice_of
 from heron.entrypoints.openai.tools.parsers import PARSERS, ToolCall, ToolParser, parser_for_template
-from heron.entrypoints.openai.tools.prompting import template_takes_tools, write_tools_in
 from heron.entrypoints.openai.tools.streaming import ToolCallStream
 from heron.sampling_params import SamplingParams
-
-
-def template_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The messages and template arguments for ``template``: the tools as its
-    ``tools`` variable if it takes them, else written into the messages."""
-    if template_takes_tools(template):
-        return [_arguments_as_objects(message) for message in messages], ({"tools": tools} if tools else {})
-    return write_tools_in(messages, tools), {}
-
-
-def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant turn's call arguments as objects, not JSON text: templates
-    that take tools write them with ``| tojson`` (Llama 3.1, Qwen2.5), which
-    turned the text into a quoted string (as vLLM does; text that is not JSON
-    stays text)."""
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list) or not calls:
-        return message
-    parsed = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(function, dict) and isinstance(arguments, str):
-            try:
-                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
-            except ValueError:
-                pass
-        parsed.append(call)
-    return {**message, "tool_calls": parsed}
 
 
 @dataclass

@@ -4,7 +4,8 @@ calls and results itself. For one that does not (SmolLM2's, any plain ChatML
 template), heron writes them in: the tools and the call format (hermes) in the
 system message, each assistant call as a ``<tool_call>`` block in its text,
 and each tool result as a user turn in ``<tool_response>`` tags, so the model
-sees the whole exchange and the hermes parser reads its answer."""
+sees the whole exchange and the hermes parser reads its answer. The server and
+the offline ``LLM.chat`` both prepare a conversation here (``template_messages``)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,34 @@ def write_tools_in(messages: list[dict[str, Any]], tools: list[dict[str, Any]] |
         else:
             written.insert(0, {"role": "system", "content": prompt})
     return written
+
+
+def template_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template arguments for ``template``: the tools as its
+    ``tools`` variable if it takes them, else written into the messages."""
+    if template_takes_tools(template):
+        return [_arguments_as_objects(message) for message in messages], ({"tools": tools} if tools else {})
+    return write_tools_in(messages, tools), {}
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's call arguments as objects, not JSON text: templates
+    that take tools write them with ``| tojson`` (Llama 3.1, Qwen2.5), which
+    turned the text into a quoted string (as vLLM does; text that is not JSON
+    stays text)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(function, dict) and isinstance(arguments, str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
+            except ValueError:
+                pass
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
