@@ -221,6 +221,11 @@ def test_calls_closed_before_the_limit_are_complete_under_required(default_serve
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                          "schema": {"type": "string", "pattern": "[a-z]{1,12000}"}}}}, "text.format"),
     ({"input": "hi", "temperature": 3}, "temperature"),
+    # a tool's errors name this request's fields (they named the chat request's tools[0].function.parameters)
+    ({"input": "hi", "tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "number", "multipleOf": 3}}}}]}, "tools[0].parameters"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     "tools[0].parameters"),
     ({"input": "hi", "metadata": {f"key{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's bounds: kept whole
     ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
 ])
@@ -228,6 +233,33 @@ def test_bad_requests_are_400s_naming_the_field(default_server, body, param):
     response = httpx.post(f"{default_server.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+    assert "function." not in response.json()["error"]["message"] and "response_format" not in response.text
+
+
+def test_responses_and_their_events_are_what_the_sdk_types_require(default_server):
+    """Strict validation against the SDK's own types: usage lacked
+    input_tokens_details.cache_write_tokens, which they require (a typed
+    consumer rejected every response; the lenient parse read None)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 8, "temperature": 0}
+    answer = httpx.post(f"{default_server.base_url}/v1/responses", json=body, timeout=60).json()
+    Response.model_validate(answer, strict=False)
+    with httpx.stream("POST", f"{default_server.base_url}/v1/responses", json={**body, "stream": True},
+                      timeout=60) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
+    assert events[-1]["response"]["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+
+
+def test_text_format_beside_a_required_tool_is_named_as_this_api_names_it(default_server):
+    body = {"model": MODEL, "input": "hi", "tools": TOOLS, "tool_choice": "required",
+            "text": {"format": {"type": "json_object"}}}
+    response = httpx.post(f"{default_server.base_url}/v1/responses", json=body, timeout=30)
+    assert response.status_code == 400 and "text.format" in response.json()["error"]["message"], response.text
 
 
 def test_the_store_is_bounded():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -110,6 +111,19 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> C
     })
 
 
+_CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.")
+
+
+def _in_responses_terms(error: APIError) -> APIError:
+    """A tools error of the chat request this one amounts to, naming the
+    Responses request's own fields: its tools have no ``function`` wrapper
+    (``tools[1].parameters``, not ``tools[1].function.parameters``)."""
+    if error.param is None or not _CHAT_TOOL_FIELD.search(error.param):
+        return error
+    return bad_request(_CHAT_TOOL_FIELD.sub(r"tools[\1].", error.message),
+                       _CHAT_TOOL_FIELD.sub(r"tools[\1].", error.param))
+
+
 async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_request: Request) -> Any:
     check_request(ctx, request, request.model)
     history: list[dict[str, Any]] = []
@@ -122,7 +136,10 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
     conversation = history + input_messages(request)
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     chat = chat_request(request, system + conversation)
-    tools = request_tools(ctx, chat)
+    try:
+        tools = request_tools(ctx, chat)
+    except APIError as exc:
+        raise _in_responses_terms(exc) from exc
     prompt = await prepare(raw_request, lambda: chat_prompt(ctx, chat))
     max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), request.max_output_tokens, "max_output_tokens", "input")
     params = sampling_params(chat, max_tokens, None, None, request.stream)
@@ -130,7 +147,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
         try:
             params = tools.constrain(params)
         except ValueError as exc:
-            raise bad_request(str(exc), "tool_choice") from exc
+            raise bad_request(str(exc).replace("response_format", "text.format"), "tool_choice") from exc
     response_id = f"resp_{uuid.uuid4().hex}"
     param = constraint_param(chat, tools is not None and tools.choice.constrains, "text.format")
     await check_constraints([params], param)
@@ -246,7 +263,8 @@ class ResponseBuilder:
         input_tokens = len(final.prompt_token_ids)
         usage = {
             "input_tokens": input_tokens,
-            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            # cache_write_tokens: the SDK's type requires it (heron's prefix cache has no write charge)
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens,
