@@ -351,6 +351,26 @@ def test_chat_content_parts_without_text_are_400s(server, part):
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [part]}]}
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "chat template" not in response.json()["error"]["message"]  # the content's fault, not the template's
+
+
+def test_echo_continues_a_final_message_of_text_parts_as_of_a_string(server):
+    """echo with the final assistant message as content parts echoed nothing
+    (streamed: an empty first delta); vLLM joins the parts, as the template sees them."""
+    texts = []
+    for content in ("Once upon a time", [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]):
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "echo": True, "add_generation_prompt": False,
+                "continue_final_message": True,
+                "messages": [{"role": "user", "content": "A story."}, {"role": "assistant", "content": content}]}
+        answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30).json()
+        texts.append(answer["choices"][0]["message"]["content"])
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=30) as stream:
+            chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert streamed == texts[-1]
+    assert texts[0].startswith("Once upon a time") and texts[1].startswith("Once upon\na time")
 
 
 def test_context_overflow_message_says_both_numbers(server):

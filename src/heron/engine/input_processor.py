@@ -152,9 +152,10 @@ class InputProcessor:
                 "this model has no chat template; use the completions API or pass chat_template",
                 "messages",
             )
+        flattened = [flatten_content(m) for m in messages]  # its refusals name the content, not the template
         try:
             text = self.tokenizer.apply_chat_template(
-                [_flatten_content(m) for m in messages],
+                flattened,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
@@ -261,7 +262,7 @@ def check_text(text: str, param: str) -> None:
         ) from exc
 
 
-def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+def flatten_content(message: dict[str, Any]) -> dict[str, Any]:
     """OpenAI content parts ([{"type": "text", "text": ...}]) -> a plain string,
     one part a line (as vLLM renders them)."""
     content = message.get("content")

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
+from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt, flatten_content
 from heron.engine.tool_prompting import template_messages
 from heron.entrypoints.openai.errors import bad_request
 from heron.entrypoints.openai.logprob_fields import chat_logprobs, check_prompt_logprobs, prompt_logprobs_field
@@ -129,9 +129,10 @@ class _ChatBuilder:
         self.top_logprobs = top_logprobs
         self.tokenizer = ctx.engine.tokenizer
         last = request.messages[-1]
+        # as the template saw it: content parts joined (a list of text parts echoed nothing)
         self.echo_text = (
-            str(last.content or "")
-            if request.echo and last.role == "assistant" and isinstance(last.content, str)
+            str(flatten_content(last.model_dump(exclude_none=True))["content"])
+            if request.echo and last.role == "assistant"
             else ""
         )
 
