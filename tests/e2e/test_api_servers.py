@@ -131,6 +131,32 @@ def test_a_dead_api_server_stops_the_whole_server_and_sigint_stops_it_cleanly():
     server.stop()
 
 
+def test_a_dead_engine_core_gets_503s_for_the_grace_under_several_api_servers():
+    """--dead-engine-grace holds with several API servers: the launcher used to
+    stop them as soon as an engine core ended, so /health and new requests met
+    refused connections after 0.3 s instead of 503s for the grace. The reason
+    no longer reads "code -1" (an API server cannot know the code)."""
+    server = start(1, "--dead-engine-grace", "3")
+    family = list(descendants(server.process.pid))
+    [engine] = [pid for pid, command in descendants(server.process.pid).items() if "heron.engine.core_proc" in command]
+    killed = time.monotonic()
+    os.kill(engine, signal.SIGKILL)
+    answers = []
+    while time.monotonic() - killed < 2.5:
+        try:
+            answers.append(httpx.get(f"{server.base_url}/health", timeout=5).status_code)
+        except httpx.TransportError as exc:
+            answers.append(type(exc).__name__)
+        time.sleep(0.2)
+    health = httpx.get(f"{server.base_url}/health", timeout=5) if answers[-1] == 503 else None
+    assert server.process.wait(30) == 1
+    assert gone(family), descendants(server.process.pid)
+    assert 503 in answers and all(answer in (200, 503) for answer in answers), answers
+    assert answers[answers.index(503):] == [503] * (len(answers) - answers.index(503)), answers
+    assert health is not None and "code -1" not in health.text and "exited" in health.text, health
+    server.stop()
+
+
 def test_ctrl_c_lets_every_api_server_finish_the_streams_it_serves():
     """A terminal's Ctrl-C signals the whole process group: each API server
     starts its graceful stop, then the launcher told them to stop again with

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from heron.config import EngineConfig
-from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, OwnedEngineCore
+from heron.engine.core_client import UNKNOWN_EXIT_CODE, EngineCoreClient, EngineCoreEndpoint, OwnedEngineCore
 from heron.engine.dp_client import DataParallelClient, start_engine_cores
 from heron.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedPrompt
 from heron.engine.output_processor import OutputProcessor
@@ -399,7 +399,9 @@ class AsyncLLM:
         while True:
             await asyncio.sleep(0.5)
             if not self.client.is_alive():
-                self._mark_dead(f"the engine core process exited (code {self.client.exit_code})")
+                code = self.client.exit_code
+                self._mark_dead("the engine core process exited"
+                                + ("" if code == UNKNOWN_EXIT_CODE else f" (code {code})"))
                 return
             self.stat_logger.maybe_log()
 

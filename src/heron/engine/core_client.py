@@ -32,6 +32,10 @@ from heron.tempdirs import IPC_DIR_PREFIX, make_private_dir, remove_private_dir
 logger = logging.getLogger(__name__)
 
 
+# the exit code of an engine core another process started (an API server of several): it ended, how is unknown
+UNKNOWN_EXIT_CODE = -1
+
+
 @dataclass(frozen=True)
 class EngineCoreEndpoint:
     """What one API server needs to talk to an engine core another process
@@ -155,7 +159,7 @@ class EngineCoreClient:
     def exit_code(self) -> int | None:
         if self._owned is not None:
             return self._owned.exit_code()
-        return None if self.pid is None or _process_running(self.pid) else -1
+        return None if self.pid is None or _process_running(self.pid) else UNKNOWN_EXIT_CODE
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         try:

@@ -91,7 +91,7 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
                 [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path], env=env))
         logger.info("%d API servers on port %d (pids %s) over %d engine core(s)",
                     count, port, ", ".join(str(s.pid) for s in servers), len(started))
-        return _supervise(servers, started)
+        return _supervise(servers, started, args.dead_engine_grace)
     except (_Stop, KeyboardInterrupt):
         return 0
     finally:
@@ -103,15 +103,21 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
         remove_private_dir(workdir)
 
 
-def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore]) -> int:
+def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[OwnedEngineCore],
+               dead_engine_grace: float) -> int:
     """Wait until an API server or an engine core exits: a clean exit of every
     API server (they were told to stop) is 0; an API server dying under the
-    others, or an engine core ending, is 1."""
+    others, or an engine core ending, is 1. After an engine core ends, the API
+    servers answer 503 for ``dead_engine_grace`` s and exit by themselves; they
+    were stopped at once, and clients got refused connections instead."""
     while True:
         ended = next((rank for rank, engine in enumerate(engines) if engine.exit_code() is not None), None)
         if ended is not None:
-            logger.error("engine core %d ended (code %s): stopping the API servers", ended,
-                         engines[ended].exit_code())
+            logger.error("engine core %d ended (code %s): the API servers answer 503 for %.1f s, then stop",
+                         ended, engines[ended].exit_code(), dead_engine_grace)
+            deadline = time.monotonic() + dead_engine_grace + 10  # their grace, then time to exit
+            while time.monotonic() < deadline and any(server.poll() is None for server in servers):
+                time.sleep(0.2)
             return 1
         exited = [server for server in servers if server.poll() is not None]
         if (exited and len(exited) < len(servers)) or any(server.returncode for server in exited):
