@@ -103,6 +103,20 @@ def test_top_p_alone_through_candidates_matches_the_sort():
         assert torch.isinf(through_candidates[0]).sum() > 0 and torch.isfinite(through_candidates[1]).all()
 
 
+def test_the_sort_and_the_candidates_agree_at_a_close_top_p_cut_off():
+    """A bfloat16-valued row whose mass before its 70th token is 0.94999103:
+    the sort's float32 softmax and cumulative sum made it 0.95000327 and cut
+    four tokens the candidates kept, so a seeded top_p 0.95 request drew
+    another token beside a top_k request (which sends the batch to the sort)."""
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        logits = (torch.randn(64, 49152, generator=generator) * 5).to(torch.bfloat16).float()
+    row, top_p = logits[21:22], torch.tensor([0.95])
+    through_candidates = apply_top_k_top_p(row, None, top_p)
+    assert torch.isfinite(through_candidates).sum() == 73
+    assert torch.equal(torch.isinf(through_candidates), torch.isinf(_sorted_top_k_top_p(row, None, top_p)))
+
+
 def test_every_logit_tied_with_the_top_p_cut_off_stays_on_every_path():
     """Two tied logits where top-p 0.3 needs one of them: which one a sort
     ordered first decided which token a row could draw. Every path (top-k's
@@ -163,6 +177,24 @@ def test_sampling_matches_the_distribution():
     chi2 = (((counts[:4] - expected[:4]) ** 2) / expected[:4]).sum().item()
     assert chi2 < 16.3  # p = 0.001 for 3 degrees of freedom
     assert counts[4:].sum() == 0
+
+
+def test_a_token_of_negligible_probability_is_not_drawn():
+    """The CPU's uniform noise is a multiple of 2^-24: -log(1 - U) made U = 0 an
+    E of 0 (clamped to the float's tiny), and its token won whatever its
+    probability, in 0.3% of draws over a 49,152-token vocabulary. One token
+    holds all but 5e-8 of the mass here; 5,000 draws took another about 14 times."""
+    from heron.sample.ops import sample_from_probs
+
+    probs = torch.full((500, 49152), 1e-12)
+    probs[:, 7] = 1.0 - 49151e-12
+    generator = torch.Generator().manual_seed(0)
+    others = sum(int((sample_from_probs(probs, {}, generator) != 7).sum()) for _ in range(10))
+    assert others <= 1
+    # a row of one possible token draws it even where its noise is the largest
+    only = torch.zeros(1, 8)
+    only[0, 3] = 1.0
+    assert all(sample_from_probs(only, {}, generator).item() == 3 for _ in range(200))
 
 
 def test_logprobs_are_raw_with_ranks_and_top_entries():

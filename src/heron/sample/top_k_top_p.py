@@ -72,10 +72,9 @@ def _top_p_cutoff(
     row kept every candidate (then, under top-p alone, the cut-off may lie
     past them). Rows at top_p 1 keep everything above ``floor``."""
     row_max = candidates[:, :1]
-    total = torch.where(logits >= floor, (logits - row_max).exp(), 0.0).sum(dim=-1, keepdim=True)
+    total = torch.where(logits >= floor, (logits - row_max).exp(), 0.0).sum(dim=-1, keepdim=True, dtype=torch.float64)
     above_floor = (candidates >= floor) & (candidates > _NEG_INF)  # a banned token is never kept
-    probs = torch.where(above_floor, (candidates - row_max).exp(), 0.0) / total
-    mass_before = probs.cumsum(dim=-1) - probs
+    mass_before = _mass_before(torch.where(above_floor, (candidates - row_max).exp(), 0.0), total)
     whole = top_p[:, None] >= 1.0
     kept = above_floor & ((mass_before < top_p[:, None]) | whole)
     cutoff = torch.where(kept, candidates, torch.inf).amin(dim=-1, keepdim=True)
@@ -110,11 +109,21 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
 def _top_p_cutoff_sorted(sorted_logits: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Each row's smallest kept logit after top-p, from logits sorted best first
     (those under ``floor`` already -inf)."""
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
+    weights = (sorted_logits - sorted_logits[:, :1]).exp()
+    mass_before = _mass_before(weights, weights.sum(dim=-1, keepdim=True, dtype=torch.float64))
     # rows at top_p 1 keep everything: their float32 sums reach 1.0 before the tail ends, and masked it (a
     # seeded row's tokens then depended on whether another row of its batch used top_p)
     whole = top_p[:, None] >= 1.0
     kept = (mass_before < top_p[:, None]) & (sorted_logits >= floor) & (sorted_logits > _NEG_INF)
     cutoff = torch.where(kept, sorted_logits, torch.inf).amin(dim=-1, keepdim=True)
     return torch.where(whole, floor, torch.minimum(cutoff, sorted_logits[:, :1]))
+
+
+def _mass_before(weights: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The probability of the tokens before each of ``weights`` (exp(logit -
+    row max), most likely first) in float64, over ``total`` (their float64 sum
+    over what top-k keeps): the sort's and the candidates' ways then agree at a
+    cut-off (a float32 softmax and cumulative sum over the vocabulary were off
+    by 1e-5, and a seeded row's kept set followed its batch's way)."""
+    probs = weights.double() / total
+    return probs.cumsum(dim=-1) - probs
