@@ -256,6 +256,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
+    sampling = _sampling(args)
     results = []
     for index, base_url in enumerate(base_urls):
         model = args.model or _served_model(base_url, args.api_key)
@@ -263,7 +264,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         raw, duration = asyncio.run(run_load(
             base_url, args.endpoint, model, samples,
             request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-            ignore_eos=args.ignore_eos, sampling=_sampling(args), api_key=args.api_key,
+            ignore_eos=args.ignore_eos, sampling=sampling, api_key=args.api_key,
             count_tokens=count_tokens, seed=args.seed, show_progress=not args.disable_tqdm,
         ))
         settings = {
@@ -278,7 +279,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency,
             "goodput_slos_ms": goodput or None,
-            "sampling": _sampling(args),
+            "sampling": sampling,
             # this process's CPU over the run (all threads): where a client saturates a core
             "client_cpu_s": time.process_time() - client_cpu_started,
             "started_at": started_at,  # epoch seconds: runs of several clients line up by it

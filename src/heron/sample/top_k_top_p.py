@@ -56,7 +56,7 @@ def apply_top_k_top_p(
             candidates = logits.topk(max_top_k, dim=-1).values  # descending
             cutoff = candidates.gather(1, (top_k - 1).clamp(min=0, max=max_top_k - 1)[:, None])
             if top_p is not None:
-                cutoff, _ = _top_p_cutoff(logits, candidates, cutoff, top_p)
+                cutoff, _ = _top_p_cutoff(candidates, cutoff, top_p, logits)
             return logits.masked_fill(logits < cutoff, _NEG_INF)
     elif top_p is not None and logits.device.type == "cpu" and vocab_size > _TOP_P_CANDIDATES:
         return _top_p_through_candidates(logits, top_p)
@@ -64,18 +64,30 @@ def apply_top_k_top_p(
 
 
 def _top_p_cutoff(
-    logits: torch.Tensor, candidates: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor
+    candidates: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's smallest kept logit after top-p, among ``candidates`` (its
-    largest logits, descending) above ``floor`` (its top-k's k-th, or -inf), the
-    probabilities taken over every logit at or above ``floor``; and whether the
+    largest logits, descending) at or above ``floor`` (its top-k's k-th, or
+    -inf), the probabilities taken over every logit of ``logits`` at or above
+    ``floor`` (None: the candidates are the whole row, sorted); and whether the
     row kept every candidate (then, under top-p alone, the cut-off may lie
-    past them). Rows at top_p 1 keep everything above ``floor``."""
+    past them). Rows at top_p 1 keep everything at or above ``floor``.
+
+    The probability mass is summed in float64, so the sort's way and the
+    candidates' agree at a cut-off (a float32 softmax and cumulative sum over
+    the vocabulary were off by 1e-5, and a seeded row's kept set followed its
+    batch's way)."""
     row_max = candidates[:, :1]
-    total = torch.where(logits >= floor, (logits - row_max).exp(), 0.0).sum(dim=-1, keepdim=True, dtype=torch.float64)
     above_floor = (candidates >= floor) & (candidates > _NEG_INF)  # a banned token is never kept
-    mass_before = _mass_before(torch.where(above_floor, (candidates - row_max).exp(), 0.0), total)
-    whole = top_p[:, None] >= 1.0
+    weights = torch.where(above_floor, (candidates - row_max).exp(), 0.0)
+    if logits is None:
+        total = weights.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    else:
+        total = torch.where(logits >= floor, (logits - row_max).exp(), 0.0).sum(dim=-1, keepdim=True,
+                                                                                dtype=torch.float64)
+    probs = weights.double() / total
+    mass_before = probs.cumsum(dim=-1) - probs
+    whole = top_p[:, None] >= 1.0  # their sums reach 1.0 before the tail ends: a mask would cut the tail
     kept = above_floor & ((mass_before < top_p[:, None]) | whole)
     cutoff = torch.where(kept, candidates, torch.inf).amin(dim=-1, keepdim=True)
     cutoff = torch.where(whole, floor, torch.minimum(cutoff, row_max))  # the most likely token always stays
@@ -87,7 +99,7 @@ def _top_p_through_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torc
     the rows whose candidates hold less than ``top_p`` (reads the host)."""
     candidates = logits.topk(_TOP_P_CANDIDATES, dim=-1).values
     floor = torch.full((logits.shape[0], 1), _NEG_INF, dtype=logits.dtype, device=logits.device)
-    cutoff, short = _top_p_cutoff(logits, candidates, floor, top_p)
+    cutoff, short = _top_p_cutoff(candidates, floor, top_p, logits)
     kept = logits.masked_fill(logits < cutoff, _NEG_INF)
     rows = short.nonzero().flatten()
     if len(rows):
@@ -97,33 +109,10 @@ def _top_p_through_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torc
 
 def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Any mix of rows, through one sort of the vocabulary."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
     cutoff = sorted_logits[:, -1:]
     if top_k is not None:
         cutoff = sorted_logits.gather(1, (top_k - 1).clamp(min=0, max=logits.shape[1] - 1)[:, None])
     if top_p is not None:
-        cutoff = _top_p_cutoff_sorted(sorted_logits.masked_fill(sorted_logits < cutoff, _NEG_INF), cutoff, top_p)
+        cutoff, _ = _top_p_cutoff(sorted_logits, cutoff, top_p)
     return logits.masked_fill(logits < cutoff, _NEG_INF)
-
-
-def _top_p_cutoff_sorted(sorted_logits: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Each row's smallest kept logit after top-p, from logits sorted best first
-    (those under ``floor`` already -inf)."""
-    weights = (sorted_logits - sorted_logits[:, :1]).exp()
-    mass_before = _mass_before(weights, weights.sum(dim=-1, keepdim=True, dtype=torch.float64))
-    # rows at top_p 1 keep everything: their float32 sums reach 1.0 before the tail ends, and masked it (a
-    # seeded row's tokens then depended on whether another row of its batch used top_p)
-    whole = top_p[:, None] >= 1.0
-    kept = (mass_before < top_p[:, None]) & (sorted_logits >= floor) & (sorted_logits > _NEG_INF)
-    cutoff = torch.where(kept, sorted_logits, torch.inf).amin(dim=-1, keepdim=True)
-    return torch.where(whole, floor, torch.minimum(cutoff, sorted_logits[:, :1]))
-
-
-def _mass_before(weights: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """The probability of the tokens before each of ``weights`` (exp(logit -
-    row max), most likely first) in float64, over ``total`` (their float64 sum
-    over what top-k keeps): the sort's and the candidates' ways then agree at a
-    cut-off (a float32 softmax and cumulative sum over the vocabulary were off
-    by 1e-5, and a seeded row's kept set followed its batch's way)."""
-    probs = weights.double() / total
-    return probs.cumsum(dim=-1) - probs
