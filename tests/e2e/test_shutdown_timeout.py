@@ -71,6 +71,36 @@ def test_sigterm_lets_a_stream_finish_within_the_shutdown_timeout():
         server.stop()
 
 
+def test_requests_left_at_the_shutdown_deadline_end_with_openai_errors():
+    """What still runs when --shutdown-timeout is up ends with a 503 in OpenAI's
+    shape (a stream: an error event, then [DONE]). uvicorn cancelled them: a
+    non-streamed request got its plain-text 500 "Internal Server Error", a
+    stream a cut connection, and the log an ASGI traceback each."""
+    server = ServerProcess("--shutdown-timeout", "3")
+    try:
+        stream = Stream(server.base_url)
+        assert stream.first_chunk.wait(60) and stream.chunks
+        answers: list[httpx.Response] = []
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        plain = threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)))
+        plain.start()
+        time.sleep(1.0)  # the plain request is under way
+        server.process.send_signal(signal.SIGTERM)
+        stream.thread.join(60)
+        plain.join(60)
+        [answer] = answers
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "server_stopping" and "--shutdown-timeout" in answer.text
+        assert stream.chunks[-1] == "[DONE]", (stream.error, stream.chunks[-3:])
+        assert "server_stopping" in stream.chunks[-2]
+        assert server.process.wait(30) == 0
+        assert "Exception in ASGI application" not in server.read_log()
+    finally:
+        server.stop()
+
+
 def test_a_zero_shutdown_timeout_cuts_streams_at_once_and_ctrl_c_exits_0():
     """Ctrl-C (SIGINT) stops as SIGTERM does; it exited 130 (uvicorn re-raised it
     after its graceful stop, a KeyboardInterrupt), where README says 0."""

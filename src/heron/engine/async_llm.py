@@ -43,6 +43,10 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can be served."""
 
 
+class ServerStoppingError(RuntimeError):
+    """The server's graceful stop ran out of time before this request finished."""
+
+
 class EngineNotReadyError(RuntimeError):
     """The engine core is still loading the model."""
 
@@ -404,6 +408,14 @@ class AsyncLLM:
                                 + ("" if code == UNKNOWN_EXIT_CODE else f" (code {code})"))
                 return
             self.stat_logger.maybe_log()
+
+    def fail_in_flight(self, reason: str) -> int:
+        """End every request still running with ServerStoppingError: its consumer
+        answers with an error (503, or an error event) and aborts it. How many."""
+        error = ServerStoppingError(reason)
+        for collector in self._collectors.values():
+            collector.put(error)
+        return len(self._collectors)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

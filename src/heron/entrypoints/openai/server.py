@@ -247,7 +247,23 @@ async def serve_api(
         await asyncio.sleep(grace)
         server.should_exit = True
 
-    watchers = [asyncio.create_task(announce_when_ready()), asyncio.create_task(exit_when_the_engine_dies())]
+    async def end_requests_before_the_stop_deadline() -> None:
+        # at --shutdown-timeout uvicorn cancels the handlers still running: a non-streamed request got its
+        # plain-text 500, a stream was cut without an error event. heron ends them itself just before (a
+        # timeout too short for that cuts them, as it says)
+        if args.shutdown_timeout <= _STOP_MARGIN_S:
+            return
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(args.shutdown_timeout - _STOP_MARGIN_S)
+        ended = engine.fail_in_flight(f"the request did not finish within --shutdown-timeout "
+                                      f"({args.shutdown_timeout:g} s)")
+        if ended:
+            logger.warning("stopping: %d request(s) still running after %g s end with 503 / an error event",
+                           ended, args.shutdown_timeout - _STOP_MARGIN_S)
+
+    watchers = [asyncio.create_task(announce_when_ready()), asyncio.create_task(exit_when_the_engine_dies()),
+                asyncio.create_task(end_requests_before_the_stop_deadline())]
     main_thread = threading.current_thread() is threading.main_thread()
     # both stop it gracefully, and heron then exits 0 (Ctrl-C was a KeyboardInterrupt, code 130)
     stop_signals = (signal.SIGTERM, signal.SIGINT)
@@ -261,6 +277,10 @@ async def serve_api(
             watcher.cancel()
         engine.shutdown()
     return 1 if engine.is_dead else 0
+
+
+# how long before --shutdown-timeout heron ends the requests still running, so their answers are written
+_STOP_MARGIN_S = 1.0
 
 
 def _after_graceful_stop(signum: int, frame: object) -> None:

@@ -17,7 +17,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from heron.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError, EngineRequestError
+from heron.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineRequestError,
+    ServerStoppingError,
+)
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.entrypoints.openai.errors import (
     APIError,
@@ -439,6 +445,8 @@ def engine_error(exc: BaseException) -> APIError | None:
         return unavailable(f"The engine is not running: {exc}", "engine_dead")
     if isinstance(exc, EngineNotReadyError):
         return unavailable(str(exc), "model_loading")
+    if isinstance(exc, ServerStoppingError):
+        return unavailable(f"The server is stopping: {exc}", "server_stopping")
     if isinstance(exc, InvalidRequestError):
         return invalid_input(exc)
     if isinstance(exc, EngineRequestError):  # this request's failure: the engine serves on
