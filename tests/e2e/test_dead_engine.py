@@ -60,3 +60,35 @@ def test_a_killed_engine_fails_every_request_then_the_server_exits_for_its_super
         assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] == "Z"
     finally:
         server.stop()
+
+
+def test_a_stopped_engine_is_found_by_its_silence_and_killed():
+    """A SIGSTOPped engine core never exits: /health said ok for ever and every
+    request hung. Its heartbeats stop, and after --engine-heartbeat-timeout it
+    counts as dead: the stream ends with an error event, /health says dead, the
+    server exits 1 after the grace, and the stopped process is killed."""
+    server = ServerProcess("--dead-engine-grace", "2", "--engine-heartbeat-timeout", "3")
+    try:
+        stream_lines: list[str] = []
+        body = {"model": MODEL, "prompt": "Tell me about herons.", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+                stream_lines.extend(line for line in response.iter_lines() if line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        wait_for(lambda: len(stream_lines) > 3, what="the stream to start")
+        engine = server.engine_core_pid()
+        os.kill(engine, signal.SIGSTOP)
+        wait_for(lambda: httpx.get(f"{server.base_url}/health", timeout=1).status_code == 503, timeout=10,
+                 what="/health to answer 503")
+        assert "--engine-heartbeat-timeout" in httpx.get(f"{server.base_url}/health", timeout=1).text
+        reader.join(10)
+        assert not reader.is_alive(), "a request hung on a stopped engine"
+        assert stream_lines[-1] == "data: [DONE]" and '"error"' in stream_lines[-2], stream_lines[-3:]
+        assert server.process.wait(30) == 1
+        assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] == "Z"
+    finally:
+        server.stop()

@@ -24,6 +24,7 @@ from heron.config import EngineConfig
 from heron.engine.core_client import UNKNOWN_EXIT_CODE, EngineCoreClient, EngineCoreEndpoint, OwnedEngineCore
 from heron.engine.dp_client import DataParallelClient, start_engine_cores
 from heron.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedPrompt
+from heron.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.serialization import MessageKind, decode_outputs
 from heron.loader.tokenizer import load_tokenizer
@@ -33,6 +34,8 @@ from heron.metrics.stats import IterationStats
 from heron.outputs import RequestOutput
 from heron.sampling_params import RequestOutputKind, SamplingParams
 from heron.step_outputs import EngineCoreOutputs, SchedulerStats
+
+WATCH_INTERVAL_S = 0.5  # how often the engine watch looks at the engine core(s)
 
 logger = logging.getLogger(__name__)
 
@@ -118,14 +121,20 @@ class AsyncLLM:
         started: StartedEngineCore | Sequence[StartedEngineCore] | None = None,
         record_engine_stats: bool = True,
         stats_scope: str = "",
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        step_timeout_s: float = 0.0,
     ) -> None:
         """``started``: the engine core(s) already started on ``config``'s
         arguments (one per data-parallel rank): processes this object owns, or
         endpoints of processes another one owns (``--api-server-count``).
         ``record_engine_stats``: put the engines' statistics in this process's
         metrics (one API server of several does). ``stats_scope``: what the
-        periodic log line's throughput covers, when not the whole server."""
+        periodic log line's throughput covers, when not the whole server.
+        ``heartbeat_timeout_s`` / ``step_timeout_s``: an engine core silent that
+        long, or one step running that long, counts as dead (0: never; ``liveness.py``)."""
         self.config = config
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.step_timeout_s = step_timeout_s
         # start the engine cores first: they load the model while we load the tokenizer
         self.client: EngineCoreClient | DataParallelClient
         if config.data_parallel_size > 1:
@@ -152,6 +161,7 @@ class AsyncLLM:
         self._dead: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget utility calls, held till done
+        self._hung = False  # marked dead while its process still existed (liveness.py)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -197,7 +207,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        self.client.shutdown()
+        # a hung engine core will not stop when asked: stop (then kill) it at once
+        self.client.shutdown(timeout=1.0 if self._hung else 5.0)
 
     # ---- requests ------------------------------------------------------------------
 
@@ -400,13 +411,23 @@ class AsyncLLM:
         self.stat_logger.record(scheduler_stats, iteration)
 
     async def _watch_engine(self) -> None:
+        tick = time.monotonic()
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_INTERVAL_S)
             if not self.client.is_alive():
                 code = self.client.exit_code
                 self._mark_dead("the engine core process exited"
                                 + ("" if code == UNKNOWN_EXIT_CODE else f" (code {code})"))
                 return
+            previous, tick = tick, time.monotonic()
+            # after this loop itself was held (a long call in a handler), the engine's messages wait unread
+            # in the socket: judge its silence only once they have had a turn to be read
+            if tick - previous < WATCH_INTERVAL_S + HEARTBEAT_INTERVAL_S:
+                hung = self.client.hung_reason(self.heartbeat_timeout_s, self.step_timeout_s)
+                if hung is not None:
+                    self._hung = True
+                    self._mark_dead(hung)
+                    return
             self.stat_logger.maybe_log()
 
     def fail_in_flight(self, reason: str) -> int:

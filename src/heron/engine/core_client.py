@@ -25,6 +25,7 @@ from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core_channels import ClientAddresses
 from heron.engine.input_processor import InvalidRequestError
+from heron.engine.liveness import EngineLiveness
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
 from heron.tempdirs import IPC_DIR_PREFIX, make_private_dir, remove_private_dir
@@ -151,9 +152,14 @@ class EngineCoreClient:
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future[Any]] = {}
         self._closed = False
+        self.liveness = EngineLiveness()
 
     def is_alive(self) -> bool:
         return self.exit_code is None
+
+    def hung_reason(self, heartbeat_timeout_s: float, step_timeout_s: float) -> str | None:
+        """Why the engine core counts as hung though its process exists (``liveness.py``), or None."""
+        return self.liveness.hung_reason(heartbeat_timeout_s, step_timeout_s)
 
     @property
     def exit_code(self) -> int | None:
@@ -174,6 +180,10 @@ class EngineCoreClient:
 
     async def receive(self) -> tuple[MessageKind, Any]:
         kind, payload = unpack(await self.output_socket.recv())
+        if kind == MessageKind.HEARTBEAT:
+            self.liveness.heartbeat(payload)
+        else:
+            self.liveness.heard()
         if kind == MessageKind.UTILITY_RESULT:
             call_id, ok, result = payload
             future = self._pending_calls.pop(call_id, None)

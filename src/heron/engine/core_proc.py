@@ -27,6 +27,7 @@ from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core import EngineCore
 from heron.engine.core_channels import ALL, ClientAddresses, ClientChannels
+from heron.engine.liveness import HEARTBEAT_INTERVAL_S
 from heron.engine.serialization import MessageKind, decode_request, pack
 from heron.gc_freeze import freeze_startup_objects
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs
@@ -104,10 +105,12 @@ class EngineCoreProc:
         # (target, message), or outputs to split among the API servers, or _STOP
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._running = True
+        self._step_started: float | None = None  # monotonic time the running step began (None: between steps)
         threading.Thread(target=channels.receive_loop, args=(self._put_input,), name="engine-core-input",
                          daemon=True).start()
         self._sender = threading.Thread(target=self._send_loop, name="engine-core-output", daemon=True)
         self._sender.start()
+        threading.Thread(target=self._heartbeat_loop, name="engine-core-heartbeat", daemon=True).start()
         model = engine.config.model
         self._put_output(ALL, pack(
                 MessageKind.READY,
@@ -138,6 +141,15 @@ class EngineCoreProc:
                     self.channels.send(target, message)
             else:
                 self.channels.send(*item)
+
+    def _heartbeat_loop(self) -> None:
+        """Tell every API server this process still runs, and how long its current step has
+        (``liveness.py``): neither a stopped process nor a stuck step ever exits."""
+        while self._running:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+            started = self._step_started
+            step_s = 0.0 if started is None else max(time.monotonic() - started, 1e-3)
+            self._put_output(ALL, pack(MessageKind.HEARTBEAT, {"step_s": step_s}))
 
     def _handle(self, client: int, kind: MessageKind, payload: Any) -> None:
         if kind == MessageKind.ADD:
@@ -215,7 +227,10 @@ class EngineCoreProc:
                     break
                 if engine.has_unfinished_requests():
                     # sent even without token outputs: the step's stats feed the metrics
-                    self._send(engine.step())
+                    self._step_started = time.monotonic()
+                    outputs = engine.step()
+                    self._step_started = None
+                    self._send(outputs)
         except BaseException:
             logger.error("engine core died:\n%s", traceback.format_exc())
             self._put_output(ALL, pack(MessageKind.FAILED, traceback.format_exc(limit=3)))

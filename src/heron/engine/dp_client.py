@@ -219,6 +219,14 @@ class DataParallelClient:
     def is_alive(self) -> bool:
         return all(engine.client.is_alive() for engine in self.engines)
 
+    def hung_reason(self, heartbeat_timeout_s: float, step_timeout_s: float) -> str | None:
+        """The first hung engine core's reason (one hung engine takes the server down, as a dead one does)."""
+        for engine in self.engines:
+            reason = engine.client.hung_reason(heartbeat_timeout_s, step_timeout_s)
+            if reason is not None:
+                return f"engine core {engine.rank}: {reason}"
+        return None
+
     def _follow(self, engine: _Engine, info: dict[str, Any]) -> None:
         """Keep ``engine``'s index from its KV events; a subscription that ends
         other than by shutdown (it never should) starts again on a clean index,

@@ -30,6 +30,7 @@ class MessageKind(enum.IntEnum):
     OUTPUTS = 11
     UTILITY_RESULT = 12
     FAILED = 13
+    HEARTBEAT = 14  # every second from a thread of its own, with how long the current step has run
 
 
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]

@@ -7,6 +7,7 @@ import os
 
 from heron import envs
 from heron.engine.args import positive_size
+from heron.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S
 from heron.entrypoints.arg_types import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, number_at_least, port
 from heron.entrypoints.openai.cors import add_cors_args, cors_settings_from_args
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -37,6 +38,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dead-engine-grace", type=NON_NEGATIVE_FLOAT, default=5.0, metavar="SECONDS",
                        help="when the engine core dies: seconds the server goes on answering 503 (so clients and "
                             "load balancers see it) before it exits with code 1, for a supervisor to restart it")
+    group.add_argument("--engine-heartbeat-timeout", type=NON_NEGATIVE_FLOAT, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="an engine core that sends nothing for this long (its process stopped or hung; it sends "
+                            "a heartbeat every second) counts as dead, as one that exited does; 0 never")
+    group.add_argument("--engine-step-timeout", type=NON_NEGATIVE_FLOAT, default=0.0, metavar="SECONDS",
+                       help="an engine core whose one step runs this long (stuck in a kernel or a collective) counts "
+                            "as dead; 0 (the default) never: a step on a big model on a CPU can take minutes")
     group.add_argument("--shutdown-timeout", type=NON_NEGATIVE_FLOAT, default=5.0, metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
                             "are refused meanwhile) before the rest are cut; 0 cuts them at once. A supervisor's "

@@ -215,7 +215,8 @@ async def serve_api(
     # each of several API servers counts the tokens of its own requests: its periodic line says whose
     scope = f"API server {role.index + 1} of {role.count} (its requests)" if role is not None else ""
     engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started,
-                      record_engine_stats=role is None or role.index == 0, stats_scope=scope)
+                      record_engine_stats=role is None or role.index == 0, stats_scope=scope,
+                      heartbeat_timeout_s=args.engine_heartbeat_timeout, step_timeout_s=args.engine_step_timeout)
     server = uvicorn.Server(uvicorn_config(build_app(engine, settings, role), args, settings))
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # IPv6 in brackets
