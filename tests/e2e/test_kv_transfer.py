@@ -114,11 +114,14 @@ def test_a_streamed_prefill_for_another_engine_is_a_400(disaggregated):
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream", response.text
 
 
-def test_a_request_the_decode_server_refuses_frees_its_prefill_lease_at_once(disaggregated):
-    """A request too long for the decode server (a 400) left the prefill
-    server's blocks under their lease for its 30 s: a burst of such mistakes
-    filled the prefill server's pool. (It runs before the test that kills
-    the prefill server.)"""
+@pytest.mark.parametrize("refused_for", [{"max_tokens": 1000}, {"max_tokens": 0}, {"max_tokens": 1, "n": "two"}],
+                         ids=["too-long", "max_tokens-0", "n-not-a-number"])
+def test_a_request_the_decode_server_refuses_frees_its_prefill_lease_at_once(disaggregated, refused_for):
+    """A request the decode server refuses (a 400: too long for its context, or
+    a body that fails the request schema itself) left the prefill server's
+    blocks under their lease for its 30 s: a burst of such mistakes filled the
+    prefill server's pool. (It runs before the test that kills the prefill
+    server.)"""
     prefill, decode, _ = disaggregated
     wait_for(lambda: prefill.metric("heron:kv_cache_usage_perc") == 0, what="earlier leases released")
     prefilled = httpx.post(f"{prefill.base_url}/v1/completions", timeout=60, json={
@@ -126,7 +129,7 @@ def test_a_request_the_decode_server_refuses_frees_its_prefill_lease_at_once(dis
     handle = prefilled.json()["kv_transfer_params"]
     assert prefill.metric("heron:kv_cache_usage_perc") > 0  # held for the decode server
     refused = httpx.post(f"{decode.base_url}/v1/completions", timeout=60, json={
-        "prompt": PROMPT.replace("heron", "egret"), "max_tokens": 1000, "kv_transfer_params": handle})
+        "prompt": PROMPT.replace("heron", "egret"), **refused_for, "kv_transfer_params": handle})
     assert refused.status_code == 400, refused.text
     wait_for(lambda: prefill.metric("heron:kv_cache_usage_perc") == 0, timeout=10, what="the lease released")
 

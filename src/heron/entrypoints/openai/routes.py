@@ -125,6 +125,18 @@ async def _releasing_refused_prefill(ctx: ServingContext, request: CompletionReq
         raise
 
 
+def _release_prefill_of_invalid_body(request: Request, body: Any) -> None:
+    """A completion or chat body that fails the request schema (``max_tokens: 0``) but names a prefill
+    engine's handle frees that engine's lease too: it was refused before its handle was read, and the
+    prefill engine held the blocks for the lease's 30 s."""
+    route = request.scope.get("route")
+    if getattr(route, "endpoint", None) not in (completions, chat_completions) or not isinstance(body, dict):
+        return
+    serving: ServingContext | None = getattr(request.app.state, "serving", None)
+    if serving is not None:
+        serving.engine.release_refused_prefill(body.get("kv_transfer_params"))
+
+
 @router.post("/v1/responses", responses=INVALID_BODY)
 async def responses(request: ResponsesRequest, raw_request: Request, ctx: Serving) -> Any:
     return await create_response(ctx, request, raw_request)
@@ -272,7 +284,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return invalid_input(exc).response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _release_prefill_of_invalid_body(request, exc.body)
         return invalid_body(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
