@@ -31,6 +31,7 @@ class RecordingReplica:
 
     def __init__(self, health: dict[str, Any] | None = None) -> None:
         self.health = health or {"status": "ok"}
+        self.hold: asyncio.Event | None = None  # set: every answer waits for it (a hung host)
         self.seen: list[tuple[str, dict[str, Any]]] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -53,6 +54,8 @@ class RecordingReplica:
 
     async def generate(self, request: web.Request) -> web.Response:
         self.seen.append((request.path, await request.json()))
+        if self.hold is not None:
+            await self.hold.wait()
         return web.json_response({"id": "resp_1", "kv_transfer_params": _PARAMS})
 
 
@@ -62,11 +65,12 @@ def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Resp
     return handler
 
 
-def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingReplica) -> None:
+def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingReplica,
+                      with_router: bool = False) -> None:
     """``test(client, prefill, decode, ...)`` against a router over one prefill
-    replica and ``decodes`` (default: one that answers /health as vLLM would)."""
-    async def main() -> None:
-        prefill = RecordingReplica()
+    replica and ``decodes`` (default: one that answers /health as vLLM would);
+    ``with_router``: ``test(client, router, prefill, decode, ...)``."""
+    async def main(prefill: RecordingReplica) -> None:
         decode_replicas = list(decodes) or [RecordingReplica()]
         for replica in (prefill, *decode_replicas):
             await replica.start()
@@ -77,14 +81,15 @@ def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingR
         front = await serve(server.handle, "127.0.0.1", 0)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}") as client:
-                await asyncio.wait_for(test(client, prefill, *decode_replicas), 30)
+                await asyncio.wait_for(test(client, *([server] if with_router else []), prefill, *decode_replicas),
+                                       30)
         finally:
             front.close()
             await server.stop()
             for replica in (prefill, *decode_replicas):
                 await replica.stop()
 
-    asyncio.run(main())
+    asyncio.run(main(RecordingReplica()))
 
 
 def test_a_decode_replica_that_pulls_no_kv_gets_the_request_as_it_came():
@@ -198,3 +203,27 @@ def test_a_prefill_replica_resting_from_failures_gets_one_trial_at_a_time():
 
     asyncio.run(main())
 
+
+
+def test_a_prompt_waiting_on_a_prefill_replica_taken_out_is_computed_by_the_decode_replica():
+    """A prefill replica that stopped answering (a hung host, a partition) held
+    the requests in their prefill stage for its whole timeout (600 s), though
+    its breaker had opened and the decode replica could compute the prompts."""
+    async def test(client: httpx.AsyncClient, router: RouterServer, prefill: RecordingReplica,
+                   decode: RecordingReplica) -> None:
+        prefill.hold = asyncio.Event()
+        body = {"prompt": "a heron", "max_tokens": 4}
+        answer = asyncio.create_task(client.post("/v1/completions", json=body, timeout=20))
+        while not prefill.seen:
+            await asyncio.sleep(0.01)
+        assert router.prefill is not None
+        replica = router.prefill.replicas.replicas[0]
+        for _ in range(3):  # its probes fail
+            router.prefill.replicas.record(replica, None)
+        response = await asyncio.wait_for(answer, 5)
+        assert response.status_code == 200
+        assert decode.seen == [("/v1/completions", body)]  # as it came: computed there
+        assert not replica.out_waiters and replica.load.in_flight == 0
+        prefill.hold.set()
+
+    run_disaggregated(test, with_router=True)

@@ -12,11 +12,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import pytest
 from aiohttp import web
 
 from heron.router.http_front import serve
 from heron.router.replica import ReplicaSet
-from heron.router.server import RouterServer
+from heron.router.server import STALL_S, RouterServer
 from heron.routing.policies import Router
 
 
@@ -86,6 +87,11 @@ class FakeReplica:
                     await asyncio.sleep(0.02)
                 self.client_left.set()
                 return response
+            elif mode == "trickle":  # an event every 0.4 s for 4 s, then the end
+                for _ in range(10):
+                    await response.write(b"data: tick\n\n")
+                    await asyncio.sleep(0.4)
+                await response.write(b"data: [DONE]\n\n")
             elif mode == "big":  # as fast as the router takes it
                 chunk = b"x" * (1 << 20)
                 for _ in range(64):
@@ -279,16 +285,46 @@ def test_a_request_waiting_on_a_replica_taken_out_goes_elsewhere():
         hung = server.replicas.replicas[0]
         async with httpx.AsyncClient(base_url=url, timeout=20) as client:
             waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
-            while not hung.head_waiters:
+            while not hung.out_waiters:
                 await asyncio.sleep(0.01)
             for _ in range(3):  # its probes fail
                 server.replicas.record(hung, None)
             answer = await waiting
         assert answer.status_code == 200 and answer.json()["bytes"] > 0  # served by the other replica
-        assert fakes[1].requests == 1 and not hung.head_waiters and server.metrics.retries._value.get() == 1  # noqa: SLF001
+        assert fakes[1].requests == 1 and not hung.out_waiters and server.metrics.retries._value.get() == 1  # noqa: SLF001
         fakes[0].release.set()
 
     run_with_router(test, [FakeReplica(silent=True), FakeReplica()])
+
+
+@pytest.mark.parametrize("mode", ["hang", "trickle"])
+def test_a_stream_from_a_replica_taken_out_ends_once_it_stalls(mode):
+    """A stream whose replica stopped answering mid-way (a hung host, a
+    partition) never ended, though its breaker had opened: the client waited
+    for ever with no error event. One still sending runs to its end."""
+    async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
+        replica = server.replicas.replicas[0]
+        lines: list[str] = []
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client, \
+                client.stream("POST", "/v1/completions", json={"mode": mode}) as response:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 1:
+                    taken_out = asyncio.get_running_loop().time()
+                    for _ in range(3):  # its probes fail
+                        server.replicas.record(replica, None)
+        ended_after = asyncio.get_running_loop().time() - taken_out
+        assert lines[-1] == "data: [DONE]", lines
+        if mode == "hang":
+            assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "replica_failed"
+            assert STALL_S - 0.5 <= ended_after < STALL_S + 3
+        else:
+            assert lines[:-1] == ["data: tick"] * 10  # a replica still sending is not cut
+        assert not replica.out_waiters
+
+    run_with_router(test)
 
 
 def test_a_replicas_own_504_is_its_answer_not_its_failure():

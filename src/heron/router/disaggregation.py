@@ -28,7 +28,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from heron.router.prompt_hashes import CHAT_PATH
-from heron.router.replica import Replica, ReplicaSet
+from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
@@ -105,19 +105,24 @@ class PrefillStage:
 
     async def _prefill(self, session: aiohttp.ClientSession, replica: Replica, path: str, body: dict[str, Any],
                        headers: dict[str, str], hashes: list[bytes], deadline: float | None) -> dict[str, Any] | None:
+        """The replica's ``kv_transfer_params`` for the prompt; None when it fails, refuses,
+        misses ``deadline`` or is taken out (its breaker opens: a hung host held the request
+        for the whole prefill timeout, though the decode replica could compute the prompt)."""
         replica.load.dispatch(len(hashes))
         replica.index.expect(hashes)
         scope = asyncio.timeout_at(deadline)
         try:
             async with scope:
-                async with session.post(replica.url + path, json=prefill_request(body), headers=headers,
-                                        timeout=self.timeout) as response:
-                    self.replicas.record(replica, response.status)
-                    if response.status != 200:
-                        logger.info("prefill replica %s answered %d: the decode replica computes the prompt",
-                                    replica.url, response.status)
-                        return None
-                    answer = await response.json()
+                status, answer = await unless_taken_out(
+                    replica, self._post(session, replica.url + path, prefill_request(body), headers))
+            self.replicas.record(replica, status)
+            if status != 200:
+                logger.info("prefill replica %s answered %d: the decode replica computes the prompt",
+                            replica.url, status)
+                return None
+        except TakenOut as exc:
+            logger.warning("prefill replica %s: %s; the decode replica computes the prompt", replica.url, exc)
+            return None
         except TimeoutError as exc:
             if scope.expired():  # the request's deadline, not the replica's failure
                 logger.warning("prefill replica %s had not answered by the request's deadline", replica.url)
@@ -133,3 +138,9 @@ class PrefillStage:
             replica.load.release(len(hashes))
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         return params if isinstance(params, dict) else None
+
+    async def _post(self, session: aiohttp.ClientSession, url: str, request: dict[str, Any],
+                    headers: dict[str, str]) -> tuple[int, Any]:
+        """The status and (for a 200) the JSON answer of a prefill request."""
+        async with session.post(url, json=request, headers=headers, timeout=self.timeout) as response:
+            return response.status, await response.json() if response.status == 200 else None

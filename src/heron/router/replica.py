@@ -10,12 +10,13 @@ used again and re-subscribes, replaying what the replica still keeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import zmq.asyncio
@@ -27,6 +28,8 @@ from heron.routing.kv_subscriber import KVEventSubscriber
 from heron.routing.policies import ReplicaLoad
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _METRIC = re.compile(r'^heron:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} ([0-9.eE+-]+)$')
 # only these samples: a replica renders three gauges instead of every histogram (~30 KB)
@@ -72,8 +75,8 @@ class Replica:
     # whether it pulls a prefill engine's KV: one that does not is sent the client's request as it came (a
     # kv_transfer_params it cannot take was a 400 naming a field the client never sent)
     takes_kv_transfers: bool = True
-    # requests waiting for its answer's head: told when its breaker opens, to go elsewhere
-    head_waiters: set[asyncio.Future[None]] = field(default_factory=set)
+    # requests waiting on it (``unless_taken_out``): told when its breaker opens
+    out_waiters: set[asyncio.Future[None]] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -102,6 +105,31 @@ class Replica:
         """Stop following its events and forget its cache (gone, or to be replayed afresh)."""
         self.stop_subscription()
         self.index.reset()
+
+
+class TakenOut(Exception):
+    """The replica's breaker opened (its probes failed: a hung host, a partition) while a request waited on it."""
+
+
+async def unless_taken_out(replica: Replica, work: Awaitable[T]) -> T:
+    """``work``'s result, or TakenOut as soon as ``replica``'s breaker opens
+    (``work`` is then cancelled). A request waiting on a replica that stopped
+    answering waited until its client gave up, though the router had taken the
+    replica out and another one could serve it."""
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    replica.out_waiters.add(waiter)
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise TakenOut(f"{replica.url} was taken out (its circuit opened) before it answered")
+        return task.result()
+    finally:
+        replica.out_waiters.discard(waiter)
+        if not task.done():
+            task.cancel()  # an upstream request closes its connection
+            with contextlib.suppress(BaseException):
+                await task
 
 
 class ReplicaSet:
@@ -139,7 +167,7 @@ class ReplicaSet:
             logger.warning("replica %s is out (circuit open after %d failures)", replica.url,
                            replica.breaker.consecutive_failures)
             replica.unfollow()
-            for waiter in replica.head_waiters:  # no answer yet from it: another replica may serve them
+            for waiter in replica.out_waiters:  # requests waiting on it: another replica may serve them
                 if not waiter.done():
                     waiter.set_result(None)
 

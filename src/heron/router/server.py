@@ -22,14 +22,13 @@ not on a request's latency path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import functools
 import json
 import logging
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import Any
@@ -41,7 +40,7 @@ from heron.gc_freeze import freeze_startup_objects
 from heron.router.disaggregation import PrefillStage, prefills_first
 from heron.router.http_front import HttpRequest, ResponseWriter, error_body, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
-from heron.router.replica import Replica, ReplicaSet
+from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
 from heron.router.upstream import UpstreamConnection, UpstreamCut, UpstreamFailed, UpstreamPool
 from heron.routing.health import is_replica_failure, is_request_failure
@@ -308,7 +307,7 @@ class RouterServer:
             scope = asyncio.timeout_at(deadline)
             try:
                 async with scope:
-                    connection = await self._head_unless_taken_out(
+                    connection = await unless_taken_out(
                         replica, self.upstream.request(replica.url, request.method, request.path_qs, headers, raw))
             except TimeoutError:
                 if not scope.expired():
@@ -319,7 +318,7 @@ class RouterServer:
             except asyncio.CancelledError:  # the client left before the answer began: no verdict either
                 replica.breaker.release_trial()
                 raise
-            except UpstreamFailed as exc:
+            except (UpstreamFailed, TakenOut) as exc:
                 logger.warning("replica %s failed before answering: %s", replica.url, exc)
                 self.replicas.record(replica, None)
                 return False
@@ -338,28 +337,6 @@ class RouterServer:
             replica.load.release(uncached_blocks)
             if connection is not None:
                 self.upstream.release(replica.url, connection)  # closed unless its answer ended cleanly
-
-    @staticmethod
-    async def _head_unless_taken_out(replica: Replica, head: Coroutine[Any, Any, UpstreamConnection]
-                                     ) -> UpstreamConnection:
-        """``head``'s connection, or UpstreamFailed if the replica's breaker opens
-        first (its probes fail: a hung host, a partition). A request waiting on
-        such a replica waited until its client gave up, though no byte had
-        reached the client and another replica could serve it."""
-        waiter = asyncio.get_running_loop().create_future()
-        replica.head_waiters.add(waiter)
-        task = asyncio.ensure_future(head)
-        try:
-            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                raise UpstreamFailed("taken out (its circuit opened) before it answered")
-            return task.result()
-        finally:
-            replica.head_waiters.discard(waiter)
-            if not task.done():
-                task.cancel()  # the upstream request closes its connection
-                with contextlib.suppress(BaseException):
-                    await task
 
     def _timed_out(self, writer: ResponseWriter) -> None:
         """The deadline passed before the answer's head: 504."""
@@ -381,9 +358,19 @@ class RouterServer:
         writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
         scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and status == 200 else None
         tail = b""  # the last bytes relayed: where the stream stands if it is cut
+        loop = asyncio.get_running_loop()
+        last_byte_at = loop.time()
+
+        def idle_s() -> float:
+            """How long the replica has sent nothing (0 while the client holds the relay up)."""
+            nonlocal last_byte_at
+            if writer.client_paused:
+                last_byte_at = loop.time()
+            return loop.time() - last_byte_at
 
         def forward(chunk: bytes) -> None:
-            nonlocal tail
+            nonlocal tail, last_byte_at
+            last_byte_at = loop.time()
             if scanner is not None and scanner.found is None:
                 scanner.feed(chunk)
                 if scanner.found is not None:
@@ -405,7 +392,7 @@ class RouterServer:
             # an httpx client's time to first token, measured through the router)
             writer.flush()
         try:
-            outcome = await _until(connection.done, deadline)
+            outcome = await _until_or_stalled(replica, connection.done, deadline, idle_s)
         finally:
             # the connection may go back to the pool: it must read again, and pause nobody's relay
             writer.on_pause = writer.on_resume = None
@@ -419,8 +406,12 @@ class RouterServer:
                            self.request_timeout)
             error = self._timeout_error()
         else:
-            logger.warning("replica %s cut a response", replica.url)
-            self.replicas.record(replica, None)
+            if outcome is _Outcome.STALLED:
+                logger.warning("replica %s was taken out and its answer has stalled for %g s: ending it",
+                               replica.url, STALL_S)
+            else:
+                logger.warning("replica %s cut a response", replica.url)
+                self.replicas.record(replica, None)
             self.metrics.cut_streams.inc()
             error = error_body(502, "the replica serving this stream failed", "replica_failed")
         if not event_stream:
@@ -434,6 +425,11 @@ class _Outcome(enum.Enum):
     DONE = "done"
     CUT = "cut"  # the replica's answer stopped before its end
     DEADLINE = "deadline"  # the request's deadline passed first
+    STALLED = "stalled"  # its replica was taken out, and it had no byte for STALL_S
+
+
+# an answer whose replica the router took out ends once it has had no byte for this long
+STALL_S = 2.0
 
 
 async def _until(done: asyncio.Future[None], deadline: float | None) -> _Outcome:
@@ -446,6 +442,29 @@ async def _until(done: asyncio.Future[None], deadline: float | None) -> _Outcome
     except TimeoutError:
         return _Outcome.DEADLINE
     return _Outcome.DONE
+
+
+async def _until_or_stalled(replica: Replica, done: asyncio.Future[None], deadline: float | None,
+                            idle_s: Callable[[], float]) -> _Outcome:
+    """``_until``, except that once ``replica`` is taken out (its breaker opens)
+    the answer ends as STALLED when it has had no byte for ``STALL_S``
+    (``idle_s``: how long it has had none). A stopped replica's stream never
+    ended, though the router had taken the replica out; one still sending goes on."""
+    ending = asyncio.ensure_future(_until(done, deadline))
+    try:
+        try:
+            return await unless_taken_out(replica, asyncio.shield(ending))
+        except TakenOut:
+            pass
+        while True:
+            idle = idle_s()
+            if idle >= STALL_S:
+                return _Outcome.STALLED
+            finished, _ = await asyncio.wait({ending}, timeout=STALL_S - idle)
+            if finished:
+                return ending.result()
+    finally:
+        ending.cancel()
 
 
 def _event_boundary(tail: bytes) -> bytes:
