@@ -123,10 +123,15 @@ def test_the_router_lets_a_stream_finish_within_its_shutdown_timeout():
     try:
         stream = Stream(router.base_url)
         assert stream.first_chunk.wait(60) and stream.chunks
+        kept_alive = httpx.Client(base_url=router.base_url, timeout=5)
+        assert kept_alive.get("/health").status_code == 200
         router.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{router.base_url}/health", timeout=5)
+        # nor on a kept-alive connection: it was taken, then cut at the deadline with no answer
+        with pytest.raises(httpx.TransportError):
+            kept_alive.get("/health")
         stream.thread.join(90)
         assert stream.chunks[-1] == "[DONE]", (stream.error, stream.chunks[-3:], router.read_log()[-2000:])
         assert stream.tokens >= 0.9 * MAX_TOKENS

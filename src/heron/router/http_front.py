@@ -45,6 +45,7 @@ import httptools
 
 logger = logging.getLogger(__name__)
 
+STOPPING = "the router is stopping"
 MAX_BODY_BYTES = 64 << 20
 MAX_HEAD_BYTES = 64 << 10
 _MAX_QUEUED_REQUESTS = 8  # pipelined requests held before the client is paused
@@ -91,6 +92,8 @@ class ResponseWriter:
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
         self.client_paused = client_paused  # the client's socket buffer is full (it is not reading)
+        self.event_stream = False  # its content type is text/event-stream
+        self._tail = b""  # the last two body bytes written: where a stream cut now stands
         self._pending: list[bytes] = []
 
     @property
@@ -109,6 +112,8 @@ class ResponseWriter:
     def start(self, status: int, headers: list[tuple[str, str]], content_length: int | None) -> None:
         assert not self.started, "a response is started once"
         self.started = True
+        self.event_stream = any(name.lower() == "content-type" and value.startswith("text/event-stream")
+                                for name, value in headers)
         reason = _reason(status)
         lines = [f"HTTP/1.1 {status} {reason}"]
         lines += [f"{name}: {value}" for name, value in headers]
@@ -126,8 +131,9 @@ class ResponseWriter:
         self._pending.append(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
     def write(self, data: bytes) -> None:
-        if not data or self._head_only:
+        if not data or self._head_only or self.finished:
             return
+        self._tail = (self._tail + data)[-2:]
         if self._chunked:
             self._pending.append(b"%x\r\n%b\r\n" % (len(data), data))
         else:
@@ -151,7 +157,32 @@ class ResponseWriter:
     def abort(self) -> None:
         """Closes the connection: the answer cannot be completed (its length was promised)."""
         self._pending.clear()
+        self.finished = True
         self._transport.close()
+
+    def fail(self, status: int, error: dict[str, Any]) -> None:
+        """Ends the answer with ``error`` however far it got: sent as the answer
+        (``status``) when none has started; in an event stream, as an event of its
+        own (the event it was in closed first) and ``[DONE]``; any other answer
+        under way is aborted, as a cut JSON or a short body would read as whole."""
+        if self.finished:
+            return
+        if not self.started:
+            self.send_json(status, error)
+        elif self.event_stream:
+            self.write(_event_boundary(self._tail) + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            self.end()
+        else:
+            self.abort()
+
+
+def _event_boundary(tail: bytes) -> bytes:
+    """What ends the event a cut stream was in (``tail``: its last bytes), so
+    that an event written after it is one of its own: nothing at a boundary
+    (or before any byte), else the line ends and a blank line follows."""
+    if not tail or tail.endswith(b"\n\n"):
+        return b""
+    return b"\n" if tail.endswith(b"\n") else b"\n\n"
 
 
 Handler = Callable[[HttpRequest, ResponseWriter], Awaitable[None]]
@@ -160,8 +191,11 @@ Handler = Callable[[HttpRequest, ResponseWriter], Awaitable[None]]
 class FrontConnection(asyncio.Protocol):
     """One client connection: parses requests and runs ``handler`` on each in turn."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, open_connections: set[FrontConnection] | None = None) -> None:
+        """``open_connections``: where this connection is listed while it is open (a graceful stop's)."""
         self._handler = handler
+        self._open_connections = open_connections
+        self._draining = False  # the router is stopping: no request is started, the connection closes
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._client = ""
@@ -181,6 +215,8 @@ class FrontConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self._client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         send_at_once(transport)
+        if self._open_connections is not None:
+            self._open_connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
@@ -202,6 +238,8 @@ class FrontConnection(asyncio.Protocol):
                 self._reject(400, f"malformed HTTP request: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._open_connections is not None:
+            self._open_connections.discard(self)
         self._queue.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -290,6 +328,13 @@ class FrontConnection(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
+        if self._draining:
+            if self._queue:  # sent on a kept-alive connection as the router stops: refused, not cut later
+                request, _, http10 = self._queue.popleft()
+                ResponseWriter(transport, keep_alive=False, head_only=request.method == "HEAD",
+                               http10=http10).send_json(503, error_body(503, STOPPING, "server_stopping"))
+            transport.close()
+            return
         if not self._queue:
             if self._rejection is not None:  # every request before the bad one is answered
                 status, message = self._rejection
@@ -320,6 +365,30 @@ class FrontConnection(asyncio.Protocol):
         self._writer = None
         self._task = None
         self._next()
+
+    # ---- a graceful stop ---------------------------------------------------------
+
+    def drain(self) -> None:
+        """The router is stopping: an idle connection closes now; one with an
+        answer under way closes after it (its head, if not yet sent, says
+        ``connection: close``), and a request that comes meanwhile is refused
+        with a 503 instead of being taken and cut at the deadline."""
+        self._draining = True
+        if self._writer is not None and not self._writer.started:
+            self._writer.keep_alive = False
+        self._next()
+
+    def cut(self) -> None:
+        """The graceful stop's time is up: the answer under way ends with an
+        error (a 503 if it has not started, an error event and ``[DONE]`` in a
+        stream, else the connection is closed) and its handler is cancelled."""
+        if self._writer is not None:
+            self._writer.fail(503, error_body(503, f"{STOPPING}; this request was cut at its shutdown timeout",
+                                              "server_stopping"))
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._transport is not None:
+            self._transport.close()
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
@@ -360,7 +429,10 @@ def _reason(status: int) -> str:
     return _REASONS.get(status, "Unknown")
 
 
-async def serve(handler: Handler, host: str, port: int) -> asyncio.Server:
-    """A listening server running ``handler`` on every request."""
+async def serve(handler: Handler, host: str, port: int,
+                open_connections: set[FrontConnection] | None = None) -> asyncio.Server:
+    """A listening server running ``handler`` on every request (``open_connections``: kept
+    listing its connections, for a graceful stop to ``drain`` and ``cut``)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: FrontConnection(handler), host, port, reuse_address=True)
+    return await loop.create_server(lambda: FrontConnection(handler, open_connections), host, port,
+                                    reuse_address=True)

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from heron.gc_freeze import freeze_startup_objects
 from heron.router.disaggregation import PrefillStage, prefills_first
-from heron.router.http_front import HttpRequest, ResponseWriter, error_body, serve
+from heron.router.http_front import FrontConnection, HttpRequest, ResponseWriter, error_body, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
@@ -115,11 +115,14 @@ class RouterServer:
         self._all_answered.set()
 
     async def run(self, host: str, port: int, shutdown_timeout: float = 5.0) -> None:
-        """Serves until SIGINT or SIGTERM; then stops listening, gives the requests
-        under way up to ``shutdown_timeout`` seconds to finish, and cuts the rest."""
+        """Serves until SIGINT or SIGTERM; then stops listening (an idle kept-alive
+        connection is closed, a request sent on a busy one refused with 503), gives
+        the requests under way up to ``shutdown_timeout`` seconds to finish, and
+        ends the rest with a 503 or an error event."""
         await self.start()
+        connections: set[FrontConnection] = set()
         try:
-            server = await serve(self.counted_handle, host, port)
+            server = await serve(self.counted_handle, host, port, connections)
         except OSError as exc:  # the port taken, an address not of this machine, a host that does not resolve
             await self.stop()
             raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
@@ -130,6 +133,8 @@ class RouterServer:
         try:
             await stopping.wait()
             server.close()  # new connections are refused from here
+            for connection in list(connections):  # and requests on kept-alive ones
+                connection.drain()
             if self._requests_under_way:
                 logger.info("stopping: waiting up to %.0f s for %d request(s) under way", shutdown_timeout,
                             self._requests_under_way)
@@ -137,8 +142,11 @@ class RouterServer:
                 async with asyncio.timeout(shutdown_timeout):  # never wait_for: 3.11's can swallow a cancel
                     await self._all_answered.wait()
             except TimeoutError:
-                logger.warning("stopping: %d request(s) still under way after %.0f s are cut",
+                logger.warning("stopping: %d request(s) still under way after %.0f s end with 503 / an error event",
                                self._requests_under_way, shutdown_timeout)
+                for connection in list(connections):
+                    connection.cut()
+                await asyncio.sleep(0)  # the cancelled handlers let go of their upstream connections
         finally:
             server.close()
             await self.stop()
@@ -352,12 +360,9 @@ class RouterServer:
                      connection: UpstreamConnection, status: int, upstream_headers: list[tuple[str, str]],
                      deadline: float | None) -> None:
         headers = [(name, value) for name, value in upstream_headers if name.lower() not in _HOP_HEADERS]
-        event_stream = any(name.lower() == "content-type" and value.startswith("text/event-stream")
-                           for name, value in upstream_headers)
         length = next((value for name, value in upstream_headers if name.lower() == "content-length"), None)
         writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
         scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and status == 200 else None
-        tail = b""  # the last bytes relayed: where the stream stands if it is cut
         loop = asyncio.get_running_loop()
         last_byte_at = loop.time()
 
@@ -369,14 +374,12 @@ class RouterServer:
             return loop.time() - last_byte_at
 
         def forward(chunk: bytes) -> None:
-            nonlocal tail, last_byte_at
+            nonlocal last_byte_at
             last_byte_at = loop.time()
             if scanner is not None and scanner.found is None:
                 scanner.feed(chunk)
                 if scanner.found is not None:
                     self.responses.remember(scanner.found, replica.url)
-            if chunk:
-                tail = (tail + chunk)[-2:]
             writer.write(chunk)
 
         assert connection.transport is not None
@@ -386,7 +389,7 @@ class RouterServer:
             connection.transport.pause_reading()
         # the answer's end goes out with its last bytes, in the same write
         connection.stream_to(forward, lambda: writer.end() if connection.complete else writer.flush())
-        if event_stream:
+        if writer.event_stream:
             # a stream's head goes out now, as the replica sent it, not with the first
             # token: the client reads it while the replica computes (about 0.3 ms of
             # an httpx client's time to first token, measured through the router)
@@ -414,11 +417,7 @@ class RouterServer:
                 self.replicas.record(replica, None)
             self.metrics.cut_streams.inc()
             error = error_body(502, "the replica serving this stream failed", "replica_failed")
-        if not event_stream:
-            writer.abort()  # a cut JSON or a short body would read as whole: the client must see the cut
-            return
-        writer.write(_event_boundary(tail) + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
-        writer.end()
+        writer.fail(502, error)  # an error event in a stream; any other answer is aborted, the client sees the cut
 
 
 class _Outcome(enum.Enum):
@@ -465,15 +464,6 @@ async def _until_or_stalled(replica: Replica, done: asyncio.Future[None], deadli
                 return ending.result()
     finally:
         ending.cancel()
-
-
-def _event_boundary(tail: bytes) -> bytes:
-    """What ends the event a cut stream was in (``tail``: its last bytes), so
-    that an event written after it is one of its own: nothing at a boundary
-    (or before any byte), else the line ends and a blank line follows."""
-    if not tail or tail.endswith(b"\n\n"):
-        return b""
-    return b"\n" if tail.endswith(b"\n") else b"\n\n"
 
 
 def _passed_headers(request: HttpRequest) -> list[tuple[str, str]]:
