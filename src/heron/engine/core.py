@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._shut_down = False
         self.model_runner = ModelRunner(config)
         cache = config.cache
         gpu_budget = None
@@ -185,7 +186,12 @@ class EngineCore:
                 "topic": self.config.kv_events.topic, "epoch": self.kv_events.epoch}
 
     def shutdown(self) -> None:
-        """Publish the last events and finish the disk tier's writes."""
+        """Write the profile, publish the last events, finish the disk tier's writes and
+        let go of the ports (KV events, the KV block server). Once; later calls do nothing."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.finish_profile()
         self._flush_kv_transfers()
         self.model_runner.close()
         self.scheduler.close()

@@ -179,7 +179,6 @@ class EngineCoreProc:
                 reply = [call_id, False, f"{type(exc).__name__}: {exc}"]
             self._put_output(client, pack(MessageKind.UTILITY_RESULT, reply))
         elif kind == MessageKind.SHUTDOWN:
-            self.engine.finish_profile()
             self.engine.shutdown()
             self._running = False
 

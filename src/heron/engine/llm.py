@@ -42,6 +42,18 @@ class LLM:
     def config(self) -> EngineConfig:
         return self.engine.config
 
+    def shutdown(self) -> None:
+        """Finish the disk tier's writes, write the profile and let go of the ports this
+        engine holds (KV events, the KV block server). Also done when the LLM is collected
+        or the interpreter exits, or at the end of ``with LLM(...) as llm:``."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -4,6 +4,7 @@ processor. The offline ``LLM`` and the terminal CLI drive it step by step."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 from heron.config import EngineConfig
@@ -24,6 +25,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
         self._ids = itertools.count()
+        # shuts the engine core down when this engine is collected, or at the interpreter's exit: a dropped
+        # offline engine lost the disk tier's queued writes, kept its ports (KV events, the KV block
+        # server) bound and its profiler running (the finalizer holds the core, never this engine)
+        self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
+
+    def shutdown(self) -> None:
+        """Shut the engine core down now (``EngineCore.shutdown``); once, whoever calls first."""
+        self._finalizer()
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

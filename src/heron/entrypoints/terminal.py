@@ -54,16 +54,18 @@ def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)  # a bad flag is named before the model loads, not after
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     processor = engine.input_processor
-    if args.chat:
-        prompt = processor.process_chat([{"role": "user", "content": args.prompt}])
-    else:
-        prompt = processor.process_prompt(args.prompt)
     try:
+        if args.chat:
+            prompt = processor.process_chat([{"role": "user", "content": args.prompt}])
+        else:
+            prompt = processor.process_prompt(args.prompt)
         _, finish_reason = stream_completion(engine, prompt, params, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
     except BrokenPipeError:
         return _reader_left()
+    finally:
+        engine.shutdown()  # the disk tier's writes finished, the profile written
     print(f"[finish_reason={finish_reason}]", file=sys.stderr)
     return 130 if finish_reason == "abort" else 0  # stopped by Ctrl-C, as a shell reports it
 
@@ -81,6 +83,8 @@ def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: Te
         return _chat_loop(engine, params, args.system, input_stream, out)
     except BrokenPipeError:
         return _reader_left()
+    finally:
+        engine.shutdown()
 
 
 def _read_line(input_stream: TextIO) -> str | None:
