@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from heron.engine.args import EngineArgs
@@ -108,6 +109,31 @@ def test_every_engine_argument_has_one_flag_built_from_its_field():
     for bad in (["--quantization", "int3"], ["--attention-backend", "cuda"], ["--speculative-config", "[1]"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+@pytest.mark.parametrize("keyword, message", [
+    ({"max_model_len": "128"}, "max_model_len must be an integer or None, got str '128'"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer or None, got float 2.5"),
+    ({"block_size": True}, "block_size must be an integer, got bool True"),
+    ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be True or False, got str 'false'"),
+    ({"kv_offloading_size": "2"}, "kv_offloading_size must be a number, got str '2'"),
+    ({"kv_transfer_config": [1]}, "kv_transfer_config must be a dict or None, got list"),
+])
+def test_a_python_keyword_of_the_wrong_type_is_named(keyword, message):
+    """From Python nothing checked the types: a TypeError deep in the config or
+    the block table, and enable_prefix_caching="false" left it on."""
+    with pytest.raises(TypeError) as raised:
+        EngineArgs.from_kwargs("LLM()", **keyword)
+    assert str(raised.value) == f"LLM() {message}" or message in str(raised.value)
+
+
+def test_a_python_keyword_is_parsed_as_its_flag_is_where_it_has_a_parser():
+    args = EngineArgs.from_kwargs("LLM()", kv_cache_memory_bytes="2GiB", max_model_len=np.int64(64),
+                                  kv_offloading_size=1, seed=None)
+    assert args.kv_cache_memory_bytes == 2 << 30 and args.max_model_len == 64 and type(args.max_model_len) is int
+    assert args.kv_offloading_size == 1.0 and args.seed is None
+    with pytest.raises(ValueError, match="LLM\\(\\) kv_cache_memory_bytes: "):
+        EngineArgs.from_kwargs("LLM()", kv_cache_memory_bytes="lots")
 
 
 def test_unknown_or_invalid_engine_arguments_are_named():

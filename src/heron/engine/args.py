@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 import os
 import secrets
 import types
@@ -201,11 +202,13 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, caller: str, **kwargs: Any) -> EngineArgs:
         """``EngineArgs(**kwargs)`` with an error that lists the known names."""
-        known = {spec.name for spec in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        known = {spec.name: spec for spec in fields(cls)}
+        unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise TypeError(f"{caller} got unknown engine argument(s) {unknown}; known: {sorted(known)}")
-        return cls(**kwargs)
+            raise TypeError(f"{caller} got unknown engine argument(s) {sorted(unknown)}; known: {sorted(known)}")
+        hints = get_type_hints(cls)
+        return cls(**{name: _checked_kwarg(caller, name, value, hints[name], known[name].metadata)
+                      for name, value in kwargs.items()})
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve "auto" values against the model and the machine, validating all."""
@@ -342,6 +345,35 @@ def _argparse_options(hint: Any, metadata: Any) -> dict[str, Any]:
     else:
         raise TypeError(f"EngineArgs: no command-line parser for {hint!r}; give the field parse=")
     return options
+
+
+def _checked_kwarg(caller: str, name: str, value: Any, hint: Any, metadata: Any) -> Any:
+    """A Python keyword's value for field ``name``: a string for a field with a
+    parser of its own is parsed as its flag is (``kv_cache_memory_bytes="2GiB"``);
+    a number, a bool, a string or a dict of the wrong type is a TypeError naming
+    the field (one was a TypeError deep in the config, ``max_num_seqs=2.5`` one
+    in the block table, and ``enable_prefix_caching="false"`` turned it on).
+    ``Literal`` fields are checked when the arguments are resolved."""
+    base = _without_none(hint)
+    if value is None and base is not hint:
+        return None
+    if isinstance(value, str) and metadata["parse"] is not None:
+        try:
+            return metadata["parse"](value)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise ValueError(f"{caller} {name}: {exc}") from exc
+    accepted: tuple[type, ...] | None = {bool: (bool,), int: (numbers.Integral,), float: (numbers.Real,),
+                                          str: (str,)}.get(base)
+    if base is dict or get_origin(base) is dict:
+        accepted = (dict,)
+    if accepted is None:
+        return value
+    if not isinstance(value, accepted) or (isinstance(value, bool) and base is not bool):
+        what = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}.get(base, "a dict")
+        raise TypeError(f"{caller} {name} must be {what}{' or None' if base is not hint else ''}, "
+                        f"got {type(value).__name__} {value!r}")
+    number: Any = value  # isinstance against a tuple of types left mypy an object
+    return int(number) if base is int else float(number) if base is float else value
 
 
 def _without_none(hint: Any) -> Any:
