@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 RAY_NAMESPACE = "heron"
 REPLICA_PREFIX = "replica:"
 _PLACEMENT_TIMEOUT_S = 60.0
+_GCS_CONNECT_TIMEOUT_S = 5.0  # a cluster's head answers a connection at once; a host that drops packets does not
 
 
 def import_ray() -> Any:
@@ -60,11 +62,39 @@ def connect(address: str | None = None) -> Any:
     ray = import_ray()
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS") or "auto"
+        _check_answers(address)
         try:
             ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
         except ConnectionError as exc:
             raise ValueError(f"no Ray cluster at {address!r} (start one with `ray start --head`): {exc}") from exc
     return ray
+
+
+def _check_answers(address: str, timeout_s: float = _GCS_CONNECT_TIMEOUT_S) -> None:
+    """A ValueError unless the cluster ``address`` names (``auto``: the one this
+    machine last joined) accepts a connection: ray.init retries an address where
+    nothing answers for ever, with no word from heron (a typo in RAY_ADDRESS, a
+    cluster gone since). Ray Client addresses (``ray://``) are left to Ray."""
+    if address.startswith("ray://"):
+        return
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:  # another Ray: its own error, however late
+        return
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except Exception as exc:  # noqa: BLE001 (Ray's own: a malformed address, several clusters for auto)
+        raise ValueError(f"no Ray cluster at {address!r}: {exc}") from exc
+    if resolved is None:
+        raise ValueError(f"no Ray cluster at {address!r} (start one with `ray start --head`, or set RAY_ADDRESS)")
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        named = (f" (the cluster this machine last joined, {resolved})" if address == "auto"
+                 else "" if resolved == address else f" ({resolved})")
+        raise ValueError(f"no Ray cluster answers at {address!r}{named}: {exc}; start one with `ray start --head` "
+                         f"or set RAY_ADDRESS to a running one") from exc
 
 
 class EngineCoreActor:
