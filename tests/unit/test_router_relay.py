@@ -398,3 +398,35 @@ def test_a_reader_that_stops_reading_stops_the_replica_not_the_routers_memory():
         writer.close()
 
     run_with_router(test)
+
+
+def test_health_is_ok_only_once_a_replica_has_answered():
+    """A replica's breaker starts closed: /health said ok for its first probes
+    though nothing listened there, and readiness probes passed too early."""
+    import socket
+
+    async def main() -> None:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        fake = FakeReplica()
+        await fake.start()
+        nowhere = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        server = RouterServer(ReplicaSet([nowhere], {}, probe_interval=30.0), Router("round_robin"), None)
+        await server.start()  # one probe round, failed: the breaker is still closed
+        front = await serve(server.handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}"
+        try:
+            async with httpx.AsyncClient(base_url=url) as client:
+                health = await client.get("/health")
+                assert health.status_code == 503 and health.json()["status"] == "no replica available"
+                assert server.replicas.replicas[0].breaker.usable  # closed on faith, not answered
+                server.replicas.set_discovered([fake.url])  # a replica that answers joins
+                await server.replicas.probe(server.session, server.replicas.replicas[-1])
+                assert (await client.get("/health")).status_code == 200
+        finally:
+            front.close()
+            await server.stop()
+            await fake.stop()
+            listener.close()
+
+    asyncio.run(main())

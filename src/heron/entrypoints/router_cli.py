@@ -72,7 +72,7 @@ def run_router(args: argparse.Namespace) -> int:
     hasher = (PromptHasher(args.model, args.tokenizer, chat_template) if args.policy in ("kv_aware", "session")
               else None)
     router = Router(args.policy, cache_weight=args.cache_weight, imbalance_threshold=args.imbalance_threshold)
-    prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval)
+    prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval, decodes=False)
                         if args.prefill else None)
     server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts,
                           request_timeout=args.request_timeout or None, prefill_replicas=prefill_replicas)
@@ -96,6 +96,11 @@ def _check_replica_url(url: str) -> None:
         raise ValueError(f"replica URL {url!r}: {exc}") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"replica URL {url!r} must be http://HOST[:PORT] or https://HOST[:PORT]")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        # the router adds /v1/... and /health itself: http://host:8000/v1 probed /v1/health, answered 404,
+        # and every request was a 503 with only "circuit open" in the log
+        raise ValueError(f"replica URL {url!r} must be http://HOST[:PORT] with no path (the router adds "
+                         f"/v1/... itself): {parts.scheme}://{parts.netloc}")
 
 
 def _ray_discovery(address: str) -> Callable[[], Awaitable[list[str]]]:

@@ -22,7 +22,7 @@ import aiohttp
 import zmq.asyncio
 
 from heron.core.hashing import BlockHash
-from heron.routing.health import BreakerState, CircuitBreaker
+from heron.routing.health import BreakerState, CircuitBreaker, is_replica_failure
 from heron.routing.kv_index import KVBlockIndex
 from heron.routing.kv_subscriber import KVEventSubscriber
 from heron.routing.policies import ReplicaLoad
@@ -77,6 +77,7 @@ class Replica:
     takes_kv_transfers: bool = True
     # requests waiting on it (``unless_taken_out``): told when its breaker opens
     out_waiters: set[asyncio.Future[None]] = field(default_factory=set)
+    answered: bool = False  # it has answered a probe or a request (a breaker starts closed on faith)
 
     @property
     def name(self) -> str:
@@ -142,8 +143,12 @@ class ReplicaSet:
     at start always stay."""
 
     def __init__(self, urls: Sequence[str], headers: dict[str, str], probe_interval: float = 1.0,
-                 probe_timeout: float = 2.0, discover: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+                 probe_timeout: float = 2.0, discover: Callable[[], Awaitable[list[str]]] | None = None,
+                 decodes: bool = True) -> None:
+        """``decodes``: these replicas answer the clients' requests (whether each pulls
+        prefilled KV matters, and is logged); False for ``--prefill`` replicas."""
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self.decodes = decodes
         self.fixed = {replica.url for replica in self.replicas}
         self.discover = discover
         self.headers = headers
@@ -159,13 +164,15 @@ class ReplicaSet:
     def usable(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
         return [r for r in self.replicas if r.breaker.usable and r not in exclude]
 
-    def record(self, replica: Replica, status: int | None) -> None:
-        """A request's outcome (None: no response). An opening breaker drops the index."""
+    def record(self, replica: Replica, status: int | None, why: str = "") -> None:
+        """A request's outcome (None: no response; ``why``: what went wrong, for
+        the log). An opening breaker drops the index."""
         was_open = replica.breaker.state is BreakerState.OPEN
         replica.breaker.record(status)
+        replica.answered = replica.answered or not is_replica_failure(status)
         if replica.breaker.state is BreakerState.OPEN and not was_open:
-            logger.warning("replica %s is out (circuit open after %d failures)", replica.url,
-                           replica.breaker.consecutive_failures)
+            logger.warning("replica %s is out (circuit open after %d failures%s)", replica.url,
+                           replica.breaker.consecutive_failures, f"; the last: {why}" if why else "")
             replica.unfollow()
             for waiter in replica.out_waiters:  # requests waiting on it: another replica may serve them
                 if not waiter.done():
@@ -216,6 +223,7 @@ class ReplicaSet:
     async def probe(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         if replica.breaker.state is BreakerState.OPEN and not replica.breaker.allows():
             return  # let it rest until it may be tried (then this probe is its half-open trial)
+        why = ""
         try:
             # with the key: a replica started with --protect-metrics wants it on /health too
             async with session.get(f"{replica.url}/health", headers=self.headers, timeout=self.timeout) as response:
@@ -223,9 +231,12 @@ class ReplicaSet:
                 health = await response.read() if status == 200 else b""
             if status == 200:
                 await self._follow(session, replica, health)
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            else:
+                why = f"/health answered {status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             status = None
-        self.record(replica, status if status == 200 else None)  # a probe succeeds on 200 alone
+            why = f"/health: {exc!r}"
+        self.record(replica, status if status == 200 else None, why)  # a probe succeeds on 200 alone
 
     async def _follow(self, session: aiohttp.ClientSession, replica: Replica, health: bytes) -> None:
         """A healthy replica's load and KV events. An answer this router cannot
@@ -235,10 +246,10 @@ class ReplicaSet:
         try:
             fields = _health_fields(health)
             takes = _takes_kv_transfers(fields)
-            if takes != replica.takes_kv_transfers:
+            if takes != replica.takes_kv_transfers and self.decodes:
                 logger.info("replica %s pulls %s", replica.url, "prefilled KV" if takes else
                             "no prefilled KV (started without --kv-transfer-config): it computes its prompts")
-                replica.takes_kv_transfers = takes
+            replica.takes_kv_transfers = takes
             self._follow_restarts(replica, _epoch(fields))
             await self._read_metrics(session, replica)
             if replica.subscription is None:

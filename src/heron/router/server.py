@@ -197,7 +197,9 @@ class RouterServer:
             # the chat page: its requests (v1/models, v1/chat/completions) are relative, so they come here too
             writer.send(200, chat_page(), "text/html; charset=utf-8")
         elif path == "/health" and request.method in ("GET", "HEAD"):
-            usable = self.replicas.usable()
+            # a replica never heard from counts only once it answers: a breaker starts closed, and /health said
+            # ok for the first probes to a replica where nothing listens
+            usable = [replica for replica in self.replicas.usable() if replica.answered]
             writer.send_json(200 if usable else 503, {"status": "ok" if usable else "no replica available",
                                                       "replicas": self._replica_states()})
         elif path == "/metrics" and request.method in ("GET", "HEAD"):
