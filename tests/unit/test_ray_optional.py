@@ -4,6 +4,7 @@ for the ray backend without it is a clear error."""
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -42,3 +43,50 @@ def test_a_ray_address_where_nothing_answers_is_a_clear_error_at_once():
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert "no Ray cluster answers at '127.0.0.1:" in child.stdout, (child.stdout, child.stderr[-2000:])
     assert time.monotonic() - started < 30
+
+
+class _FakeRay:
+    """Named actors as Ray keeps them: ``ray.remote(cls).options(name=...).remote()``
+    adds one (a second of one name is refused), ``ray.util.list_named_actors()`` lists them."""
+
+    def __init__(self):
+        self.names = []
+        self.util = self
+
+    def list_named_actors(self):
+        return list(self.names)
+
+    def remote(self, _cls):
+        return self
+
+    def options(self, name, **_):
+        assert name not in self.names, "Ray refuses a second actor of one name"
+        self.names.append(name)
+        return types.SimpleNamespace(remote=lambda: name)
+
+
+def test_two_servers_registering_one_url_each_keep_their_own_registration(monkeypatch):
+    """Two servers naming one URL (one port on two machines that registered a
+    loopback address) shared one named actor: the first to stop unlisted the
+    other, and routers dropped a live server."""
+    from heron.engine import ray_engines
+
+    fake = _FakeRay()
+    monkeypatch.setattr(ray_engines, "connect", lambda address=None: fake)
+    fake.names.append("someone-else")  # not a registration
+    first = ray_engines.register_replica("http://10.0.0.1:8000")
+    ray_engines.register_replica("http://10.0.0.1:8000")
+    ray_engines.register_replica("http://10.0.0.2:8000")
+    assert ray_engines.discover_replicas() == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    fake.names.remove(first)  # the first server stops
+    assert ray_engines.discover_replicas() == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+def test_port_0_is_refused_with_the_ray_backend():
+    """It registered http://HOST:0, which no router reaches (every request a 503)."""
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.cli_args import check_serve_args
+
+    check_serve_args(build_parser().parse_args(["serve", "--port", "0"]))  # any free port: fine without Ray
+    with pytest.raises(ValueError, match="--port 0 .* cannot be registered on the Ray cluster"):
+        check_serve_args(build_parser().parse_args(["serve", "--port", "0", "--data-parallel-backend", "ray"]))

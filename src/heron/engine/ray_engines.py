@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 RAY_NAMESPACE = "heron"
 REPLICA_PREFIX = "replica:"
+_REGISTRATION_SEPARATOR = "#"  # between a registered URL and its registration's own suffix
 _PLACEMENT_TIMEOUT_S = 60.0
 _GCS_CONNECT_TIMEOUT_S = 5.0  # a cluster's head answers a connection at once; a host that drops packets does not
 
@@ -227,14 +229,18 @@ def this_node_ip() -> str:
 
 
 def register_replica(url: str) -> Any:
-    """Make this server findable by routers on the cluster; returns the handle to keep."""
+    """Make this server findable by routers on the cluster; returns the handle to keep.
+    Each registration has a name of its own (the URL and a random suffix): two
+    servers naming one URL (the same port on two machines that both registered
+    a loopback address) shared one, and the first to stop unlisted the other."""
     ray = connect()
-    return ray.remote(ReplicaRegistration).options(name=REPLICA_PREFIX + url, num_cpus=0,
-                                                   get_if_exists=True).remote()
+    name = f"{REPLICA_PREFIX}{url}{_REGISTRATION_SEPARATOR}{secrets.token_hex(6)}"
+    return ray.remote(ReplicaRegistration).options(name=name, num_cpus=0).remote()
 
 
 def discover_replicas() -> list[str]:
-    """The URLs of the heron servers registered on the cluster."""
+    """The URLs of the heron servers registered on the cluster (each once)."""
     ray = connect()
     names = ray.util.list_named_actors()
-    return sorted(name[len(REPLICA_PREFIX):] for name in names if name.startswith(REPLICA_PREFIX))
+    return sorted({name[len(REPLICA_PREFIX):].rpartition(_REGISTRATION_SEPARATOR)[0] or name[len(REPLICA_PREFIX):]
+                   for name in names if name.startswith(REPLICA_PREFIX)})

@@ -121,6 +121,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {path!r}: no such file")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):  # uvicorn's bare AssertionError, after start
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: TLS needs the key and its certificate")
+    if args.port == 0 and args.data_parallel_backend == "ray":  # it registered http://HOST:0, which no router reaches
+        raise ValueError("--port 0 (any free port) cannot be registered on the Ray cluster for routers to find: "
+                         "give the port with --data-parallel-backend ray")
 
 
 def read_chat_template(value: str | None) -> str | None:
