@@ -42,6 +42,7 @@ class FakeReplica:
                              ("/v1/models", {"object": "list", "data": []}), ("/metrics", {})):
             app.router.add_get(path, _answer(answer))
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_route("OPTIONS", "/v1/completions", self.preflight)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", port)
@@ -52,6 +53,13 @@ class FakeReplica:
     async def stop(self) -> None:
         assert self.runner is not None
         await self.runner.cleanup()
+
+    async def preflight(self, request: web.Request) -> web.Response:
+        """A CORS preflight, answered as a replica allowing the origin it names does."""
+        return web.Response(headers={
+            "Access-Control-Allow-Origin": request.headers.get("Origin", ""),
+            "Access-Control-Allow-Methods": request.headers.get("Access-Control-Request-Method", ""),
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "")})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
@@ -65,7 +73,9 @@ class FakeReplica:
         if mode == "echo":
             return web.json_response({"bytes": len(raw), "query": request.query_string,
                                       "auth": request.headers.get("Authorization"),
-                                      "forwarded_for": request.headers.get("X-Forwarded-For")})
+                                      "forwarded_for": request.headers.get("X-Forwarded-For"),
+                                      "origin": request.headers.get("Origin")},
+                                     headers={"Access-Control-Allow-Origin": request.headers.get("Origin", "")})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -162,7 +172,7 @@ def test_requests_on_one_connection_are_answered_in_order_pipelined_or_not():
                 answer = (await client.post("/v1/completions?x=1", content=json.dumps({"pad": "p" * size}),
                                             headers={"Authorization": "Bearer k"})).json()
                 assert answer == {"bytes": len(json.dumps({"pad": "p" * size})), "query": "x=1",
-                                  "auth": "Bearer k", "forwarded_for": "127.0.0.1"}
+                                  "auth": "Bearer k", "forwarded_for": "127.0.0.1", "origin": None}
             # the client's address joins those of the proxies before the router (a replica trusting the
             # router keys its rate limit by it: every client behind the router shared one bucket)
             answer = (await client.post("/v1/completions", json={}, headers={"X-Forwarded-For": "10.0.0.7"})).json()
@@ -430,3 +440,23 @@ def test_health_is_ok_only_once_a_replica_has_answered():
             listener.close()
 
     asyncio.run(main())
+
+
+def test_a_browsers_cors_requests_reach_the_replica_and_its_answers_come_back():
+    """The router dropped Origin and answered a preflight 405 itself: a page that
+    worked against a replica with --allowed-origins broke behind the router."""
+    async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
+        origin = {"Origin": "http://localhost:3000"}
+        async with httpx.AsyncClient(base_url=url) as client:
+            preflight = await client.options("/v1/completions", headers={
+                **origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+            assert preflight.status_code == 200, preflight.text
+            assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+            assert preflight.headers["access-control-allow-headers"] == "authorization,content-type"
+            answer = await client.post("/v1/completions", json={"prompt": "x"}, headers=origin)
+            assert answer.json()["origin"] == "http://localhost:3000"
+            assert answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+            assert (await client.get("/v1/completions")).status_code == 405  # GET is still no generation
+
+    run_with_router(test)

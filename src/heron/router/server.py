@@ -54,7 +54,9 @@ GENERATION_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
 MODELS_PATH = "/v1/models"  # and /v1/models/{id}, forwarded too
 FORWARDED_PATHS = (MODELS_PATH, "/tokenize", "/detokenize", "/version")
 # request headers passed to the replica (the client's key reaches the replica's gateway)
-_PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+_PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id",
+                   # CORS: the replica's --allowed-origins answers a browser's requests and preflights
+                   "origin", "access-control-request-method", "access-control-request-headers")
 # the replica's framing and connection headers: the router frames its own answer
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
@@ -183,6 +185,9 @@ class RouterServer:
     async def handle(self, request: HttpRequest, writer: ResponseWriter) -> None:
         path = request.path
         if path in GENERATION_PATHS:
+            if request.method == "OPTIONS":  # a browser's CORS preflight: the replica's --allowed-origins answers
+                await self._proxy(request, writer, request.body, [], None, deadline=self._deadline())
+                return
             if request.method != "POST":
                 writer.send_json(405, error_body(405, f"{path} takes POST", "method_not_allowed"))
                 return
