@@ -438,6 +438,10 @@ class AsyncLLM:
             collector.put(error)
         return len(self._collectors)
 
+    def engine_gone(self, reason: str) -> None:
+        """Told from outside (``--api-server-count``'s launcher) that an engine core has ended."""
+        self._mark_dead(reason)
+
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
             return

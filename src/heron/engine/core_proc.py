@@ -230,6 +230,10 @@ class EngineCoreProc:
                     outputs = engine.step()
                     self._step_started = None
                     self._send(outputs)
+        except SystemExit as exc:  # told to exit (Ray's kill of its actor, at a stop): no traceback to read
+            logger.warning("engine core stopped (exit %s)", exc.code)
+            self._put_output(ALL, pack(MessageKind.FAILED, f"the engine core was stopped (exit {exc.code})"))
+            raise
         except BaseException:
             logger.error("engine core died:\n%s", traceback.format_exc())
             self._put_output(ALL, pack(MessageKind.FAILED, traceback.format_exc(limit=3)))

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
@@ -39,6 +40,8 @@ from heron.tempdirs import make_private_dir, remove_private_dir
 logger = logging.getLogger(__name__)
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# the launcher's word to its API servers that an engine core has ended
+ENGINE_GONE_SIGNAL = signal.SIGUSR1
 
 
 def bind_shared_port(host: str, port: int) -> socket.socket:
@@ -115,6 +118,9 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
         if ended is not None:
             logger.error("engine core %d ended (code %s): the API servers answer 503 for %.1f s, then stop",
                          ended, engines[ended].exit_code(), dead_engine_grace)
+            for server in servers:  # one on Ray cannot see it end (no process of its own to watch): told
+                if server.poll() is None:
+                    server.send_signal(ENGINE_GONE_SIGNAL)
             deadline = time.monotonic() + dead_engine_grace + 10  # their grace, then time to exit
             while time.monotonic() < deadline and any(server.poll() is None for server in servers):
                 time.sleep(0.2)
@@ -145,6 +151,10 @@ def _stop_all(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Owne
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    for engine in engines:
-        engine.stop()
+    # at once, not one after another: a Ray engine core nobody told to stop is waited for, then killed
+    stoppers = [threading.Thread(target=engine.stop, name="heron-stop-engine", daemon=True) for engine in engines]
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join()
 

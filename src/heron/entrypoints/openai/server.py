@@ -27,6 +27,7 @@ from heron.engine.args import EngineArgs
 from heron.engine.async_llm import AsyncLLM, StartedEngineCore
 from heron.engine.core_client import OwnedEngineCore
 from heron.engine.dp_client import start_engine_cores
+from heron.entrypoints.openai.api_server_pool import ENGINE_GONE_SIGNAL
 from heron.entrypoints.openai.cli_args import check_gateway, collect_api_keys, read_chat_template
 from heron.entrypoints.openai.cors import CorsSettings, add_cors, cors_settings_from_args
 from heron.entrypoints.openai.gateway import APIKeyChecker, GatewayMiddleware, TokenBucketLimiter
@@ -282,9 +283,14 @@ async def serve_api(
     # both stop it gracefully, and heron then exits 0 (Ctrl-C was a KeyboardInterrupt, code 130)
     stop_signals = (signal.SIGTERM, signal.SIGINT)
     previous = {sig: signal.signal(sig, _after_graceful_stop) for sig in stop_signals} if main_thread else {}
+    if role is not None and main_thread:  # one of several: the launcher says when an engine core has ended
+        asyncio.get_running_loop().add_signal_handler(
+            ENGINE_GONE_SIGNAL, engine.engine_gone, "an engine core ended (the launcher saw it end)")
     try:
         await server.serve(sockets=[role.listen_socket] if role else None)
     finally:
+        if role is not None and main_thread:
+            asyncio.get_running_loop().remove_signal_handler(ENGINE_GONE_SIGNAL)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for watcher in watchers:
