@@ -460,3 +460,15 @@ def test_a_browsers_cors_requests_reach_the_replica_and_its_answers_come_back():
             assert (await client.get("/v1/completions")).status_code == 405  # GET is still no generation
 
     run_with_router(test)
+
+
+def test_when_every_replica_refuses_the_client_gets_the_last_replicas_answer():
+    """Each replica's 503 was retried, then replaced by the router's own 503:
+    the replica's reason and its Retry-After were lost."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            answer = await client.post("/v1/completions", json={"prompt": "x"})
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "7"
+        assert answer.json() == {"error": "down"} and fakes[0].requests == fakes[1].requests == 1
+
+    run_with_router(test, [FakeReplica(fail_with=503, fail_headers={"Retry-After": "7"}) for _ in range(2)])

@@ -30,6 +30,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -278,6 +279,7 @@ class RouterServer:
         ``prefilled``: the body with the prefill stage's ``kv_transfer_params``,
         for a replica that pulls KV (one that does not gets ``raw``)."""
         tried: list[Replica] = []
+        refusals: list[_Refusal] = []  # the replicas' own failure answers (a 503 and its Retry-After)
         headers = _passed_headers(request)
         for attempt in range(self.max_attempts):
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
@@ -301,15 +303,23 @@ class RouterServer:
             replica.index.expect(hashes)
             payload = prefilled if prefilled is not None and replica.takes_kv_transfers else raw
             if await self._send(request, writer, replica, payload, headers, hashes, decision.uncached_blocks,
-                                deadline):
+                                deadline, refusals):
                 return
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         self.metrics.failed.inc()
+        if refusals:  # the last replica's own answer (its 503's reason and Retry-After), not a generic one
+            refusal = refusals[-1]
+            kept = [(name, value) for name, value in refusal.headers
+                    if name.lower() not in _HOP_HEADERS and name.lower() != "content-type"]
+            content_type = next((value for name, value in refusal.headers if name.lower() == "content-type"),
+                                "application/json")
+            writer.send(refusal.status, refusal.body, content_type, kept)
+            return
         writer.send_json(503, error_body(503, "no replica could serve the request", "service_unavailable"))
 
     async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
                     headers: list[tuple[str, str]], hashes: list[bytes], uncached_blocks: int,
-                    deadline: float | None) -> bool:
+                    deadline: float | None, refusals: list[_Refusal]) -> bool:
         """Passes the replica's answer through; False when it failed before its
         first byte (the caller retries elsewhere). Past ``deadline`` the client
         is answered 504 and True returned: the request is not tried again, and
@@ -343,8 +353,10 @@ class RouterServer:
             if 400 <= status < 500 or request_failure:  # refused or failed: nothing of it is cached there
                 replica.index.forget_expected(hashes)
             if is_replica_failure(status) and not request_failure:  # nothing sent yet: another may serve it
-                connection.stream_to(_discard)
-                await _until(connection.done, deadline)
+                body = bytearray()
+                connection.stream_to(lambda chunk: body.extend(chunk[:_KEPT_REFUSAL_BYTES - len(body)]))
+                if await _until(connection.done, deadline) is _Outcome.DONE:
+                    refusals.append(_Refusal(status, upstream_headers, bytes(body)))
                 return False
             await self._relay(request, writer, replica, connection, status, upstream_headers, deadline)
             return True
@@ -427,6 +439,18 @@ class RouterServer:
         writer.fail(502, error)  # an error event in a stream; any other answer is aborted, the client sees the cut
 
 
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """A replica's failure answer (500/502/503), read whole: the client's if no replica serves."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+_KEPT_REFUSAL_BYTES = 64 << 10  # of a failure answer's body (an error object is far smaller)
+
+
 class _Outcome(enum.Enum):
     DONE = "done"
     CUT = "cut"  # the replica's answer stopped before its end
@@ -483,10 +507,6 @@ def _passed_headers(request: HttpRequest) -> list[tuple[str, str]]:
         earlier = request.headers.get("x-forwarded-for")
         passed.append(("x-forwarded-for", f"{earlier}, {request.client}" if earlier else request.client))
     return passed
-
-
-def _discard(_: bytes) -> None:
-    pass
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
