@@ -64,7 +64,7 @@ def connect(address: str | None = None) -> Any:
     ray = import_ray()
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS") or "auto"
-        _check_answers(address)
+        check_cluster_answers(address)
         try:
             ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
         except ConnectionError as exc:
@@ -72,11 +72,13 @@ def connect(address: str | None = None) -> Any:
     return ray
 
 
-def _check_answers(address: str, timeout_s: float = _GCS_CONNECT_TIMEOUT_S) -> None:
+def check_cluster_answers(address: str | None, timeout_s: float = _GCS_CONNECT_TIMEOUT_S) -> None:
     """A ValueError unless the cluster ``address`` names (``auto``: the one this
     machine last joined) accepts a connection: ray.init retries an address where
     nothing answers for ever, with no word from heron (a typo in RAY_ADDRESS, a
     cluster gone since). Ray Client addresses (``ray://``) are left to Ray."""
+    import_ray()
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
     if address.startswith("ray://"):
         return
     try:

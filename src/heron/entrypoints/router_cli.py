@@ -65,7 +65,7 @@ def run_router(args: argparse.Namespace) -> int:
         _check_replica_url(url)
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
     replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval,
-                          discover=_ray_discovery(args.ray_address) if args.ray_address else None)
+                          discover=_ray_discovery(args.ray_address, args.probe_interval) if args.ray_address else None)
     from heron.entrypoints.openai.cli_args import read_chat_template
 
     chat_template = read_chat_template(args.chat_template)
@@ -103,14 +103,11 @@ def _check_replica_url(url: str) -> None:
                          f"/v1/... itself): {parts.scheme}://{parts.netloc}")
 
 
-def _ray_discovery(address: str) -> Callable[[], Awaitable[list[str]]]:
-    """Lists the heron servers registered on the Ray cluster (joined now, so a
-    wrong address fails at start)."""
-    from heron.engine.ray_engines import connect, discover_replicas
+def _ray_discovery(address: str, interval_s: float) -> Callable[[], Awaitable[list[str]]]:
+    """Lists the heron servers registered on the Ray cluster, from a child process
+    (``router/ray_discovery.py``); an address where no cluster answers fails now."""
+    from heron.engine.ray_engines import check_cluster_answers
+    from heron.router.ray_discovery import RayDiscovery
 
-    connect(address)
-
-    async def discover() -> list[str]:
-        return await asyncio.to_thread(discover_replicas)
-
-    return discover
+    check_cluster_answers(address)
+    return RayDiscovery(address, interval_s)

@@ -185,6 +185,9 @@ class ReplicaSet:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        close = getattr(self.discover, "close", None)  # a discovery with a process of its own
+        if close is not None:
+            await close()
         for replica in self.replicas:
             replica.stop_subscription()
         self.context.destroy(0)
