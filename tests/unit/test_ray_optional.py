@@ -90,3 +90,15 @@ def test_port_0_is_refused_with_the_ray_backend():
     check_serve_args(build_parser().parse_args(["serve", "--port", "0"]))  # any free port: fine without Ray
     with pytest.raises(ValueError, match="--port 0 .* cannot be registered on the Ray cluster"):
         check_serve_args(build_parser().parse_args(["serve", "--port", "0", "--data-parallel-backend", "ray"]))
+
+
+def test_a_stop_that_hangs_does_not_hold_the_exit():
+    """A Ray-backed server whose cluster went away said it would exit after its
+    grace, then hung a minute more in the engines' cleanup (Ray waiting on the
+    cluster) until Ray ended it: a supervisor saw it neither serve nor exit."""
+    script = ("from heron.entrypoints.openai.server import exit_within\n"
+              "import time\nexit_within(0.5, 7)\ntime.sleep(60)\n")
+    started = time.monotonic()
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 7 and time.monotonic() - started < 30
+    assert "the stop has taken 0.5 s: exiting now (code 7)" in child.stderr

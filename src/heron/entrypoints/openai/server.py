@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import threading
@@ -295,8 +296,29 @@ async def serve_api(
             signal.signal(sig, handler)
         for watcher in watchers:
             watcher.cancel()
+        if main_thread:
+            exit_within(STOP_DEADLINE_S, 1 if engine.is_dead else 0)
         engine.shutdown()
     return 1 if engine.is_dead else 0
+
+
+# how long the engines' shutdown (and the interpreter's exit after it) may take once the server has stopped
+STOP_DEADLINE_S = 30.0
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """End the process with ``code`` if it has not exited ``seconds`` from now. A
+    stop that hangs must not hold the exit: a Ray engine core's cleanup after its
+    cluster went away waits on the cluster for a minute, and the supervisor saw
+    a dead server that answered nothing and did not exit."""
+    def force_exit() -> None:
+        logger.error("the stop has taken %g s: exiting now (code %d)", seconds, code)
+        logging.shutdown()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, force_exit)
+    timer.daemon = True
+    timer.start()
 
 
 # how long before --shutdown-timeout heron ends the requests still running, so their answers are written
