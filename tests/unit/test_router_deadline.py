@@ -113,8 +113,9 @@ def test_router_flags_out_of_range_are_usage_errors(flags, message, capsys):
     (["--replica", "localhost:18151"], "must be http://HOST"),  # taken, then every request was a 503
     (["--replica", "http://127.0.0.1:99999"], "out of range"),
     (["--replica", "http://127.0.0.1:1", "--prefill", "ftp://x"], "must be http://HOST"),
-    (["--replica", "http://127.0.0.1:18151/v1"], r"with no path .*: http://127.0.0.1:18151"),  # every request a 503
-    (["--replica", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2/?x=1"], "with no path"),
+    (["--replica", "http://127.0.0.1:18151/v1"], r"without /v1 .*: http://127.0.0.1:18151$"),  # every request a 503
+    (["--replica", "http://127.0.0.1:18151/gw/v1/"], r"without /v1 .*: http://127.0.0.1:18151/gw$"),
+    (["--replica", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2/?x=1"], "a query"),
 ])
 def test_a_replica_url_or_port_the_router_cannot_use_is_refused_at_start(flags, message):
     parser = argparse.ArgumentParser()

@@ -102,6 +102,10 @@ class FakeReplica:
                     await response.write(b"data: tick\n\n")
                     await asyncio.sleep(0.4)
                 await response.write(b"data: [DONE]\n\n")
+            elif mode == "pause":  # an event, a 3 s pause (a long prefill beside it), the last
+                await response.write(b"data: first\n\n")
+                await asyncio.sleep(3.0)
+                await response.write(b"data: last\n\ndata: [DONE]\n\n")
             elif mode == "big":  # as fast as the router takes it
                 chunk = b"x" * (1 << 20)
                 for _ in range(64):
@@ -472,3 +476,25 @@ def test_when_every_replica_refuses_the_client_gets_the_last_replicas_answer():
         assert answer.json() == {"error": "down"} and fakes[0].requests == fakes[1].requests == 1
 
     run_with_router(test, [FakeReplica(fail_with=503, fail_headers={"Retry-After": "7"}) for _ in range(2)])
+
+
+def test_a_replica_back_in_use_has_its_streams_pauses_judged_as_pauses():
+    """Once a replica had been out a moment (three failed probes: a blip), every
+    stream under way on it was cut at its next 2 s pause, though the replica was
+    back in use by then."""
+    async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
+        replica = server.replicas.replicas[0]
+        lines: list[str] = []
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client, \
+                client.stream("POST", "/v1/completions", json={"mode": "pause"}) as response:
+            async for line in response.aiter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 1 and replica.breaker.usable:
+                    for _ in range(3):  # out...
+                        server.replicas.record(replica, None)
+                    await asyncio.sleep(0.3)
+                    server.replicas.record(replica, 200)  # ...and back
+        assert lines == ["data: first", "data: last", "data: [DONE]"]
+
+    run_with_router(test)

@@ -96,11 +96,12 @@ def _check_replica_url(url: str) -> None:
         raise ValueError(f"replica URL {url!r}: {exc}") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"replica URL {url!r} must be http://HOST[:PORT] or https://HOST[:PORT]")
-    if parts.path.strip("/") or parts.query or parts.fragment:
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1") or "/v1/" in path or parts.query or parts.fragment:
         # the router adds /v1/... and /health itself: http://host:8000/v1 probed /v1/health, answered 404,
-        # and every request was a 503 with only "circuit open" in the log
-        raise ValueError(f"replica URL {url!r} must be http://HOST[:PORT] with no path (the router adds "
-                         f"/v1/... itself): {parts.scheme}://{parts.netloc}")
+        # and every request was a 503 with only "circuit open" in the log (a prefix a proxy routes by is fine)
+        raise ValueError(f"replica URL {url!r} must be the server's root, without /v1 (the router adds /v1/... "
+                         f"itself), a query or a fragment: {parts.scheme}://{parts.netloc}{path.partition('/v1')[0]}")
 
 
 def _ray_discovery(address: str, interval_s: float) -> Callable[[], Awaitable[list[str]]]:

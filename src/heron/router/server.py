@@ -44,7 +44,7 @@ from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
 from heron.router.upstream import UpstreamConnection, UpstreamCut, UpstreamFailed, UpstreamPool
-from heron.routing.health import is_replica_failure, is_request_failure
+from heron.routing.health import BreakerState, is_replica_failure, is_request_failure
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
@@ -460,6 +460,7 @@ class _Outcome(enum.Enum):
 
 # an answer whose replica the router took out ends once it has had no byte for this long
 STALL_S = 2.0
+_OUT_CHECK_S = 0.25  # how often a relay whose replica is out looks whether it is back
 
 
 async def _until(done: asyncio.Future[None], deadline: float | None) -> _Outcome:
@@ -476,23 +477,26 @@ async def _until(done: asyncio.Future[None], deadline: float | None) -> _Outcome
 
 async def _until_or_stalled(replica: Replica, done: asyncio.Future[None], deadline: float | None,
                             idle_s: Callable[[], float]) -> _Outcome:
-    """``_until``, except that once ``replica`` is taken out (its breaker opens)
-    the answer ends as STALLED when it has had no byte for ``STALL_S``
+    """``_until``, except that while ``replica`` is taken out (its breaker open)
+    the answer ends as STALLED once it has had no byte for ``STALL_S``
     (``idle_s``: how long it has had none). A stopped replica's stream never
-    ended, though the router had taken the replica out; one still sending goes on."""
+    ended, though the router had taken the replica out; one still sending goes
+    on, and once the replica is back in use (its breaker no longer open) a pause
+    is no stall again."""
     ending = asyncio.ensure_future(_until(done, deadline))
     try:
-        try:
-            return await unless_taken_out(replica, asyncio.shield(ending))
-        except TakenOut:
-            pass
         while True:
-            idle = idle_s()
-            if idle >= STALL_S:
-                return _Outcome.STALLED
-            finished, _ = await asyncio.wait({ending}, timeout=STALL_S - idle)
-            if finished:
-                return ending.result()
+            try:
+                return await unless_taken_out(replica, asyncio.shield(ending))
+            except TakenOut:
+                pass
+            while replica.breaker.state is BreakerState.OPEN:
+                idle = idle_s()
+                if idle >= STALL_S:
+                    return _Outcome.STALLED
+                finished, _ = await asyncio.wait({ending}, timeout=min(STALL_S - idle, _OUT_CHECK_S))
+                if finished:
+                    return ending.result()
     finally:
         ending.cancel()
 
