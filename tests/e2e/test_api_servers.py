@@ -157,6 +157,26 @@ def test_a_dead_engine_core_gets_503s_for_the_grace_under_several_api_servers():
     server.stop()
 
 
+def test_an_engine_core_that_dies_while_the_api_servers_start_is_reported_by_each():
+    """The launcher tells its API servers when an engine core ends (SIGUSR1): one
+    still starting had no handler yet, and the signal's default action killed it
+    at once, with nothing in the log, while the launcher said they answered 503.
+    The signal waits now until each API server handles it."""
+    server = ServerProcess("--api-server-count", "2", "--dead-engine-grace", "1", wait_ready=False)
+    try:
+        deadline = time.monotonic() + 60
+        while len(api_server_pids(server)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [engine] = [pid for pid, command in descendants(server.process.pid).items()
+                    if "heron.engine.core_proc" in command]
+        os.kill(engine, signal.SIGKILL)  # the API servers are still importing
+        assert server.process.wait(90) == 1
+        log = server.read_log()
+        assert log.count("the engine core is dead: answering 503 for 1.0 s") == 2, log[-4000:]
+    finally:
+        server.stop()
+
+
 def test_ctrl_c_lets_every_api_server_finish_the_streams_it_serves():
     """A terminal's Ctrl-C signals the whole process group: each API server
     starts its graceful stop, then the launcher told them to stop again with

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
 from heron.engine.args import EngineArgs
 
@@ -129,9 +132,13 @@ def test_a_python_keyword_of_the_wrong_type_is_named(keyword, message):
 
 def test_a_python_keyword_is_parsed_as_its_flag_is_where_it_has_a_parser():
     args = EngineArgs.from_kwargs("LLM()", kv_cache_memory_bytes="2GiB", max_model_len=np.int64(64),
-                                  kv_offloading_size=1, seed=None)
+                                  kv_offloading_size=1, seed=None, model=Path("/models/a"),
+                                  kv_offloading_dir=Path("/tmp/tier"), enable_prefix_caching=np.bool_(False),
+                                  dtype=torch.float32)
     assert args.kv_cache_memory_bytes == 2 << 30 and args.max_model_len == 64 and type(args.max_model_len) is int
     assert args.kv_offloading_size == 1.0 and args.seed is None
+    assert args.model == "/models/a" and args.kv_offloading_dir == "/tmp/tier"  # a Path worked before the checks
+    assert args.enable_prefix_caching is False and args.dtype is torch.float32
     with pytest.raises(ValueError, match="LLM\\(\\) kv_cache_memory_bytes: "):
         EngineArgs.from_kwargs("LLM()", kv_cache_memory_bytes="lots")
 

@@ -357,6 +357,10 @@ def _checked_kwarg(caller: str, name: str, value: Any, hint: Any, metadata: Any)
     base = _without_none(hint)
     if value is None and base is not hint:
         return None
+    if base is str and isinstance(value, os.PathLike):  # a pathlib.Path for a directory or file
+        value = os.fspath(value)
+    if base is bool and getattr(getattr(value, "dtype", None), "kind", None) == "b":  # numpy's bool
+        value = bool(value)
     if isinstance(value, str) and metadata["parse"] is not None:
         try:
             return metadata["parse"](value)

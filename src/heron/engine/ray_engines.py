@@ -76,10 +76,11 @@ def check_cluster_answers(address: str | None, timeout_s: float = _GCS_CONNECT_T
     """A ValueError unless the cluster ``address`` names (``auto``: the one this
     machine last joined) accepts a connection: ray.init retries an address where
     nothing answers for ever, with no word from heron (a typo in RAY_ADDRESS, a
-    cluster gone since). Ray Client addresses (``ray://``) are left to Ray."""
+    cluster gone since). Ray Client addresses (``ray://``) and ``local`` (a
+    cluster Ray starts) are left to Ray."""
     import_ray()
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if address.startswith("ray://"):
+    if address.startswith("ray://") or address == "local":  # local: Ray starts a cluster of its own
         return
     try:
         from ray._private.services import canonicalize_bootstrap_address

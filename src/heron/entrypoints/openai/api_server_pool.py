@@ -86,12 +86,18 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
         shared_path = os.path.join(workdir, "gateway")
         create_shared_gateway_file(shared_path, count)
         env = {**os.environ, METRICS_DIR_ENV: metrics_dir}
-        for index in range(count):
-            start_path = os.path.join(workdir, f"api-server-{index}.pickle")
-            with open(start_path, "wb") as start_file:
-                pickle.dump((args, port, index, [p.endpoint(index) for p in started], shared_path), start_file)
-            servers.append(subprocess.Popen(
-                [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path], env=env))
+        # each API server starts with the launcher's word held (a signal mask is inherited): it is delivered
+        # once serve_api handles it; before, an engine core ending during start-up killed the API servers
+        unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, {ENGINE_GONE_SIGNAL})
+        try:
+            for index in range(count):
+                start_path = os.path.join(workdir, f"api-server-{index}.pickle")
+                with open(start_path, "wb") as start_file:
+                    pickle.dump((args, port, index, [p.endpoint(index) for p in started], shared_path), start_file)
+                servers.append(subprocess.Popen(
+                    [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path], env=env))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
         logger.info("%d API servers on port %d (pids %s) over %d engine core(s)",
                     count, port, ", ".join(str(s.pid) for s in servers), len(started))
         return _supervise(servers, started, args.dead_engine_grace)

@@ -287,11 +287,13 @@ async def serve_api(
     if role is not None and main_thread:  # one of several: the launcher says when an engine core has ended
         asyncio.get_running_loop().add_signal_handler(
             ENGINE_GONE_SIGNAL, engine.engine_gone, "an engine core ended (the launcher saw it end)")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {ENGINE_GONE_SIGNAL})  # held since start: delivered now
     try:
         await server.serve(sockets=[role.listen_socket] if role else None)
     finally:
         if role is not None and main_thread:
             asyncio.get_running_loop().remove_signal_handler(ENGINE_GONE_SIGNAL)
+            signal.signal(ENGINE_GONE_SIGNAL, signal.SIG_IGN)  # a late word is of no use; its default kills
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for watcher in watchers:
