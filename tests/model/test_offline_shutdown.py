@@ -11,6 +11,7 @@ import gc
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from heron import LLM, SamplingParams
@@ -37,6 +38,8 @@ def test_a_dropped_llm_finishes_its_disk_writes_writes_its_profile_and_frees_its
         [output] = again.generate([{"prompt_token_ids": PROMPT}], ONE_TOKEN, use_tqdm=False)
         assert output.num_cached_tokens == 96  # every block, from the disk
     again.shutdown()  # a second time does nothing
+    with pytest.raises(RuntimeError, match="has been shut down"):  # its disk writer is gone: it would hang
+        again.generate([{"prompt_token_ids": PROMPT}], ONE_TOKEN, use_tqdm=False)
 
 
 def test_heron_generate_leaves_the_prompts_blocks_on_disk(tiny_model_dir, tmp_path):

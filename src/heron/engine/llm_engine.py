@@ -46,6 +46,8 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
+        if not self._finalizer.alive:  # its disk tier's writer is gone: a request would wait on it for ever
+            raise RuntimeError("this engine has been shut down (LLM.shutdown()): make a new LLM")
         core_requests = self.input_processor.make_requests(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt
         )
