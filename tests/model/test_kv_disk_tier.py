@@ -246,7 +246,8 @@ def test_an_abort_while_loading_frees_everything(llama, tmp_path):
     first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)
     check(first, with_prefix[:1], expected)
     core(first).shutdown()
-    engine = core(LLM(directory, kv_offloading_dir=str(tmp_path), **POOL))
+    second = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)  # held: a dropped LLM shuts its core down
+    engine = core(second)
     engine.add_request(EngineCoreRequest("r", with_prefix[1], GREEDY, (), NEW_TOKENS, time.time()))
     engine.step()  # the request starts loading
     assert engine.scheduler.loading["r"].status == RequestStatus.WAITING_FOR_KV

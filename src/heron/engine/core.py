@@ -122,6 +122,8 @@ class EngineCore:
         return layout
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
+        if self._shut_down:  # its disk tier's threads are gone: the request would wait on them for ever
+            raise RuntimeError("this engine has been shut down (LLM.shutdown(), or its LLM was collected)")
         request = Request(core_request)
         self.scheduler.add_request(request)
         if request.sampling_params.structured_outputs is not None:

@@ -286,7 +286,8 @@ async def serve_api(
     previous = {sig: signal.signal(sig, _after_graceful_stop) for sig in stop_signals} if main_thread else {}
     if role is not None and main_thread:  # one of several: the launcher says when an engine core has ended
         asyncio.get_running_loop().add_signal_handler(
-            ENGINE_GONE_SIGNAL, engine.engine_gone, "an engine core exited (the launcher saw it end, and logs its code)")
+            ENGINE_GONE_SIGNAL, engine.engine_gone,
+            "an engine core exited (the launcher saw it end, and logs its code)")
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {ENGINE_GONE_SIGNAL})  # held since start: delivered now
     try:
         await server.serve(sockets=[role.listen_socket] if role else None)
