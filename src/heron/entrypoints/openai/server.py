@@ -226,8 +226,8 @@ async def serve_api(
     """Run one API server until it is told to stop."""
     import uvicorn
 
-    # created inside the event loop: its ZMQ sockets belong to this loop
-    # each of several API servers counts the tokens of its own requests: its periodic line says whose
+    # created inside the event loop (its ZMQ sockets belong to it); each of several API servers counts the
+    # tokens of its own requests: its periodic line says whose
     scope = f"API server {role.index + 1} of {role.count} (its requests)" if role is not None else ""
     engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started,
                       record_engine_stats=role is None or role.index == 0, stats_scope=scope,
@@ -284,17 +284,13 @@ async def serve_api(
     # both stop it gracefully, and heron then exits 0 (Ctrl-C was a KeyboardInterrupt, code 130)
     stop_signals = (signal.SIGTERM, signal.SIGINT)
     previous = {sig: signal.signal(sig, _after_graceful_stop) for sig in stop_signals} if main_thread else {}
-    if role is not None and main_thread:  # one of several: the launcher says when an engine core has ended
-        asyncio.get_running_loop().add_signal_handler(
-            ENGINE_GONE_SIGNAL, engine.engine_gone,
-            "an engine core exited (the launcher saw it end, and logs its code)")
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {ENGINE_GONE_SIGNAL})  # held since start: delivered now
+    if hears_the_launcher := role is not None and main_thread:  # one of several: told when an engine core ends
+        _listen_to_the_launcher(engine, listen=True)
     try:
         await server.serve(sockets=[role.listen_socket] if role else None)
     finally:
-        if role is not None and main_thread:
-            asyncio.get_running_loop().remove_signal_handler(ENGINE_GONE_SIGNAL)
-            signal.signal(ENGINE_GONE_SIGNAL, signal.SIG_IGN)  # a late word is of no use; its default kills
+        if hears_the_launcher:
+            _listen_to_the_launcher(engine, listen=False)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for watcher in watchers:
@@ -303,6 +299,20 @@ async def serve_api(
             exit_within(STOP_DEADLINE_S, 1 if engine.is_dead else 0)
         engine.shutdown()
     return 1 if engine.is_dead else 0
+
+
+def _listen_to_the_launcher(engine: AsyncLLM, listen: bool) -> None:
+    """An API server of several hears the launcher's word (``ENGINE_GONE_SIGNAL``) that an engine
+    core has ended: held since its start (a signal mask), delivered once handled; after the
+    serving, ignored (a late word is of no use, and its default action kills)."""
+    loop = asyncio.get_running_loop()
+    if listen:
+        loop.add_signal_handler(ENGINE_GONE_SIGNAL, engine.engine_gone,
+                                "an engine core exited (the launcher saw it end, and logs its code)")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {ENGINE_GONE_SIGNAL})
+    else:
+        loop.remove_signal_handler(ENGINE_GONE_SIGNAL)
+        signal.signal(ENGINE_GONE_SIGNAL, signal.SIG_IGN)
 
 
 # how long the engines' shutdown (and the interpreter's exit after it) may take once the server has stopped
