@@ -205,7 +205,7 @@ class EngineArgs:
         known = {spec.name: spec for spec in fields(cls)}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise TypeError(f"{caller} got unknown engine argument(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise TypeError(f"{caller} got unknown engine argument(s) {unknown}; known: {sorted(known)}")
         hints = get_type_hints(cls)
         return cls(**{name: _checked_kwarg(caller, name, value, hints[name], known[name].metadata)
                       for name, value in kwargs.items()})

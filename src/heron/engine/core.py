@@ -121,9 +121,15 @@ class EngineCore:
                     config.cache.kv_offloading_dir_bytes / (1 << 30))
         return layout
 
+    def check_running(self) -> None:
+        """A RuntimeError once shut down: its disk tier's threads are gone, and a request would wait on
+        them for ever."""
+        if self._shut_down:
+            raise RuntimeError("this engine has been shut down (LLM.shutdown(), or its LLM was collected): "
+                               "make a new LLM")
+
     def add_request(self, core_request: EngineCoreRequest) -> None:
-        if self._shut_down:  # its disk tier's threads are gone: the request would wait on them for ever
-            raise RuntimeError("this engine has been shut down (LLM.shutdown(), or its LLM was collected)")
+        self.check_running()
         request = Request(core_request)
         self.scheduler.add_request(request)
         if request.sampling_params.structured_outputs is not None:

@@ -46,8 +46,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        if not self._finalizer.alive:  # checked here too: before its prompt is registered for output
-            raise RuntimeError("this engine has been shut down (LLM.shutdown()): make a new LLM")
+        self.engine_core.check_running()  # before its prompt is registered for output
         core_requests = self.input_processor.make_requests(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt
         )

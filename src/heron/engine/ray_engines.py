@@ -72,14 +72,13 @@ def connect(address: str | None = None) -> Any:
     return ray
 
 
-def check_cluster_answers(address: str | None, timeout_s: float = _GCS_CONNECT_TIMEOUT_S) -> None:
+def check_cluster_answers(address: str, timeout_s: float = _GCS_CONNECT_TIMEOUT_S) -> None:
     """A ValueError unless the cluster ``address`` names (``auto``: the one this
     machine last joined) accepts a connection: ray.init retries an address where
     nothing answers for ever, with no word from heron (a typo in RAY_ADDRESS, a
     cluster gone since). Ray Client addresses (``ray://``) and ``local`` (a
     cluster Ray starts) are left to Ray."""
     import_ray()
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
     if address.startswith("ray://") or address == "local":  # local: Ray starts a cluster of its own
         return
     try:
@@ -245,5 +244,10 @@ def discover_replicas() -> list[str]:
     """The URLs of the heron servers registered on the cluster (each once)."""
     ray = connect()
     names = ray.util.list_named_actors()
-    return sorted({name[len(REPLICA_PREFIX):].rpartition(_REGISTRATION_SEPARATOR)[0] or name[len(REPLICA_PREFIX):]
-                   for name in names if name.startswith(REPLICA_PREFIX)})
+    return sorted({_registered_url(name) for name in names if name.startswith(REPLICA_PREFIX)})
+
+
+def _registered_url(name: str) -> str:
+    """The URL a registration's name carries (one without a suffix: an older heron's)."""
+    url = name.removeprefix(REPLICA_PREFIX)
+    return url.rpartition(_REGISTRATION_SEPARATOR)[0] or url

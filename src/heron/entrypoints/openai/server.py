@@ -180,13 +180,13 @@ def _register_on_ray(args: argparse.Namespace) -> object:
     host = f"[{host}]" if ":" in host else host
     url = f"{'https' if args.ssl_certfile else 'http'}://{host}:{args.port}"
     logger.info("registered on the Ray cluster as %s", url)
-    if ipaddress_is_loopback(host.strip("[]")):
+    if _is_loopback(host.strip("[]")):
         logger.warning("%s is reachable from this machine only: a router on another node cannot use it "
                        "(serve on --host 0.0.0.0 or this node's address for those)", url)
     return register_replica(url)
 
 
-def ipaddress_is_loopback(host: str) -> bool:
+def _is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or a name) is this machine's loopback."""
     import ipaddress
 
