@@ -369,9 +369,10 @@ def test_cors_flags_that_would_mislead_are_refused_before_start(flags, message):
         check_serve_args(build_parser().parse_args(["serve", *flags]))
 
 
-def serve_while(app, work):
-    """Run ``app`` under uvicorn with ``heron serve``'s protocol on a free
-    port, call ``work(port)`` on a thread, stop the server, return its result."""
+def serve_while(app, work, flags: tuple[str, ...] = ()):
+    """Run ``app`` under uvicorn with ``heron serve``'s protocol (and ``flags``)
+    on a free port, call ``work(port)`` on a thread, stop the server, return its
+    result."""
     import asyncio
     import socket
 
@@ -383,7 +384,7 @@ def serve_while(app, work):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, build_parser().parse_args(["serve", "--port", str(port)]),
+    server = uvicorn.Server(uvicorn_config(app, build_parser().parse_args(["serve", "--port", str(port), *flags]),
                                            GatewaySettings(api_keys=[])))
 
     async def main():
@@ -425,3 +426,51 @@ def test_a_request_that_cannot_be_parsed_gets_an_openai_shaped_400(sent):
     assert b"connection: close" in head.lower()
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http_request", error
+
+
+def _answers_after_idle(port: int, idle_s: float) -> bytes:
+    """The second answer on one kept-alive connection, sent ``idle_s`` after the
+    first answer was read (b"" when the server closed it meanwhile)."""
+    import socket
+    import time
+
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as client:
+        client.sendall(request)
+        first = b""
+        while not first.endswith(b"\r\n\r\nok"):  # the head and the body may come apart
+            first += client.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200")
+        time.sleep(idle_s)
+        try:
+            client.sendall(request)
+            return client.recv(4096)
+        except ConnectionResetError:
+            return b""
+
+
+async def _ok_app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_an_idle_connection_outlives_the_clients_pool_expiry():
+    """httpx (the openai client's) reuses a connection idle up to 5 s: uvicorn's
+    own 5 s closed it at the same moment, and a request sent then was reset (the
+    overload test's ReadError in CI)."""
+    assert serve_while(_ok_app, lambda port: _answers_after_idle(port, 6.0)).startswith(b"HTTP/1.1 200")
+
+
+def test_keep_alive_timeout_closes_an_idle_connection():
+    answer = serve_while(_ok_app, lambda port: _answers_after_idle(port, 1.5), ("--keep-alive-timeout", "0.5"))
+    assert answer == b""
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_keep_alive_timeout_must_be_a_positive_number(value, capsys):
+    from heron.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--keep-alive-timeout", value])
+    assert "--keep-alive-timeout" in capsys.readouterr().err

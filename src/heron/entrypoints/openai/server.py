@@ -212,6 +212,7 @@ def uvicorn_config(app: Any, args: argparse.Namespace, settings: GatewaySettings
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=args.keep_alive_timeout,
         # uvicorn trusts X-Forwarded-For from 127.0.0.1 by default: without keys, a local client (an SSH tunnel,
         # a TCP proxy) got a fresh rate-limit bucket a request by naming another address
         proxy_headers=args.forwarded_allow_ips is not None,
