@@ -300,10 +300,10 @@ def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
     one that never sent a byte too."""
     import time
 
-    from heron.entrypoints.openai import http_limits
+    from heron import http_bounds
 
-    monkeypatch.setattr(http_limits, "HEAD_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(http_limits, "BODY_IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_bounds, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_bounds, "BODY_IDLE_TIMEOUT_S", 0.5)
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
@@ -474,3 +474,33 @@ def test_keep_alive_timeout_must_be_a_positive_number(value, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--keep-alive-timeout", value])
     assert "--keep-alive-timeout" in capsys.readouterr().err
+
+
+async def _streaming_app(scope, receive, send):
+    """An answer of unknown length in two parts (as a stream's is), or a sized one for /sized."""
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/sized":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+@pytest.mark.parametrize("path", ["/", "/sized"])
+def test_an_http10_client_gets_no_chunked_framing(path):
+    """uvicorn framed a stream to an HTTP/1.0 request in chunks, whose size
+    lines such a client reads as part of the text (RFC 9112 forbids it)."""
+    answer = serve_while(_streaming_app, lambda port: read_all(port, f"GET {path} HTTP/1.0\r\n\r\n".encode()))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower(), head
+    assert body == (b"ok" if path == "/sized" else b"data: 1\n\ndata: [DONE]\n\n")
+
+
+def test_an_http11_client_still_gets_a_stream_in_chunks():
+    answer = serve_while(_streaming_app, lambda port: read_all(port, b"GET / HTTP/1.1\r\nhost: x\r\n"
+                                                                     b"connection: close\r\n\r\n"))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower() and body.endswith(b"0\r\n\r\n")

@@ -19,9 +19,7 @@ from heron.entrypoints.arg_types import (
 from heron.entrypoints.openai.cors import add_cors_args, cors_settings_from_args
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
-
-# an idle kept-alive connection's lifetime: longer than the clients' pools keep theirs (see --keep-alive-timeout)
-DEFAULT_KEEP_ALIVE_S = 20.0
+from heron.http_bounds import DEFAULT_KEEP_ALIVE_S
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

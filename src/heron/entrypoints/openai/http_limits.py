@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from heron import http_bounds
 from heron.entrypoints.openai.errors import APIError, bad_request, body_too_large, headers_too_large
+from heron.http_bounds import HeadMeter
 
 
 def head_limit(max_header_bytes: int) -> int:
@@ -112,13 +114,6 @@ def raw_response(error: APIError, reason: bytes) -> bytes:
     return head + body
 
 
-# seconds a request's head may take to arrive whole (from the connection, or from its first byte), and a body
-# may go without a byte: a client that sends a few bytes and stops held its connection (and a descriptor) for
-# ever, and enough of them (slowloris) took every descriptor the server had
-HEAD_TIMEOUT_S = 30.0
-BODY_IDLE_TIMEOUT_S = 60.0
-
-
 if TYPE_CHECKING:  # the mixin below is checked against the protocol it is mixed into
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _MixedInto
 else:
@@ -166,15 +161,16 @@ class _StallTimers(_MixedInto):
 
     def _arm_head_timer(self) -> None:
         _disarm(self._head_timer)
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_late)
+        self._head_timer = self.loop.call_later(http_bounds.HEAD_TIMEOUT_S, self._head_too_late)
 
     def _arm_body_timer(self) -> None:
         _disarm(self._body_timer)
-        self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S, self._cut, b"")
+        self._body_timer = self.loop.call_later(http_bounds.BODY_IDLE_TIMEOUT_S, self._cut, b"")
 
     def _head_too_late(self) -> None:
-        self._cut(raw_response(APIError(408, f"The request's head did not arrive within {HEAD_TIMEOUT_S:g} s.",
-                                        "invalid_request_error", None, "request_timeout"), b"Request Timeout"))
+        message = f"The request's head did not arrive within {http_bounds.HEAD_TIMEOUT_S:g} s."
+        self._cut(raw_response(APIError(408, message, "invalid_request_error", None, "request_timeout"),
+                               b"Request Timeout"))
 
     def _cut(self, answer: bytes) -> None:
         """Send ``answer`` (if any) and close the connection."""
@@ -182,6 +178,38 @@ class _StallTimers(_MixedInto):
             if answer:
                 self.transport.write(answer)
             self.transport.close()
+
+
+def _send_bare_to_http10(cycle: Any) -> None:
+    """An answer of unknown length to an HTTP/1.0 request goes out unframed,
+    ended by the close (uvicorn's httptools protocol framed it in chunks, which
+    an HTTP/1.0 client cannot read: RFC 9112 section 6.1); ``cycle`` is the
+    request's RequestResponseCycle, whose ``send`` the app has not called yet."""
+    if cycle is None or "send" in vars(cycle):
+        return
+    send = cycle.send
+    bare = False
+
+    async def send_unframed(message: Message) -> None:
+        nonlocal bare
+        if message["type"] == "http.response.start":
+            names = {bytes(name).lower() for name, _ in message.get("headers", ())}
+            bare = (not names & {b"content-length", b"transfer-encoding"} and cycle.scope["method"] != "HEAD"
+                    and message["status"] not in (204, 304))
+            if bare:
+                cycle.chunked_encoding = False  # uvicorn then adds no framing, and counts the body as if sized
+            await send(message)
+            if bare:
+                cycle.expected_content_length = _UNKNOWN_LENGTH
+            return
+        if bare and message["type"] == "http.response.body" and not message.get("more_body", False):
+            cycle.expected_content_length = len(message.get("body", b""))  # the last part ends it exactly
+        await send(message)
+
+    cycle.send = send_unframed
+
+
+_UNKNOWN_LENGTH = 1 << 62
 
 
 def _disarm(timer: asyncio.TimerHandle | None) -> None:
@@ -202,37 +230,34 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
     rejection = raw_response(headers_too_large(max_header_bytes), b"Request Header Fields Too Large")
 
     class BoundedHeadProtocol(_StallTimers, HttpToolsProtocol):
-        # bytes received of the request head being parsed; -1 between a complete
-        # head and the next request's first byte
-        _head_bytes = 0
-        # per read: whether a request began in it, and the bytes in it that were
-        # bodies and complete heads (a pipelined request's), which are not the new
-        # head's; a complete head's bytes are its parts plus the separators
-        _began = False
-        _others = 0
-        _this_head = 0  # the parts of the head being parsed
+        _meter: HeadMeter | None = None  # made on the first read (uvicorn's __init__ is left alone)
+
+        @property
+        def meter(self) -> HeadMeter:
+            if self._meter is None:
+                self._meter = HeadMeter()
+            return self._meter
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head_bytes = 0
-            self._this_head = len(b"GET  HTTP/1.1\r\n\r\n")  # the request line's and the head's separators
-            self._began = True
+            self.meter.message_begins()
 
         def on_url(self, url: bytes) -> None:
-            self._this_head += len(url)
+            self.meter.url(len(url))
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            self._this_head += len(name) + len(value) + 4  # ": " and the line's end
+            self.meter.header(len(name) + len(value))
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
-            self._head_bytes = -1
-            self._others += self._this_head
+            self.meter.headers_complete()
             super().on_headers_complete()
+            if self.parser.get_http_version() == "1.0":
+                _send_bare_to_http10(self.cycle)
 
         def on_body(self, body: bytes) -> None:
-            self._others += len(body)
+            self.meter.body(len(body))
             super().on_body(body)
 
         def send_400_response(self, msg: str) -> None:
@@ -240,15 +265,9 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
             self._cut(raw_response(bad_request(msg, code="invalid_http_request"), b"Bad Request"))
 
         def data_received(self, data: bytes) -> None:
-            self._began, self._others = False, 0
+            self.meter.read_begins()
             super().data_received(data)
-            if self._head_bytes < 0 or self.transport.is_closing():
-                return
-            if self._began:  # the read ended other requests first: only what follows them is this head's
-                self._head_bytes = max(0, len(data) - self._others)
-            else:
-                self._head_bytes += len(data)
-            if self._head_bytes > limit:
+            if not self.transport.is_closing() and self.meter.read_ends(len(data)) > limit:
                 self._cut(rejection)
 
     return BoundedHeadProtocol

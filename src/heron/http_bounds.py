@@ -1,0 +1,81 @@
+"""What a client connection may hold of an HTTP server of heron's, in time and
+in bytes of an unfinished request head: one set of rules for `heron serve`
+(uvicorn's protocol, entrypoints/openai/http_limits.py) and `heron router`'s
+own front (router/http_front.py).
+
+Without them a client that sends a few bytes and stops, or never sends any,
+or sends one header line that never ends, holds a descriptor (and, for the
+header, memory) for ever, and enough such clients (slowloris) take every
+descriptor the server has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# seconds a request's head may take to arrive whole (from the connection, or from its first byte)
+HEAD_TIMEOUT_S = 30.0
+# seconds a request's body may go without a byte
+BODY_IDLE_TIMEOUT_S = 60.0
+# seconds an idle kept-alive connection stays open: longer than clients' pools keep one (httpx and the openai
+# client: 5 s; aiohttp: 15 s), or a client reusing a connection the server is closing gets a reset
+DEFAULT_KEEP_ALIVE_S = 20.0
+
+
+@dataclass(frozen=True)
+class ConnectionBounds:
+    head_timeout_s: float = HEAD_TIMEOUT_S
+    body_idle_timeout_s: float = BODY_IDLE_TIMEOUT_S
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+
+
+class HeadMeter:
+    """The bytes received so far of the request head being parsed, counted
+    from the raw reads: a parser reports a header only once its line has
+    ended, so counting what it reports misses one line that never ends.
+
+    Feed it the parser's callbacks and wrap each read in ``read_begins`` /
+    ``read_ends``: bytes of a read that were complete heads and bodies (a
+    pipelined request's, or the body of the request that ended) are not the
+    new head's."""
+
+    # the request line's and the head's separators, which no callback reports
+    _SEPARATORS = len(b"GET  HTTP/1.1\r\n\r\n")
+
+    def __init__(self) -> None:
+        self.head_bytes = 0  # of the head being parsed; -1 between a complete head and the next request's first byte
+        self._began = False  # a request began in this read
+        self._others = 0  # bytes of this read that were not the head being parsed
+        self._this_head = 0  # the reported parts of the head being parsed
+
+    def read_begins(self) -> None:
+        self._began, self._others = False, 0
+
+    def message_begins(self) -> None:
+        self.head_bytes = 0
+        self._this_head = self._SEPARATORS
+        self._began = True
+
+    def url(self, size: int) -> None:
+        self._this_head += size
+
+    def header(self, name_and_value: int) -> None:
+        self._this_head += name_and_value + 4  # ": " and the line's end
+
+    def headers_complete(self) -> None:
+        self.head_bytes = -1
+        self._others += self._this_head
+
+    def body(self, size: int) -> None:
+        self._others += size
+
+    def read_ends(self, size: int) -> int:
+        """After a read of ``size`` bytes was parsed: the bytes of the
+        unfinished head so far (-1 when no head is being received)."""
+        if self.head_bytes < 0:
+            return -1
+        if self._began:  # the read ended other requests first: only what follows them is this head's
+            self.head_bytes = max(0, size - self._others)
+        else:
+            self.head_bytes += size
+        return self.head_bytes
