@@ -29,6 +29,9 @@ class ConnectionBounds:
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
 
 
+DEFAULT_BOUNDS = ConnectionBounds()
+
+
 class HeadMeter:
     """The bytes received so far of the request head being parsed, counted
     from the raw reads: a parser reports a header only once its line has

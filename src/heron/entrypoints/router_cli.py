@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
 from heron.entrypoints.arg_types import FINITE_NON_NEGATIVE_FLOAT, FINITE_POSITIVE_FLOAT, POSITIVE_INT, port
+from heron.http_bounds import BODY_IDLE_TIMEOUT_S, DEFAULT_KEEP_ALIVE_S, HEAD_TIMEOUT_S, ConnectionBounds
 from heron.routing.policies import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,11 @@ def add_router_parser(subcommands: Any) -> None:
     router.add_argument("--shutdown-timeout", type=FINITE_NON_NEGATIVE_FLOAT, default=5.0, metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
                              "are refused meanwhile) before the rest are cut; 0 cuts them at once")
+    router.add_argument("--keep-alive-timeout", type=FINITE_POSITIVE_FLOAT, default=DEFAULT_KEEP_ALIVE_S,
+                        metavar="SECONDS",
+                        help="seconds an idle kept-alive client connection stays open (longer than the clients' "
+                             "pools keep one: httpx 5 s, aiohttp 15 s); a request's head must arrive within "
+                             f"{HEAD_TIMEOUT_S:g} s and its body may pause {BODY_IDLE_TIMEOUT_S:g} s at most")
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -79,7 +85,8 @@ def run_router(args: argparse.Namespace) -> int:
     logger.info("heron router (%s) on http://%s:%d over %s%s", args.policy, args.host, args.port,
                 ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])),
                 f"; prompts prefilled first on {', '.join(args.prefill)}" if args.prefill else "")
-    asyncio.run(server.run(args.host, args.port, args.shutdown_timeout))
+    asyncio.run(server.run(args.host, args.port, args.shutdown_timeout,
+                           ConnectionBounds(keep_alive_s=args.keep_alive_timeout)))
     return 0
 
 

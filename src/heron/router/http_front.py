@@ -43,6 +43,8 @@ from typing import Any
 
 import httptools
 
+from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds, HeadMeter
+
 logger = logging.getLogger(__name__)
 
 STOPPING = "the router is stopping"
@@ -191,10 +193,18 @@ Handler = Callable[[HttpRequest, ResponseWriter], Awaitable[None]]
 class FrontConnection(asyncio.Protocol):
     """One client connection: parses requests and runs ``handler`` on each in turn."""
 
-    def __init__(self, handler: Handler, open_connections: set[FrontConnection] | None = None) -> None:
-        """``open_connections``: where this connection is listed while it is open (a graceful stop's)."""
+    def __init__(self, handler: Handler, open_connections: set[FrontConnection] | None = None,
+                 bounds: ConnectionBounds = DEFAULT_BOUNDS) -> None:
+        """``open_connections``: where this connection is listed while it is open (a graceful stop's);
+        ``bounds``: how long a head, a stalled body and an idle connection may take."""
         self._handler = handler
         self._open_connections = open_connections
+        self._bounds = bounds
+        self._meter = HeadMeter()  # the unfinished head's bytes, counted from the reads
+        self._timer: asyncio.TimerHandle | None = None  # the one bound running: head, body or idle
+        self._in_message = False  # between a request's first byte and its end
+        self._reading_paused = False  # by the router (requests queued, or a rejection): no bound runs against it
+        self._queued_bytes = 0  # of the bodies of the requests queued
         self._draining = False  # the router is stopping: no request is started, the connection closes
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
@@ -204,7 +214,7 @@ class FrontConnection(asyncio.Protocol):
         self._writer: ResponseWriter | None = None
         self._client_paused = False  # the client's socket buffer is full, whichever answer filled it
         self._rejected = False  # nothing more is parsed (a bad request, or one after which the client closes)
-        self._rejection: tuple[int, str] | None = None  # answered once the requests before it are
+        self._rejection: tuple[int, str, str | None] | None = None  # answered once the requests before it are
         self._reset_message()
 
     # ---- asyncio.Protocol -----------------------------------------------------
@@ -217,10 +227,19 @@ class FrontConnection(asyncio.Protocol):
         send_at_once(transport)
         if self._open_connections is not None:
             self._open_connections.add(self)
+        self._bound(self._bounds.head_timeout_s, self._head_too_late)  # a connection that never sends a byte too
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
             return
+        self._meter.read_begins()
+        try:
+            self._feed(data)
+        finally:
+            if not self._rejected and self._meter.read_ends(len(data)) > MAX_HEAD_BYTES:
+                self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
+
+    def _feed(self, data: bytes) -> None:
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -232,7 +251,7 @@ class FrontConnection(asyncio.Protocol):
             self._parser = httptools.HttpRequestParser(self)
             rest = data[exc.args[0]:] if exc.args and isinstance(exc.args[0], int) else b""
             if rest:
-                self.data_received(rest)
+                self._feed(rest)
         except httptools.HttpParserError as exc:
             if not self._rejected:
                 self._reject(400, f"malformed HTTP request: {exc}")
@@ -240,6 +259,7 @@ class FrontConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._open_connections is not None:
             self._open_connections.discard(self)
+        self._unbound()
         self._queue.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -265,21 +285,28 @@ class FrontConnection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
-        self._head_bytes = 0
+        self._head_bytes = 0  # of the parts of a head reported so far (the meter counts one not yet parsed)
         self._body_bytes = 0
 
     def on_message_begin(self) -> None:
         self._reset_message()
+        self._meter.message_begins()
+        self._in_message = True
+        self._bound(self._bounds.head_timeout_s, self._head_too_late)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._meter.url(len(url))
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._meter.header(len(name) + len(value))
         self._count_head(len(name) + len(value))
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self._meter.headers_complete()
+        self._bound(self._bounds.body_idle_timeout_s, self._body_stalled)  # ended at once when there is none
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             self._reject(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -290,6 +317,8 @@ class FrontConnection(asyncio.Protocol):
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        self._meter.body(len(body))
+        self._bound(self._bounds.body_idle_timeout_s, self._body_stalled)
         self._body_bytes += len(body)
         if self._body_bytes > MAX_BODY_BYTES:
             self._reject(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -297,6 +326,8 @@ class FrontConnection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_message = False
+        self._unbound()
         if self._rejected:
             return
         url = httptools.parse_url(self._url)
@@ -310,10 +341,11 @@ class FrontConnection(asyncio.Protocol):
         )
         keep_alive = self._parser.should_keep_alive()
         self._queue.append((request, keep_alive, self._parser.get_http_version() == "1.0"))
+        self._queued_bytes += len(request.body)
         if not keep_alive:
             self._rejected = True  # the client closes after this one: whatever follows is not read
-        if len(self._queue) > _MAX_QUEUED_REQUESTS and self._transport is not None:
-            self._transport.pause_reading()
+        if len(self._queue) > _MAX_QUEUED_REQUESTS or self._queued_bytes > MAX_BODY_BYTES:
+            self._pause_reading()
         self._next()
 
     # ---- running requests ----------------------------------------------------------
@@ -323,12 +355,17 @@ class FrontConnection(asyncio.Protocol):
         is not reading what was sent (``resume_writing`` calls again)."""
         if self._task is not None and not self._task.done():
             return
-        if self._client_paused:
-            return
         transport = self._transport
         if transport is None or transport.is_closing():
             return
+        if (not self._queue and not self._in_message and not self._draining
+                and (self._rejection is None or self._client_paused)):
+            # idle, or not reading what it was sent: kept for so long
+            self._bound(self._bounds.keep_alive_s, transport.close)
+        if self._client_paused:
+            return
         if self._draining:
+            self._unbound()
             if self._queue:  # sent on a kept-alive connection as the router stops: refused, not cut later
                 request, _, http10 = self._queue.popleft()
                 ResponseWriter(transport, keep_alive=False, head_only=request.method == "HEAD",
@@ -337,14 +374,19 @@ class FrontConnection(asyncio.Protocol):
             return
         if not self._queue:
             if self._rejection is not None:  # every request before the bad one is answered
-                status, message = self._rejection
+                status, message, code = self._rejection
                 ResponseWriter(transport, keep_alive=False, head_only=False).send_json(
-                    status, error_body(status, message))
+                    status, error_body(status, message, code))
                 transport.close()
             return
         request, keep_alive, http10 = self._queue.popleft()
-        if len(self._queue) <= _MAX_QUEUED_REQUESTS // 2 and not self._rejected:
+        self._queued_bytes -= len(request.body)
+        if (self._reading_paused and not self._rejected and len(self._queue) <= _MAX_QUEUED_REQUESTS // 2
+                and self._queued_bytes <= MAX_BODY_BYTES // 2):
+            self._reading_paused = False
             transport.resume_reading()
+        if not self._in_message:
+            self._unbound()  # busy, not idle
         self._writer = ResponseWriter(transport, keep_alive, head_only=request.method == "HEAD", http10=http10,
                                       client_paused=self._client_paused)
         self._task = asyncio.get_running_loop().create_task(self._run(request, self._writer))
@@ -395,16 +437,49 @@ class FrontConnection(asyncio.Protocol):
         if self._head_bytes > MAX_HEAD_BYTES:
             self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
 
-    def _reject(self, status: int, message: str) -> None:
+    # ---- the connection's time bounds -------------------------------------------
+
+    def _bound(self, seconds: float, expired: Callable[[], None]) -> None:
+        """Runs ``expired`` in ``seconds`` unless another bound replaces this one first."""
+        self._unbound()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, seconds, expired)
+
+    def _unbound(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, seconds: float, expired: Callable[[], None]) -> None:
+        self._timer = None
+        if self._reading_paused and not self._rejected:
+            self._bound(seconds, expired)  # the router is not reading: the client is not the one late
+        else:
+            expired()
+
+    def _head_too_late(self) -> None:
+        self._reject(408, f"the request's head did not arrive within {self._bounds.head_timeout_s:g} s",
+                     "request_timeout")
+
+    def _body_stalled(self) -> None:
+        self._reject(408, f"the request's body sent no byte for {self._bounds.body_idle_timeout_s:g} s",
+                     "request_timeout")
+
+    def _pause_reading(self) -> None:
+        self._reading_paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def _reject(self, status: int, message: str, code: str | None = None) -> None:
         """Answers a request the handler never sees, after the requests before
         it (never in the middle of another answer), and closes the connection;
         nothing the client sent after it is read."""
         if self._rejection is not None:
             return
+        self._unbound()
+        self._in_message = False  # the request is not read further
         self._rejected = True
-        self._rejection = (status, message)
-        if self._transport is not None:
-            self._transport.pause_reading()
+        self._rejection = (status, message, code)
+        self._pause_reading()
         self._next()
 
 
@@ -429,10 +504,10 @@ def _reason(status: int) -> str:
     return _REASONS.get(status, "Unknown")
 
 
-async def serve(handler: Handler, host: str, port: int,
-                open_connections: set[FrontConnection] | None = None) -> asyncio.Server:
+async def serve(handler: Handler, host: str, port: int, open_connections: set[FrontConnection] | None = None,
+                bounds: ConnectionBounds = DEFAULT_BOUNDS) -> asyncio.Server:
     """A listening server running ``handler`` on every request (``open_connections``: kept
     listing its connections, for a graceful stop to ``drain`` and ``cut``)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: FrontConnection(handler, open_connections), host, port,
+    return await loop.create_server(lambda: FrontConnection(handler, open_connections, bounds), host, port,
                                     reuse_address=True)

@@ -38,6 +38,7 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from heron.gc_freeze import freeze_startup_objects
+from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds
 from heron.router.disaggregation import PrefillStage, prefills_first
 from heron.router.http_front import FrontConnection, HttpRequest, ResponseWriter, error_body, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
@@ -117,7 +118,8 @@ class RouterServer:
         self._all_answered = asyncio.Event()
         self._all_answered.set()
 
-    async def run(self, host: str, port: int, shutdown_timeout: float = 5.0) -> None:
+    async def run(self, host: str, port: int, shutdown_timeout: float = 5.0,
+                  bounds: ConnectionBounds = DEFAULT_BOUNDS) -> None:
         """Serves until SIGINT or SIGTERM; then stops listening (an idle kept-alive
         connection is closed, a request sent on a busy one refused with 503), gives
         the requests under way up to ``shutdown_timeout`` seconds to finish, and
@@ -125,7 +127,7 @@ class RouterServer:
         await self.start()
         connections: set[FrontConnection] = set()
         try:
-            server = await serve(self.counted_handle, host, port, connections)
+            server = await serve(self.counted_handle, host, port, connections, bounds)
         except OSError as exc:  # the port taken, an address not of this machine, a host that does not resolve
             await self.stop()
             raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
