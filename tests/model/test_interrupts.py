@@ -36,3 +36,75 @@ def test_an_interrupted_prefill_leaves_no_unwritten_blocks_cached(tiny_model_dir
     manager = llm.engine.engine_core.scheduler.kv_cache_manager
     manager.check_integrity()
     assert manager.num_free_blocks == manager.num_blocks
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def interrupt_the_step(monkeypatch, llm: LLM, when) -> list[int]:
+    """Raise KeyboardInterrupt as the first step for which ``when(scheduler_output)``
+    holds starts (before its tier copies are made); returns a list that gets a 1 then."""
+    runner = llm.engine.engine_core.model_runner
+    execute_model, raised = runner.execute_model, []
+
+    def interrupted(scheduler_output, *args, **kwargs):
+        if not raised and when(scheduler_output):
+            raised.append(1)
+            raise KeyboardInterrupt
+        return execute_model(scheduler_output, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute_model", interrupted)
+    return raised
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids)
+            for output in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+
+
+def test_an_interrupt_before_a_steps_host_tier_saves_leaves_the_tier_true(tiny_model_dir, monkeypatch):
+    """The host tier listed the blocks a step evicted into it when the step was
+    scheduled; interrupted before its copies, the slots kept stale bytes under
+    those hashes, and a later prompt with that prefix was answered from them."""
+    directory = tiny_model_dir("llama")
+    shared, = random_prompts([48], seed=31)
+    tail, = random_prompts([9], seed=32)
+    fillers = random_prompts([40, 44, 36], seed=33)
+    expected = reference_greedy(load_reference(directory), shared + tail, 8)
+    llm = LLM(directory, dtype="float32", block_size=8, num_kv_blocks=12, max_model_len=96, kv_offloading_size=1e-4)
+    generate(llm, [shared + tail[:3]])
+    raised = interrupt_the_step(monkeypatch, llm, lambda out: out.kv_transfers and out.kv_transfers.saves)
+    with pytest.raises(KeyboardInterrupt):
+        generate(llm, fillers)  # its first step evicts the shared prefix into the host tier
+    assert raised
+    generate(llm, fillers)
+    assert generate(llm, [shared + tail]) == [expected]
+    assert llm.engine.engine_core.scheduler.kv_cache_manager.offload.stats.loaded > 0  # from the tier
+
+
+def test_an_interrupt_before_a_steps_disk_loads_start_leaks_nothing(tiny_model_dir, monkeypatch, tmp_path):
+    """A disk load the interrupted step never started held its request (aborted)
+    in the loading state and its pool blocks for ever."""
+    directory = tiny_model_dir("llama")
+    shared, = random_prompts([48], seed=31)
+    tail, = random_prompts([5], seed=32)
+    expected = reference_greedy(load_reference(directory), shared + tail, 8)
+    pool = dict(dtype="float32", block_size=8, num_kv_blocks=32, max_model_len=96, kv_offloading_dir=str(tmp_path))
+    with LLM(directory, **pool) as first:
+        generate(first, [shared + tail])  # the prefix on disk
+    llm = LLM(directory, **pool)
+    raised = interrupt_the_step(monkeypatch, llm, lambda out: out.kv_transfers and out.kv_transfers.disk.loads)
+    with pytest.raises(KeyboardInterrupt):
+        generate(llm, [shared + tail])
+    assert raised
+    assert generate(llm, [shared + tail]) == [expected]
+    core = llm.engine.engine_core
+    for _ in range(20):
+        if not core.scheduler.has_unfinished_requests():
+            break
+        core.step()
+    manager = core.scheduler.kv_cache_manager
+    assert not core.scheduler.has_unfinished_requests()
+    manager.check_integrity()
+    assert manager.num_free_blocks == manager.num_blocks
+    llm.shutdown()

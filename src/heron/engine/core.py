@@ -244,7 +244,10 @@ class EngineCore:
                 scheduler_output, grammar, defer_output=self.scheduler.can_schedule_ahead()
             )
         except BaseException:  # KeyboardInterrupt offline: nothing of the step may count as computed
-            self.scheduler.abandon_step(scheduler_output)
+            try:
+                self.model_runner.finish_kv_transfers(scheduler_output.kv_transfers)
+            finally:
+                self.scheduler.abandon_step(scheduler_output)
             raise
         self._in_flight = None
         if isinstance(runner_output, PendingRunnerOutput):

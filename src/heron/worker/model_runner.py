@@ -26,6 +26,7 @@ from heron.core.kv_disk_layout import DiskTierLayout
 from heron.core.kv_offload import KVTransfers
 from heron.core.kv_remote import RemoteLoad
 from heron.core.scheduler_output import SchedulerOutput
+from heron.interrupts import interrupts_deferred
 from heron.models.registry import build_model
 from heron.profiling import phase
 from heron.sample.rejection import RejectionSampler
@@ -96,6 +97,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.block_size = config.cache.block_size
+        self._applied_transfers: KVTransfers | None = None  # the last step's tier copies, once made
         started = time.perf_counter()
         self.model = build_model(config.model, self.device)
         logger.info(
@@ -234,16 +236,29 @@ class ModelRunner:
         saves and loads, then the disk loads start (they run on in the background).
         Every copy out of the pool is queued before any disk load can overwrite a
         block: a block evicted to the host tier and refilled from disk in one step
-        used to reach the host tier with the disk's contents, under its old hash."""
-        if transfers.disk:
-            assert self.disk_store is not None
-            self.disk_store.capture(transfers.disk)
-        if transfers.saves or transfers.loads:
-            assert self.offload_store is not None
-            self.offload_store.apply(transfers)
-        if transfers.disk:
-            assert self.disk_store is not None
-            self.disk_store.start_loads(transfers.disk)
+        used to reach the host tier with the disk's contents, under its old hash.
+
+        All of them or none: the tiers' indexes list these blocks from the moment
+        the step was scheduled, so a Ctrl-C is held until the copies are made (one
+        half way left a host slot listed with stale bytes, and a disk load never
+        started held its request and pool blocks for ever)."""
+        with interrupts_deferred():
+            if transfers.disk:
+                assert self.disk_store is not None
+                self.disk_store.capture(transfers.disk)
+            if transfers.saves or transfers.loads:
+                assert self.offload_store is not None
+                self.offload_store.apply(transfers)
+            if transfers.disk:
+                assert self.disk_store is not None
+                self.disk_store.start_loads(transfers.disk)
+            self._applied_transfers = transfers
+
+    def finish_kv_transfers(self, transfers: KVTransfers | None) -> None:
+        """Make the copies of a step that raised before it made them (an
+        interrupt while it was being prepared): the tiers already list them."""
+        if transfers and transfers is not self._applied_transfers:
+            self.apply_kv_transfers(transfers)
 
     def close(self) -> None:
         """Finish the disk tier's queued writes; stop serving and pulling blocks."""
