@@ -301,3 +301,17 @@ def test_a_template_that_takes_tools_gets_past_arguments_as_objects():
     messages, _ = template_messages([turn], [{"type": "function"}], template)
     assert [call["function"]["arguments"] for call in messages[0]["tool_calls"]] == [{"city": "Paris"}, "not json"]
     assert turn["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the request is not changed
+
+
+@pytest.mark.parametrize("mode, named", [("named", "get_weather"), ("required", None)])
+def test_a_forced_call_is_generated_whole_whatever_the_stop_strings(mode, named):
+    """stop=["\\n"] cut a named call at its first line, answered as a finished
+    call whose arguments did not parse; the stop strings apply to content."""
+    from heron.sampling_params import SamplingParams
+
+    tools = ChatTools(ToolChoice(mode, FUNCTIONS, named), PARSERS["hermes"]())
+    params = tools.constrain(SamplingParams(stop=["\n", "}"], stop_token_ids=[7], max_tokens=9))
+    assert params.stop == [] and params.structured_outputs is not None
+    assert params.stop_token_ids == [7] and params.max_tokens == 9  # the rest as asked
+    auto = ChatTools(ToolChoice("auto", FUNCTIONS), PARSERS["hermes"]())
+    assert auto.constrain(SamplingParams(stop=["\n"])).stop == ["\n"]

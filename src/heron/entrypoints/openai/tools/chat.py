@@ -29,12 +29,15 @@ class ChatTools:
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """Generation as the tool choice needs it (a ``ValueError`` if the
-        request constrains its output otherwise too)."""
+        request constrains its output otherwise too). Calls that the choice
+        forces are generated whole: stop strings end content, not a call's
+        arguments (as OpenAI's do), and ``"\n"`` cut a named call at its first
+        line, answered as a finished call whose arguments did not parse."""
         constraint = self.choice.constraint()
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format")
-            return params.clone(structured_outputs=constraint)
+            return params.clone(structured_outputs=constraint, stop=None)
         if self.choice.mode == "auto" and not self.parser.skip_special_tokens:
             return params.clone(skip_special_tokens=False)  # the parser's markers are special tokens
         return params
