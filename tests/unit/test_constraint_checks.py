@@ -174,3 +174,14 @@ def test_string_length_bounds_have_a_compile_budget():
     short = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 10 + i} for i in range(20)}}
     for schema in (shared, short):  # one bound shared by every field costs once; small bounds cost little
         xgrammar_backend.validate_constraint("json", json.dumps(schema))
+
+
+def test_negative_length_bounds_cost_nothing_off_the_budget():
+    """A pair like (-100000, -100000) in an unused $defs entry (never compiled,
+    so never refused) took its value off the budget, and ten large bounds
+    compiled for tens of seconds."""
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 7000 + i} for i in range(20)},
+            "$defs": {"unused": {"type": "string", "minLength": -100000, "maxLength": -100000}}}
+    xgrammar_backend.validate_constraint.cache_clear()
+    with pytest.raises(ValueError, match="distinct string length bounds"):
+        xgrammar_backend.validate_constraint("json", json.dumps(many))

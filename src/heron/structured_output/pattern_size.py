@@ -181,7 +181,7 @@ def check_length_bounds(schema: Any) -> None:
     """PatternTooLarge if the schema's distinct string length bounds together
     would take too long to compile."""
     bounds = length_bounds(schema)
-    cost = sum(min(max(low, high), LENGTH_BOUND_COST_CAP) for low, high in bounds)
+    cost = sum(min(max(low, high, 0), LENGTH_BOUND_COST_CAP) for low, high in bounds)  # a negative one costs 0
     if cost > MAX_LENGTH_BOUND_COST:
         raise PatternTooLarge(
             f"the JSON schema's {len(bounds)} distinct string length bounds (minLength, maxLength) would take "
