@@ -89,6 +89,14 @@ def test_a_pattern_past_the_bound_is_refused_before_xgrammar_parses_it():
       "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "properties", "/"),
     ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": -5}]}, "type", "/"),
     ({"type": "object", "properties": {"p": {"type": "number", "multipleOf": 0.7}}}, "multipleOf", "/properties/p"),
+    # a required key not among the properties, though more keys are allowed: {"name": "Ben"} without "id"
+    ({"properties": {"name": {"type": "string"}}, "required": ["name", "id"], "additionalProperties": True},
+     "required", "/"),
+    ({"type": "object", "patternProperties": {"^x_": {"type": "integer"}}, "required": ["id"]}, "required", "/"),
+    # bounds beside fixed values, and a pattern beside a format: dropped (1 for minimum 3, "8002-03-04")
+    ({"type": "integer", "enum": [1, 2, 3], "minimum": 3}, "minimum", "/"),
+    ({"const": 5, "maximum": 3}, "maximum", "/"),
+    ({"type": "string", "format": "date", "pattern": "^1999-"}, "pattern", "/"),
 ])
 def test_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword, path):
     """xgrammar compiles these and leaves them out: uniqueItems gave [1, 2, 2], an
@@ -109,7 +117,9 @@ def test_keywords_it_enforces_or_that_only_annotate_pass():
         "optional": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Optional"},
         "tagged": {"oneOf": [{"$ref": "#/$defs/i"}, {"type": "string"}], "discriminator": {"propertyName": "k"}},
         "typed": {"type": "object", "anyOf": [{"type": "object", "properties": {"x": {"type": "integer"}}}]},
-        "open": {"type": "object", "required": ["any"], "additionalProperties": True}},
+        "open": {"type": "object", "properties": {"any": {}}, "required": ["any"], "additionalProperties": True},
+        "fixed": {"type": "string", "enum": ["a", "b"], "description": "one of two"},
+        "named": {"type": "object", "propertyNames": {"pattern": "^a"}}},
         "required": ["n"], "$defs": {"i": {"type": "integer"}}}
     xgrammar_backend.validate_constraint("json", json.dumps(schema))
 

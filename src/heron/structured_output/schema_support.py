@@ -38,6 +38,8 @@ _REF_SIBLINGS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "
 # branch names its own kind (a branch of bounds alone, {"minimum": 5}, took any value)
 _COMBINATOR_SIBLINGS = _REF_SIBLINGS | {"anyOf", "oneOf", "allOf", "discriminator", "type"}
 _BRANCH_KINDS = ("type", "$ref", "enum", "const")
+# what may stand beside enum / const: xgrammar writes one of the values as listed and drops any other bound
+_FIXED_VALUE_SIBLINGS = _REF_SIBLINGS - {"$ref"} | {"enum", "const", "type"}
 
 
 class UnenforcedSchema(ValueError):
@@ -72,6 +74,14 @@ def unenforced_keywords(schema: Any, path: str = "") -> Iterator[tuple[str, str]
     generative = "pattern" in schema or schema.get("format") in _FORMATS
     if generative and ("minLength" in schema or "maxLength" in schema):
         yield path, "minLength" if "minLength" in schema else "maxLength"  # beside a pattern or format
+    if "pattern" in schema and schema.get("format") in _FORMATS:
+        yield path, "pattern"  # the format's grammar stands alone: "8002-03-04" for date and ^1999-
+    for fixed in ("enum", "const"):
+        if fixed in schema:
+            beside = sorted(set(schema) - _FIXED_VALUE_SIBLINGS)
+            if beside:
+                yield path, beside[0]  # the values are written as listed: 1 for enum [1, 2, 3] and minimum 3
+            break
     if "$ref" in schema:
         extra = sorted(set(schema) - _REF_SIBLINGS)
         if extra:
@@ -104,15 +114,13 @@ def _dropped_beside_combinators(schema: dict[str, Any], path: str) -> Iterator[t
 
 
 def _required_not_allowed(schema: dict[str, Any]) -> list[str]:
-    """The ``required`` keys an object's grammar could never write: xgrammar
-    takes only the named properties (and patternProperties) unless
-    ``additionalProperties`` says more are allowed; it gave ``{}`` for a
-    required key it did not know."""
+    """The ``required`` keys not among an object's ``properties``: xgrammar
+    requires only named properties; it gave ``{}`` for a required key it did
+    not know, also where ``additionalProperties`` or ``patternProperties``
+    would have allowed it."""
     required = schema.get("required")
-    if not isinstance(required, list) or schema.get("additionalProperties") not in (None, False):
+    if not isinstance(required, list):
         return []
-    properties, patterns = schema.get("properties"), schema.get("patternProperties")
+    properties = schema.get("properties")
     named: dict[str, Any] = properties if isinstance(properties, dict) else {}
-    if isinstance(patterns, dict) and patterns:
-        return []  # a pattern may name it
     return [key for key in required if isinstance(key, str) and key not in named]
