@@ -38,9 +38,12 @@ class HeadMeter:
     ended, so counting what it reports misses one line that never ends.
 
     Feed it the parser's callbacks and wrap each read in ``read_begins`` /
-    ``read_ends``: bytes of a read that were complete heads and bodies (a
-    pipelined request's, or the body of the request that ended) are not the
-    new head's."""
+    ``read_ends``. Every read from the one where a head begins until the head
+    is complete is the head's whole, except a read in which another request
+    ended first: there only the parts the parser reported count (what came
+    before the head, a body and its chunked framing, is not the head's; such
+    framing read as the next head was a false 431). The count may fall short
+    by that one read's unfinished line, never exceed the head."""
 
     # the request line's and the head's separators, which no callback reports
     _SEPARATORS = len(b"GET  HTTP/1.1\r\n\r\n")
@@ -48,37 +51,36 @@ class HeadMeter:
     def __init__(self) -> None:
         self.head_bytes = 0  # of the head being parsed; -1 between a complete head and the next request's first byte
         self._began = False  # a request began in this read
-        self._others = 0  # bytes of this read that were not the head being parsed
-        self._this_head = 0  # the reported parts of the head being parsed
+        self._ended = False  # a request ended in this read
+        self._reported = 0  # the reported parts of the head being parsed
 
     def read_begins(self) -> None:
-        self._began, self._others = False, 0
+        self._began = self._ended = False
 
     def message_begins(self) -> None:
         self.head_bytes = 0
-        self._this_head = self._SEPARATORS
+        self._reported = self._SEPARATORS
         self._began = True
 
     def url(self, size: int) -> None:
-        self._this_head += size
+        self._reported += size
 
     def header(self, name_and_value: int) -> None:
-        self._this_head += name_and_value + 4  # ": " and the line's end
+        self._reported += name_and_value + 4  # ": " and the line's end
 
     def headers_complete(self) -> None:
         self.head_bytes = -1
-        self._others += self._this_head
 
-    def body(self, size: int) -> None:
-        self._others += size
+    def message_ends(self) -> None:
+        self._ended = True
 
     def read_ends(self, size: int) -> int:
         """After a read of ``size`` bytes was parsed: the bytes of the
         unfinished head so far (-1 when no head is being received)."""
         if self.head_bytes < 0:
             return -1
-        if self._began:  # the read ended other requests first: only what follows them is this head's
-            self.head_bytes = max(0, size - self._others)
+        if self._began:
+            self.head_bytes = self._reported if self._ended else size
         else:
             self.head_bytes += size
         return self.head_bytes

@@ -323,13 +323,90 @@ def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
         b"",
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: a",
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789",
-        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a whole request: answered, then kept alive (uvicorn's 5 s)
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a whole request: answered, then kept alive (5 s here)
     )
     (idle, _), (head, head_answer), (body, _), (whole, whole_answer) = serve_while(
-        app, lambda port: [held_for(port, first) for first in firsts])
+        app, lambda port: [held_for(port, first) for first in firsts], ("--keep-alive-timeout", "5"))
     assert idle < 5 and head < 5 and body < 5, (idle, head, body)
     assert head_answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in head_answer
     assert whole_answer.startswith(b"HTTP/1.1 200") and whole >= 4  # the timers never cut a served request
+
+
+def test_a_pipelined_request_never_cuts_the_answer_before_it(monkeypatch):
+    """uvicorn stops reading behind a pipelined request while the answer before
+    it runs: the stalled-body bound cut that stream, and a head's bound wrote
+    its 408 into it."""
+    import socket
+    import time
+
+    from heron import http_bounds
+
+    monkeypatch.setattr(http_bounds, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_bounds, "BODY_IDLE_TIMEOUT_S", 0.5)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/stream":
+            for index in range(6):
+                await send({"type": "http.response.body", "body": b"data: %d\n\n" % index, "more_body": True})
+                await asyncio.sleep(0.25)
+        await send({"type": "http.response.body", "body": b"end"})
+
+    def exchange(port: int, pieces: list[bytes]) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            for piece in pieces:
+                client.sendall(piece)
+                time.sleep(0.3)
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+            return answer
+
+    stream = b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n"
+    post = b"POST /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 5\r\n\r\n"
+    for pieces in ([stream, post, b"hello"], [stream + post[:10], post[10:] + b"hello"]):  # a body, a head apart
+        answer = serve_while(app, lambda port, pieces=pieces: exchange(port, pieces))
+        assert answer.count(b"HTTP/1.1 200") == 2 and b"408" not in answer, answer
+        assert b"data: 5" in answer and answer.endswith(b"end\r\n0\r\n\r\n"), answer[-80:]
+
+
+def test_a_chunked_upload_before_a_pipelined_request_is_no_oversized_head():
+    """The chunks' framing was counted as the next request's head: a false 431."""
+    import socket
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"%d" % size})
+
+    upload = (b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\na\r\n" * 10000
+              + b"0\r\n\r\nGET /next HT")
+
+    def exchange(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(upload)
+            time.sleep(0.2)
+            client.sendall(b"TP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+            return answer
+
+    import time
+
+    answer = serve_while(app, exchange)
+    assert answer.count(b"HTTP/1.1 200") == 2 and b"10000" in answer, answer[:300]
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -78,8 +78,8 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
         def __init__(self, *_: Any, **kwargs: Any) -> None:
             created.append(kwargs)
 
-        async def run(self, host: str, port: int, shutdown_timeout: float) -> None:
-            pass
+        async def run(self, host: str, port: int, shutdown_timeout: float, bounds: Any) -> None:
+            created[-1]["bounds"] = bounds
 
     monkeypatch.setattr("heron.router.server.RouterServer", Recorded)
     parser = argparse.ArgumentParser()
@@ -87,7 +87,10 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
     for flags, timeout in (([], None), (["--request-timeout", "0"], None), (["--request-timeout", "1800"], 1800.0)):
         args = parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--policy", "round_robin", *flags])
         assert run_router(args) == 0
+        assert created[-1]["bounds"].keep_alive_s == 20  # the default: longer than clients' pools keep one
         assert created.pop()["request_timeout"] == timeout
+    args = parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--keep-alive-timeout", "75"])
+    assert run_router(args) == 0 and created.pop()["bounds"].keep_alive_s == 75
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -82,8 +82,11 @@ def test_one_header_line_that_never_ends_gets_431():
     reported parts only, and buffered a header value without bound."""
     async def test(port: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        # past the bound, all of it read by the router (more, unread at its close, would reset the connection)
-        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\nx-long: " + b"a" * (MAX_HEAD_BYTES + 4096))
+        # past the bound in two reads (the first read's unfinished line counts from the next read on), all
+        # of it read by the router (more, unread at its close, would reset the connection)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\nx-long: " + b"a" * (MAX_HEAD_BYTES // 2))
+        await asyncio.sleep(0.1)
+        writer.write(b"a" * (MAX_HEAD_BYTES + 4096))
         received, _ = await until_closed(reader)
         assert received.startswith(b"HTTP/1.1 431"), received[:80]
         writer.close()
@@ -133,6 +136,42 @@ def test_pipelined_bodies_past_the_body_bound_pause_the_reading(monkeypatch):
         release.set()
         received, _ = await until_closed(reader)
         assert received.count(b"HTTP/1.1 200") == 5
+        writer.close()
+        server.close()
+    asyncio.run(main())
+
+
+def test_a_chunked_upload_before_a_pipelined_request_is_no_oversized_head():
+    """The chunks' framing was counted as the next request's head: a false 431."""
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\na\r\n" * 20000
+                     + b"0\r\n\r\nGET /next HT")
+        await asyncio.sleep(0.2)
+        writer.write(b"TP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        received, _ = await until_closed(reader)
+        assert received.count(b"HTTP/1.1 200") == 2 and received.endswith(b'"/next"}'), received[-200:]
+        writer.close()
+    with_front(test)
+
+
+def test_a_client_that_reads_nothing_is_dropped_after_the_keep_alive_bound():
+    """Its connection was closed politely, which waits for the write buffer to drain: held for ever."""
+    from heron.router import http_front
+
+    async def big(request: HttpRequest, writer: ResponseWriter) -> None:
+        writer.send(200, b"x" * (8 << 20), "application/octet-stream")
+
+    async def main() -> None:
+        connections: set[http_front.FrontConnection] = set()
+        server = await serve(big, "127.0.0.1", 0, connections, BOUNDS)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        writer.write(GET)  # and never read
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if not connections:
+                break
+        assert not connections  # dropped, about the keep-alive bound after the answer was written
         writer.close()
         server.close()
     asyncio.run(main())

@@ -317,7 +317,6 @@ class FrontConnection(asyncio.Protocol):
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        self._meter.body(len(body))
         self._bound(self._bounds.body_idle_timeout_s, self._body_stalled)
         self._body_bytes += len(body)
         if self._body_bytes > MAX_BODY_BYTES:
@@ -326,6 +325,7 @@ class FrontConnection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._meter.message_ends()
         self._in_message = False
         self._unbound()
         if self._rejected:
@@ -361,7 +361,7 @@ class FrontConnection(asyncio.Protocol):
         if (not self._queue and not self._in_message and not self._draining
                 and (self._rejection is None or self._client_paused)):
             # idle, or not reading what it was sent: kept for so long
-            self._bound(self._bounds.keep_alive_s, transport.close)
+            self._bound(self._bounds.keep_alive_s, self._close_idle)
         if self._client_paused:
             return
         if self._draining:
@@ -455,6 +455,15 @@ class FrontConnection(asyncio.Protocol):
             self._bound(seconds, expired)  # the router is not reading: the client is not the one late
         else:
             expired()
+
+    def _close_idle(self) -> None:
+        """Closes a connection past its keep-alive bound; one whose client is not
+        reading what it was sent is dropped (a close waits for the buffer to drain)."""
+        if self._transport is not None:
+            if self._transport.get_write_buffer_size():
+                self._transport.abort()
+            else:
+                self._transport.close()
 
     def _head_too_late(self) -> None:
         self._reject(408, f"the request's head did not arrive within {self._bounds.head_timeout_s:g} s",

@@ -125,7 +125,11 @@ class _StallTimers(_MixedInto):
     protocol: a head must arrive whole within ``HEAD_TIMEOUT_S`` of the
     connection or of its first byte (else 408 and closed), and a body may go
     ``BODY_IDLE_TIMEOUT_S`` without a byte (else closed: the app, waiting on
-    the body, sees the client gone)."""
+    the body, sees the client gone). Neither runs out while the server is the
+    one not reading (uvicorn pauses reading behind a pipelined request, or a
+    body the app has not taken), and a head's bound not while an earlier
+    answer is still being written: a pipelined request's timer cut the stream
+    before it, and wrote its 408 into that stream."""
 
     _head_timer: asyncio.TimerHandle | None = None  # armed while a head is awaited
     _body_timer: asyncio.TimerHandle | None = None  # armed while a body is awaited
@@ -165,9 +169,18 @@ class _StallTimers(_MixedInto):
 
     def _arm_body_timer(self) -> None:
         _disarm(self._body_timer)
-        self._body_timer = self.loop.call_later(http_bounds.BODY_IDLE_TIMEOUT_S, self._cut, b"")
+        self._body_timer = self.loop.call_later(http_bounds.BODY_IDLE_TIMEOUT_S, self._body_stalled)
+
+    def _body_stalled(self) -> None:
+        if self.flow.read_paused:
+            self._arm_body_timer()
+        else:
+            self._cut(b"")
 
     def _head_too_late(self) -> None:
+        if self.flow.read_paused or (self.cycle is not None and not self.cycle.response_complete):
+            self._arm_head_timer()
+            return
         message = f"The request's head did not arrive within {http_bounds.HEAD_TIMEOUT_S:g} s."
         self._cut(raw_response(APIError(408, message, "invalid_request_error", None, "request_timeout"),
                                b"Request Timeout"))
@@ -256,9 +269,9 @@ def bounded_http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | Non
             if self.parser.get_http_version() == "1.0":
                 _send_bare_to_http10(self.cycle)
 
-        def on_body(self, body: bytes) -> None:
-            self.meter.body(len(body))
-            super().on_body(body)
+        def on_message_complete(self) -> None:
+            self.meter.message_ends()
+            super().on_message_complete()
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn's answer to a request httptools cannot parse was text/plain, the one error not in OpenAI's shape
