@@ -172,3 +172,50 @@ def test_a_slow_compile_does_not_hold_up_the_next_grammar():
     finally:
         release.set()
         manager.shutdown()
+
+
+def test_a_compile_nobody_waits_for_is_cancelled_before_it_starts():
+    """Clients that left queued their grammars' compiles ahead of every new
+    structured request: a minute's wait for a regex after six departed schemas."""
+    import threading
+    import time
+
+    from heron.structured_output.manager import StructuredOutputManager
+
+    release = threading.Event()
+    compiled: list[str] = []
+
+    class Backend:
+        def compile(self, kind: str, spec: str) -> str:
+            if spec.startswith("slow"):
+                release.wait(30)
+            compiled.append(spec)
+            return spec
+
+        def matcher(self, compiled: str) -> object:
+            return object()
+
+    manager = StructuredOutputManager(model_config=None)  # type: ignore[arg-type]
+    manager._backend = Backend()  # type: ignore[assignment]
+    requests = {name: make_request(2, request_id=name, structured_outputs={"regex": spec})
+                for name, spec in [("a", "slow1"), ("b", "slow2"), ("left", "queued"), ("stays", "shared"),
+                                   ("also", "shared")]}
+    try:
+        for request in requests.values():
+            manager.add_request(request)  # two compile workers: a and b run, the rest queue
+        manager.remove_request("left")  # nobody else waits for it: never compiled
+        manager.remove_request("also")  # "stays" still waits for the same grammar: compiled
+        release.set()
+        deadline = time.monotonic() + 10
+        while not manager.is_ready(requests["stays"]) and time.monotonic() < deadline:
+            manager.wait_for_compile(0.05)
+        assert manager.is_ready(requests["stays"])
+        assert "queued" not in compiled
+        again = make_request(2, request_id="again", structured_outputs={"regex": "queued"})
+        manager.add_request(again)  # a new request for the cancelled grammar compiles it
+        while not manager.is_ready(again) and time.monotonic() < deadline:
+            manager.wait_for_compile(0.05)
+        assert manager.is_ready(again) and compiled.count("queued") == 1
+    finally:
+        release.set()
+        manager.shutdown()

@@ -108,9 +108,19 @@ class StructuredOutputManager:
         return self._errors.pop(request_id, None)
 
     def remove_request(self, request_id: str) -> None:
+        """Forget the request; a compile of its grammar not yet started that no
+        other request waits on is cancelled (clients that left queued their
+        grammars' compiles, seconds each, ahead of every new structured request)."""
         self.matchers.pop(request_id, None)
-        self._pending.pop(request_id, None)
         self._errors.pop(request_id, None)
+        future = self._pending.pop(request_id, None)
+        if future is None or future.done() or any(other is future for other in self._pending.values()):
+            return
+        if future.cancel():
+            for key, cached in self._compiled.items():
+                if cached is future:
+                    del self._compiled[key]  # the next request for it compiles it afresh
+                    break
 
     def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> torch.Tensor | None:
         """The tokens each request may sample next, in order: one row per
