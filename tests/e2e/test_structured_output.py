@@ -180,6 +180,11 @@ def test_a_constraint_that_fails_to_compile_ends_its_stream_with_the_reason(serv
         ("chat/completions", {"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs",
          "could not be compiled"),
         ("completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs", "colour"),
+        # the request's own token restrictions leave none the grammar allows: a 500 "engine error" before
+        ("completions", {"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [100, 200]},
+         "structured_outputs", "allowed_token_ids or bad_words"),
+        ("completions", {"structured_outputs": {"choice": ["a"]}, "bad_words": ["a"]}, "structured_outputs",
+         "allowed_token_ids or bad_words"),
         ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "yaml"),
         ("chat/completions", {"response_format": {"schema": {}}}, "response_format", "type"),
         ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),

@@ -458,9 +458,11 @@ class Scheduler(SchedulerKVMixin):
             new_token_ids: list[int] = []
             structured = self.structured_output is not None and request.sampling_params.structured_outputs is not None
             for token_id in sampled:
+                if structured and not self._grammar_accepts(request, token_id):
+                    break
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
-                if structured and self._follow_grammar(request, token_id):
+                if structured and self._grammar_finished(request):
                     break
                 if self._check_stop(request):
                     break
@@ -479,6 +481,7 @@ class Scheduler(SchedulerKVMixin):
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         events=request.take_events(),
                         kv_transfer_params=kv_transfer_params,
+                        error=self._failure_errors.pop(request_id, None) if request.is_finished else None,
                     )
                 )
             if request.is_finished:
@@ -503,13 +506,30 @@ class Scheduler(SchedulerKVMixin):
         self._failed_requests.clear()
         return outputs
 
-    def _follow_grammar(self, request: Request, token_id: int) -> bool:
-        """Advance the request's grammar; True if that finished the request."""
+    def _grammar_accepts(self, request: Request, token_id: int) -> bool:
+        """Advance the request's grammar by the token; False (the request is
+        finished, the token not kept) if the grammar forbids it: the step's mask
+        left no token at all. The request's own restrictions can do that (its
+        allowed_token_ids or bad_words exclude every token the grammar allows):
+        the client's error, answered as such (it was a 500 "engine error");
+        anything else is a bug."""
         assert self.structured_output is not None
-        if not self.structured_output.accept(request.request_id, token_id):
+        if self.structured_output.accept(request.request_id, token_id):
+            return True
+        params = request.sampling_params
+        if params.allowed_token_ids is not None or params.bad_words_token_ids:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._failure_errors[request.request_id] = (
+                "no token is left that both the output constraint and the request's allowed_token_ids or bad_words "
+                "allow")
+        else:
             logger.error("%s sampled token %d that its grammar forbids", request.request_id, token_id)
             request.status = RequestStatus.FINISHED_ERROR
-            return True
+        return False
+
+    def _grammar_finished(self, request: Request) -> bool:
+        """Whether the request's grammar is complete (the request then finishes)."""
+        assert self.structured_output is not None
         if self.structured_output.is_terminated(request.request_id):
             request.status = RequestStatus.FINISHED_STOPPED
             return True
