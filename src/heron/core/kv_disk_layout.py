@@ -12,7 +12,7 @@ checksum (a torn write after a power loss, a file from another layout, a
 flipped bit) and treats any mismatch as a miss.
 
 The fingerprint covers what makes two engines' K/V interchangeable: the
-model's config, a sample of its weight bytes, the dtypes and the cache
+model's config, a digest of all its weight bytes, the dtypes and the cache
 layout. Engines that agree on it (restarts, replicas on other machines with
 the same weights) share the directory; any other engine gets its own.
 """
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from heron.core.hashing import BLOCK_HASH_SCHEME, BlockHash
+from heron.core.weight_digest import weights_digest
 
 MAGIC = b"HERONKV1"
 _HEADER = struct.Struct("<8s16s32sQI")
@@ -39,7 +40,6 @@ TMP_SUFFIX = ".tmp"
 # temporary files older than this at start-up were left by a process that died mid-write
 STALE_TMP_SECONDS = 300.0
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-_SAMPLE_BYTES = 1 << 20
 
 
 class CorruptBlockFile(Exception):
@@ -124,20 +124,16 @@ def _walk(root: Path) -> Iterator[os.DirEntry[str]]:
 
 
 def layout_fingerprint(model_path: str, hf_config: object, cache_layout: Iterable[object]) -> bytes:
-    """16 bytes naming a model's K/V layout: its config, a sample of each
-    weight file's bytes (start, middle, end), and ``cache_layout`` (dtypes and
-    per-block shapes of every layer's cache, block size, quantization...)."""
+    """16 bytes naming a model's K/V layout: its config, a digest of each
+    weight file's whole contents (``core/weight_digest.py``), and
+    ``cache_layout`` (dtypes and per-block shapes of every layer's cache,
+    block size, quantization...)."""
     digest = hashlib.blake2b(digest_size=16)
     to_json = getattr(hf_config, "to_json_string", None)
     config_text = to_json(use_diff=False) if callable(to_json) else repr(hf_config)
     digest.update(json.dumps([BLOCK_HASH_SCHEME, config_text, [repr(x) for x in cache_layout]]).encode())
     for path in _weight_files(model_path):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as file:
-            for offset in sorted({0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)}):
-                file.seek(offset)
-                digest.update(file.read(_SAMPLE_BYTES))
+        digest.update(f"{path.name}:{path.stat().st_size}:".encode() + weights_digest(str(path)))
     return digest.digest()
 
 
