@@ -581,3 +581,29 @@ def test_an_http11_client_still_gets_a_stream_in_chunks():
                                                                      b"connection: close\r\n\r\n"))
     head, _, body = answer.partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in head.lower() and body.endswith(b"0\r\n\r\n")
+
+
+def test_an_http10_stream_cut_short_ends_with_a_reset():
+    """Unframed, its end is the connection's: a plain close after the app failed
+    read as the whole answer."""
+    import socket
+
+    async def failing(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        raise RuntimeError("the app failed half way")
+
+    def exchange(port: int) -> str:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            try:
+                while client.recv(65536):
+                    pass
+            except ConnectionResetError:
+                return "reset"
+            return "closed"
+
+    assert serve_while(failing, exchange) == "reset"
+    assert serve_while(_streaming_app, exchange) == "closed"  # a whole answer ends with a close

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -197,9 +199,12 @@ def _send_bare_to_http10(cycle: Any) -> None:
     """An answer of unknown length to an HTTP/1.0 request goes out unframed,
     ended by the close (uvicorn's httptools protocol framed it in chunks, which
     an HTTP/1.0 client cannot read: RFC 9112 section 6.1); ``cycle`` is the
-    request's RequestResponseCycle, whose ``send`` the app has not called yet."""
+    request's RequestResponseCycle, whose ``send`` the app has not called yet.
+    Such an answer cut short (the app failed) ends with a reset, not a close,
+    which would read as its end."""
     if cycle is None or "send" in vars(cycle):
         return
+    cycle.transport = _ResetWhenCut(cycle.transport, cycle)
     send = cycle.send
     bare = False
 
@@ -223,6 +228,27 @@ def _send_bare_to_http10(cycle: Any) -> None:
 
 
 _UNKNOWN_LENGTH = 1 << 62
+
+
+class _ResetWhenCut:
+    """A transport whose ``close`` resets the connection while the cycle's
+    answer is unfinished; anything else goes to the transport itself."""
+
+    def __init__(self, transport: asyncio.Transport, cycle: Any) -> None:
+        self._transport = transport
+        self._cycle = cycle
+
+    def close(self) -> None:
+        if self._cycle.response_started and not self._cycle.response_complete:
+            sock = self._transport.get_extra_info("socket")
+            if sock is not None:  # a linger of 0: the close is a reset (abort alone still ends with a FIN)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self._transport.abort()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _disarm(timer: asyncio.TimerHandle | None) -> None:
