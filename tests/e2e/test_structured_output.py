@@ -210,3 +210,14 @@ def test_bad_constraints_get_400(server, endpoint, body, param, fragment):
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_a_complete_choice_whose_end_is_not_allowed_stops_there(llm):
+    """allowed_token_ids naming the choices' tokens but not the end: the answer
+    was complete, and was thrown away as an error."""
+    tokenizer = llm.get_tokenizer()
+    allowed = [*tokenizer.encode("yes", add_special_tokens=False), *tokenizer.encode("no", add_special_tokens=False)]
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]},
+                            allowed_token_ids=allowed)
+    [output] = llm.generate(["Is the sky blue? Answer yes or no:"], params, use_tqdm=False)
+    assert output.outputs[0].text in {"yes", "no"} and output.outputs[0].finish_reason == "stop"

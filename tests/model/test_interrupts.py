@@ -108,3 +108,40 @@ def test_an_interrupt_before_a_steps_disk_loads_start_leaks_nothing(tiny_model_d
     manager.check_integrity()
     assert manager.num_free_blocks == manager.num_blocks
     llm.shutdown()
+
+
+def test_ctrl_c_is_not_held_while_the_disk_tier_waits_for_its_writer(tiny_model_dir, tmp_path):
+    """The tier copies are held against Ctrl-C, and they began with a wait for
+    room in the disk writer's buffer: a stuck disk held Ctrl-C for ever."""
+    import os
+    import signal
+    import threading
+    import time
+
+    directory = tiny_model_dir("llama")
+    llm = LLM(directory, dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=128,
+              kv_offloading_dir=str(tmp_path), max_num_batched_tokens=16)
+    store = llm.engine.engine_core.model_runner.disk_store
+    store.max_buffered_bytes = 1  # every step's writes wait for the last ones
+    disk_back = threading.Event()
+    write_file = store._write_file
+
+    def stuck(*args, **kwargs):
+        disk_back.wait(60)
+        return write_file(*args, **kwargs)
+
+    store._write_file = stuck
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    prompts = random_prompts([60, 60, 60], seed=3)
+    with pytest.raises(KeyboardInterrupt):
+        generate(llm, prompts)
+    assert time.monotonic() - started < 10
+    disk_back.set()
+    [expected] = generate(LLM(directory, dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=128),
+                          prompts[:1])
+    assert generate(llm, prompts[:1]) == [expected]  # the interrupted step's copies were made whole
+    manager = llm.engine.engine_core.scheduler.kv_cache_manager
+    manager.check_integrity()
+    assert manager.num_free_blocks == manager.num_blocks
+    llm.shutdown()

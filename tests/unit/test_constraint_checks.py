@@ -93,10 +93,10 @@ def test_a_pattern_past_the_bound_is_refused_before_xgrammar_parses_it():
     ({"properties": {"name": {"type": "string"}}, "required": ["name", "id"], "additionalProperties": True},
      "required", "/"),
     ({"type": "object", "patternProperties": {"^x_": {"type": "integer"}}, "required": ["id"]}, "required", "/"),
-    # bounds beside fixed values, and a pattern beside a format: dropped (1 for minimum 3, "8002-03-04")
+    # bounds beside fixed values that a value breaks: dropped (1 for enum [1, 2, 3] and minimum 3)
     ({"type": "integer", "enum": [1, 2, 3], "minimum": 3}, "minimum", "/"),
     ({"const": 5, "maximum": 3}, "maximum", "/"),
-    ({"type": "string", "format": "date", "pattern": "^1999-"}, "pattern", "/"),
+    ({"enum": ["ab", "abc"], "maxLength": 2}, "maxLength", "/"),
 ])
 def test_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword, path):
     """xgrammar compiles these and leaves them out: uniqueItems gave [1, 2, 2], an
@@ -119,6 +119,10 @@ def test_keywords_it_enforces_or_that_only_annotate_pass():
         "typed": {"type": "object", "anyOf": [{"type": "object", "properties": {"x": {"type": "integer"}}}]},
         "open": {"type": "object", "properties": {"any": {}}, "required": ["any"], "additionalProperties": True},
         "fixed": {"type": "string", "enum": ["a", "b"], "description": "one of two"},
+        # annotations, and bounds every listed value meets, beside enum / const (OpenAPI, pydantic extras)
+        "sort": {"type": "string", "enum": ["asc", "desc"], "example": "asc", "nullable": True,
+                 "x-enum-varnames": ["ASC", "DESC"], "maxLength": 5},
+        "five": {"const": 5, "minimum": 1, "multipleOf": 5},
         "named": {"type": "object", "propertyNames": {"pattern": "^a"}}},
         "required": ["n"], "$defs": {"i": {"type": "integer"}}}
     xgrammar_backend.validate_constraint("json", json.dumps(schema))
@@ -195,3 +199,22 @@ def test_negative_length_bounds_cost_nothing_off_the_budget():
     xgrammar_backend.validate_constraint.cache_clear()
     with pytest.raises(ValueError, match="distinct string length bounds"):
         xgrammar_backend.validate_constraint("json", json.dumps(many))
+
+
+def test_a_pattern_beside_a_format_is_compiled_and_holds(embedded_tokenizer):
+    """zod writes its own pattern beside each format it names; xgrammar wrote
+    the format's grammar alone ("8002-03-04" for date and ^1999-)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    day = {"type": "string", "format": "date", "pattern": "^1999-[0-9]{2}-[0-9]{2}$"}
+    schema = {"type": "object", "properties": {"day": day}, "required": ["day"], "additionalProperties": False}
+    spec = json.dumps(schema)
+    xgrammar_backend.validate_constraint.cache_clear()
+    xgrammar_backend.validate_constraint("json", spec)  # taken: the pattern is enforced
+    grammar = xgr.Grammar.from_json_schema(xgrammar_backend._grammar_spec(spec), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, '{"day": "1999-01-02"}')
+    assert not _is_grammar_accept_string(grammar, '{"day": "8002-03-04"}')
+    # a property named "format" beside one named "pattern" is no keyword
+    named = {"type": "object", "properties": {"pattern": {"type": "string"}, "format": {"type": "string"}}}
+    assert xgrammar_backend._grammar_spec(json.dumps(named)) == json.dumps(named)

@@ -511,13 +511,16 @@ class Scheduler(SchedulerKVMixin):
         finished, the token not kept) if the grammar forbids it: the step's mask
         left no token at all. The request's own restrictions can do that (its
         allowed_token_ids or bad_words exclude every token the grammar allows):
-        the client's error, answered as such (it was a 500 "engine error");
-        anything else is a bug."""
+        where the output is complete and only its end was excluded, it stops
+        there; else it is the client's error, answered as such (it was a 500
+        "engine error"); anything else is a bug."""
         assert self.structured_output is not None
         if self.structured_output.accept(request.request_id, token_id):
             return True
         params = request.sampling_params
-        if params.allowed_token_ids is not None or params.bad_words_token_ids:
+        if any(self.structured_output.accept(request.request_id, eos) for eos in request.eos_token_ids):
+            request.status = RequestStatus.FINISHED_STOPPED  # complete: only the end was not allowed
+        elif params.allowed_token_ids is not None or params.bad_words_token_ids:
             request.status = RequestStatus.FINISHED_ABORTED
             self._failure_errors[request.request_id] = (
                 "no token is left that both the output constraint and the request's allowed_token_ids or bad_words "

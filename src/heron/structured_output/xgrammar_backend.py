@@ -11,7 +11,7 @@ import torch
 
 from heron.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 from heron.structured_output.pattern_size import PatternTooLarge, check_length_bounds, check_schema_patterns
-from heron.structured_output.schema_support import UnenforcedSchema, check_schema_support
+from heron.structured_output.schema_support import UnenforcedSchema, check_schema_support, grammar_schema
 
 
 def _xgrammar() -> Any:
@@ -53,7 +53,7 @@ def validate_constraint(kind: str, spec: str) -> None:
             check_schema_patterns(schema)
             check_length_bounds(schema)
             check_schema_support(schema)
-            xgr.Grammar.from_json_schema(spec, **_json_options(kind))
+            xgr.Grammar.from_json_schema(_grammar_spec(spec), **_json_options(kind))
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
         elif kind == "choice":
@@ -66,6 +66,13 @@ def validate_constraint(kind: str, spec: str) -> None:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
         raise ValueError(f"invalid {kind} constraint: {str(exc).strip().splitlines()[0]}") from exc
+
+
+def _grammar_spec(spec: str) -> str:
+    """The JSON schema text xgrammar compiles (``grammar_schema``): ``spec`` itself unless that changes it."""
+    schema = json.loads(spec)
+    adjusted = grammar_schema(schema)
+    return spec if adjusted is schema else json.dumps(adjusted)
 
 
 class _XGrammarMatcher(GrammarMatcher):
@@ -110,7 +117,7 @@ class XGrammarBackend(StructuredOutputBackend):
     def _compile(self, kind: str, spec: str) -> Any:
         base = kind.split("-")[0]
         if base == "json":
-            return self._compiler.compile_json_schema(spec, **_json_options(kind))
+            return self._compiler.compile_json_schema(_grammar_spec(spec), **_json_options(kind))
         if base == "json_object":  # any object, any keys
             return self._compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, **_json_options(kind))
         if kind == "regex":

@@ -230,7 +230,7 @@ class ModelRunner:
     def wait_for_kv_loads(self, timeout: float) -> None:
         self.kv_load_reports.wait(timeout)
 
-    def apply_kv_transfers(self, transfers: KVTransfers) -> None:
+    def apply_kv_transfers(self, transfers: KVTransfers, room_first: bool = True) -> None:
         """The tier copies a step makes before its forward pass (or, with no step
         coming, the disk tier's last writes): disk captures, then the host tier's
         saves and loads, then the disk loads start (they run on in the background).
@@ -241,11 +241,16 @@ class ModelRunner:
         All of them or none: the tiers' indexes list these blocks from the moment
         the step was scheduled, so a Ctrl-C is held until the copies are made (one
         half way left a host slot listed with stale bytes, and a disk load never
-        started held its request and pool blocks for ever)."""
+        started held its request and pool blocks for ever). Only copies, never a
+        wait, are held: the wait for room in the disk tier's buffer comes first
+        (``room_first``), where a Ctrl-C stops it (a stuck disk held it for ever)."""
+        if transfers.disk and room_first:
+            assert self.disk_store is not None
+            self.disk_store.wait_for_room()
         with interrupts_deferred():
             if transfers.disk:
                 assert self.disk_store is not None
-                self.disk_store.capture(transfers.disk)
+                self.disk_store.capture(transfers.disk, wait=False)
             if transfers.saves or transfers.loads:
                 assert self.offload_store is not None
                 self.offload_store.apply(transfers)
@@ -258,7 +263,7 @@ class ModelRunner:
         """Make the copies of a step that raised before it made them (an
         interrupt while it was being prepared): the tiers already list them."""
         if transfers and transfers is not self._applied_transfers:
-            self.apply_kv_transfers(transfers)
+            self.apply_kv_transfers(transfers, room_first=False)
 
     def close(self) -> None:
         """Finish the disk tier's queued writes; stop serving and pulling blocks."""
