@@ -294,24 +294,38 @@ def test_a_refusal_before_the_body_closes_the_connection(body_limit, key, status
     assert sent < 200 * 65536  # the server closed before the client had sent it all
 
 
-def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
-    """A client that sent part of a head, or of a body, and stopped held its
-    connection for ever (slowloris: enough of them took every descriptor);
-    one that never sent a byte too."""
-    import time
+async def _reading_app(scope, receive, send):
+    """Reads the body, then answers "ok"; /stream: six events a quarter of a second apart, then "end"."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    if scope["path"] == "/stream":
+        for index in range(6):
+            await send({"type": "http.response.body", "body": b"data: %d\n\n" % index, "more_body": True})
+            await asyncio.sleep(0.25)
+        await send({"type": "http.response.body", "body": b"end"})
+        return
+    await send({"type": "http.response.body", "body": b"ok"})
 
+
+@pytest.fixture
+def short_bounds(monkeypatch):
+    """The connection time bounds at half a second (heron/http_bounds.py)."""
     from heron import http_bounds
 
     monkeypatch.setattr(http_bounds, "HEAD_TIMEOUT_S", 0.5)
     monkeypatch.setattr(http_bounds, "BODY_IDLE_TIMEOUT_S", 0.5)
 
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+
+def test_a_head_or_a_body_that_stalls_is_cut_off(short_bounds):
+    """A client that sent part of a head, or of a body, and stopped held its
+    connection for ever (slowloris: enough of them took every descriptor);
+    one that never sent a byte too."""
+    import time
+
+    app = _reading_app
 
     def held_for(port: int, first_bytes: bytes) -> tuple[float, bytes]:
         """Seconds until the server closed a connection that sent ``first_bytes`` and stopped."""
@@ -332,29 +346,14 @@ def test_a_head_or_a_body_that_stalls_is_cut_off(monkeypatch):
     assert whole_answer.startswith(b"HTTP/1.1 200") and whole >= 4  # the timers never cut a served request
 
 
-def test_a_pipelined_request_never_cuts_the_answer_before_it(monkeypatch):
+def test_a_pipelined_request_never_cuts_the_answer_before_it(short_bounds):
     """uvicorn stops reading behind a pipelined request while the answer before
     it runs: the stalled-body bound cut that stream, and a head's bound wrote
     its 408 into it."""
     import socket
     import time
 
-    from heron import http_bounds
-
-    monkeypatch.setattr(http_bounds, "HEAD_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(http_bounds, "BODY_IDLE_TIMEOUT_S", 0.5)
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        if scope["path"] == "/stream":
-            for index in range(6):
-                await send({"type": "http.response.body", "body": b"data: %d\n\n" % index, "more_body": True})
-                await asyncio.sleep(0.25)
-        await send({"type": "http.response.body", "body": b"end"})
+    app = _reading_app
 
     def exchange(port: int, pieces: list[bytes]) -> bytes:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
@@ -371,7 +370,7 @@ def test_a_pipelined_request_never_cuts_the_answer_before_it(monkeypatch):
     for pieces in ([stream, post, b"hello"], [stream + post[:10], post[10:] + b"hello"]):  # a body, a head apart
         answer = serve_while(app, lambda port, pieces=pieces: exchange(port, pieces))
         assert answer.count(b"HTTP/1.1 200") == 2 and b"408" not in answer, answer
-        assert b"data: 5" in answer and answer.endswith(b"end\r\n0\r\n\r\n"), answer[-80:]
+        assert b"data: 5\n\n\r\n3\r\nend" in answer and answer.endswith(b"ok\r\n0\r\n\r\n"), answer[-80:]
 
 
 def test_a_chunked_upload_before_a_pipelined_request_is_no_oversized_head():
