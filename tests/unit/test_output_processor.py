@@ -206,3 +206,16 @@ def test_whole_texts_hold_back_what_may_begin_a_stop_string(embedded_tokenizer):
     assert texts[-1] == "Hello" and all(len(a) <= len(b) for a, b in zip(texts, texts[1:]))
     assert all(" world" not in text for text in texts)
 
+
+
+def test_tokens_cut_by_a_stop_string_are_not_counted_as_generated(embedded_tokenizer):
+    """A step of several tokens (speculative decoding) that a stop string ends
+    inside counted the tokens after it as generated, though never served."""
+    tok = embedded_tokenizer
+    processor = OutputProcessor(tok)
+    processor.add_request("r", ProcessedPrompt("q", tok.encode("q")), SamplingParams(stop=["STOP"]))
+    results = feed(processor, tok, "r", ["one two", " three STOP four five six seven"])
+    [finished] = results[1].request_outputs
+    served = len(finished.outputs[0].token_ids)
+    assert sum(result.iteration_stats.num_generation_tokens for result in results) == served
+    assert results[1].iteration_stats.finished_requests[0].num_generation_tokens == served

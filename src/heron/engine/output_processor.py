@@ -286,9 +286,12 @@ class OutputProcessor:
             if output.events:
                 state.times.apply_events(output.events)
             num_prompt_tokens = len(state.prompt.token_ids)
-            stats.observe_tokens(state.times, num_prompt_tokens, len(output.new_token_ids), now, timestamp)
+            served_before = len(state.token_ids)
             if state.apply(output):
                 result.request_ids_to_abort.append(output.request_id)
+            # the tokens kept: a stop string ends the answer inside a step of several (speculative decoding),
+            # and those after it were counted as generated though never served
+            stats.observe_tokens(state.times, num_prompt_tokens, len(state.token_ids) - served_before, now, timestamp)
             request_output = self._make_output(state)
             if state.finished:
                 del self.requests[output.request_id]
