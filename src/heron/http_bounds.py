@@ -17,6 +17,9 @@ from dataclasses import dataclass
 HEAD_TIMEOUT_S = 30.0
 # seconds a request's body may go without a byte
 BODY_IDLE_TIMEOUT_S = 60.0
+# and on average, past that first stretch, bytes a second it must bring (Apache's mod_reqtimeout rate): a byte
+# every 25 s reset the idle bound for ever (slowloris by the body)
+BODY_MIN_RATE = 500.0
 # seconds an idle kept-alive connection stays open: longer than clients' pools keep one (httpx and the openai
 # client: 5 s; aiohttp: 15 s), or a client reusing a connection the server is closing gets a reset
 DEFAULT_KEEP_ALIVE_S = 20.0
@@ -30,6 +33,28 @@ class ConnectionBounds:
 
 
 DEFAULT_BOUNDS = ConnectionBounds()
+
+
+class BodyClock:
+    """The time a request's body may take: ``idle_s`` without a byte, and in
+    all ``idle_s`` plus a second for every ``BODY_MIN_RATE`` bytes received."""
+
+    def __init__(self, now: float, idle_s: float) -> None:
+        self._idle_s = idle_s
+        self._started = now
+        self._received = 0
+
+    def received(self, size: int) -> None:
+        self._received += size
+
+    def restart(self, now: float) -> None:
+        """The server stopped reading meanwhile: the body's time starts again."""
+        self._started, self._received = now, 0
+
+    def seconds_left(self, now: float) -> float:
+        """Until the body has stalled (no byte for ``idle_s``) or come too slowly."""
+        overall = self._started + self._idle_s + self._received / BODY_MIN_RATE - now
+        return max(0.0, min(self._idle_s, overall))
 
 
 class HeadMeter:

@@ -606,3 +606,28 @@ def test_an_http10_stream_cut_short_ends_with_a_reset():
 
     assert serve_while(failing, exchange) == "reset"
     assert serve_while(_streaming_app, exchange) == "closed"  # a whole answer ends with a close
+
+
+def test_a_body_that_trickles_is_cut_off(short_bounds, monkeypatch):
+    """A byte every 0.3 s never let the 0.5 s idle bound run out (a byte every
+    25 s against 60 s held a connection for hours)."""
+    import socket
+    import time
+
+    from heron import http_bounds
+
+    monkeypatch.setattr(http_bounds, "BODY_MIN_RATE", 100.0)
+
+    def trickle(port: int) -> float:
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+            try:
+                while time.monotonic() - started < 8:
+                    client.sendall(b"a")
+                    time.sleep(0.3)
+            except OSError:  # closed by the server
+                pass
+        return time.monotonic() - started
+
+    assert serve_while(_reading_app, trickle) < 4

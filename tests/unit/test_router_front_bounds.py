@@ -11,7 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from heron.http_bounds import ConnectionBounds
-from heron.router.http_front import MAX_HEAD_BYTES, HttpRequest, ResponseWriter, serve
+from heron.router.http_front import MAX_HEAD_BYTES, HttpRequest, serve
+from heron.router.response_writer import ResponseWriter
 
 BOUNDS = ConnectionBounds(head_timeout_s=0.5, body_idle_timeout_s=0.5, keep_alive_s=1.0)
 GET = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -54,10 +55,10 @@ def test_a_connection_that_sends_nothing_or_half_a_head_gets_408_and_is_closed()
 def test_a_body_that_stalls_gets_408_and_is_closed():
     async def test(port: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"a" * 10)
-        for _ in range(4):  # a body still coming is not stalled
+        writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n" + b"a" * 10)
+        for _ in range(4):  # a body still coming (and at more than BODY_MIN_RATE) is not stalled
             await asyncio.sleep(0.3)
-            writer.write(b"a")
+            writer.write(b"a" * 200)
         received, waited = await until_closed(reader)
         assert received.startswith(b"HTTP/1.1 408") and b"body" in received, received
         writer.close()
@@ -175,3 +176,35 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_keep_alive_bound():
         writer.close()
         server.close()
     asyncio.run(main())
+
+
+def test_a_body_that_trickles_is_cut_and_a_steady_one_is_not(monkeypatch):
+    """A byte every 0.3 s never let the 0.5 s idle bound run out (a byte every
+    25 s against 60 s held a connection for hours); a body must also come at
+    BODY_MIN_RATE bytes a second, past its first idle stretch."""
+    from heron import http_bounds
+
+    monkeypatch.setattr(http_bounds, "BODY_MIN_RATE", 100.0)
+
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        started = time.monotonic()
+        while not reader.at_eof() and time.monotonic() - started < 5:
+            writer.write(b"a")
+            try:
+                received = await asyncio.wait_for(reader.read(-1), 0.3)
+                break
+            except TimeoutError:
+                continue
+        assert received.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3, received[:80]
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # 2 KB/s: served
+        writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\nConnection: close\r\n\r\n")
+        for _ in range(10):
+            writer.write(b"b" * 400)
+            await asyncio.sleep(0.2)
+        received, _ = await until_closed(reader)
+        assert received.startswith(b"HTTP/1.1 200"), received[:80]
+        writer.close()
+    with_front(test)

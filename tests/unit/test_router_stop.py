@@ -11,7 +11,8 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
-from heron.router.http_front import FrontConnection, HttpRequest, ResponseWriter, serve
+from heron.router.http_front import FrontConnection, HttpRequest, serve
+from heron.router.response_writer import ResponseWriter
 from tests.unit.test_router_relay import post
 
 

@@ -32,18 +32,16 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from http import HTTPStatus
-from typing import Any
 
 import httptools
 
-from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds, HeadMeter
+from heron.http_bounds import BODY_MIN_RATE, DEFAULT_BOUNDS, BodyClock, ConnectionBounds, HeadMeter
+from heron.router.response_writer import ResponseWriter, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -67,126 +65,6 @@ class HttpRequest:
         return f"{self.path}?{self.query}" if self.query else self.path
 
 
-class ResponseWriter:
-    """One response to the client: whole (``send``) or streamed (``start``,
-    ``write``..., ``end``); streamed with chunked framing unless its length is
-    given. What is written is held until ``flush`` or ``end``, so a relay sends
-    what one read from its source brought in one system call (the status line
-    goes out with the first body bytes, unless flushed before them). Flow
-    control: while the client's socket buffer is full, ``on_pause`` is called
-    (and ``on_resume`` when it drains) so a relay can stop reading its source
-    instead of buffering without bound; ``client_paused`` says whether it is full
-    now (it may be from the connection's earlier answers: a relay that starts
-    while it is pauses its source at once)."""
-
-    def __init__(self, transport: asyncio.Transport, keep_alive: bool, head_only: bool,
-                 http10: bool = False, client_paused: bool = False) -> None:
-        """``http10``: the client speaks HTTP/1.0, which has no chunked framing: a
-        streamed answer of unknown length is sent bare and ends with the connection.
-        ``client_paused``: the connection's state as the response starts."""
-        self._transport = transport
-        self.keep_alive = keep_alive
-        self._head_only = head_only
-        self._http10 = http10
-        self._chunked = False
-        self.started = False
-        self.finished = False
-        self.on_pause: Callable[[], None] | None = None
-        self.on_resume: Callable[[], None] | None = None
-        self.client_paused = client_paused  # the client's socket buffer is full (it is not reading)
-        self.event_stream = False  # its content type is text/event-stream
-        self._tail = b""  # the last two body bytes written: where a stream cut now stands
-        self._pending: list[bytes] = []
-
-    @property
-    def client_gone(self) -> bool:
-        return self._transport.is_closing()
-
-    def send(self, status: int, body: bytes, content_type: str = "application/json",
-             headers: list[tuple[str, str]] | None = None) -> None:
-        self.start(status, [("content-type", content_type), *(headers or [])], content_length=len(body))
-        self.write(body)
-        self.end()
-
-    def send_json(self, status: int, value: Any) -> None:
-        self.send(status, json.dumps(value).encode())
-
-    def start(self, status: int, headers: list[tuple[str, str]], content_length: int | None) -> None:
-        assert not self.started, "a response is started once"
-        self.started = True
-        self.event_stream = any(name.lower() == "content-type" and value.startswith("text/event-stream")
-                                for name, value in headers)
-        reason = _reason(status)
-        lines = [f"HTTP/1.1 {status} {reason}"]
-        lines += [f"{name}: {value}" for name, value in headers]
-        if content_length is not None:
-            lines.append(f"content-length: {content_length}")
-        elif self._http10:
-            self.keep_alive = False  # the end of the connection is the end of the body
-        elif not self._head_only and status not in (204, 304):
-            self._chunked = True
-            lines.append("transfer-encoding: chunked")
-        if not self.keep_alive:
-            lines.append("connection: close")
-        elif self._http10:
-            lines.append("connection: keep-alive")
-        self._pending.append(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-
-    def write(self, data: bytes) -> None:
-        if not data or self._head_only or self.finished:
-            return
-        self._tail = (self._tail + data)[-2:]
-        if self._chunked:
-            self._pending.append(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            self._pending.append(data)
-
-    def flush(self) -> None:
-        if self._pending:
-            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
-            self._pending.clear()
-            if not self._transport.is_closing():
-                self._transport.write(data)
-
-    def end(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        if self._chunked:
-            self._pending.append(b"0\r\n\r\n")
-        self.flush()
-
-    def abort(self) -> None:
-        """Closes the connection: the answer cannot be completed (its length was promised)."""
-        self._pending.clear()
-        self.finished = True
-        self._transport.close()
-
-    def fail(self, status: int, error: dict[str, Any]) -> None:
-        """Ends the answer with ``error`` however far it got: sent as the answer
-        (``status``) when none has started; in an event stream, as an event of its
-        own (the event it was in closed first) and ``[DONE]``; any other answer
-        under way is aborted, as a cut JSON or a short body would read as whole."""
-        if self.finished:
-            return
-        if not self.started:
-            self.send_json(status, error)
-        elif self.event_stream:
-            self.write(_event_boundary(self._tail) + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
-            self.end()
-        else:
-            self.abort()
-
-
-def _event_boundary(tail: bytes) -> bytes:
-    """What ends the event a cut stream was in (``tail``: its last bytes), so
-    that an event written after it is one of its own: nothing at a boundary
-    (or before any byte), else the line ends and a blank line follows."""
-    if not tail or tail.endswith(b"\n\n"):
-        return b""
-    return b"\n" if tail.endswith(b"\n") else b"\n\n"
-
-
 Handler = Callable[[HttpRequest, ResponseWriter], Awaitable[None]]
 
 
@@ -203,6 +81,7 @@ class FrontConnection(asyncio.Protocol):
         self._meter = HeadMeter()  # the unfinished head's bytes, counted from the reads
         self._timer: asyncio.TimerHandle | None = None  # the one bound running: head, body or idle
         self._in_message = False  # between a request's first byte and its end
+        self._body_clock: BodyClock | None = None  # the time the body being received may take
         self._reading_paused = False  # by the router (requests queued, or a rejection): no bound runs against it
         self._queued_bytes = 0  # of the bodies of the requests queued
         self._draining = False  # the router is stopping: no request is started, the connection closes
@@ -306,7 +185,9 @@ class FrontConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._meter.headers_complete()
-        self._bound(self._bounds.body_idle_timeout_s, self._body_stalled)  # ended at once when there is none
+        # ended at once when there is none
+        self._body_clock = BodyClock(asyncio.get_running_loop().time(), self._bounds.body_idle_timeout_s)
+        self._bound_body()
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             self._reject(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -317,7 +198,9 @@ class FrontConnection(asyncio.Protocol):
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        self._bound(self._bounds.body_idle_timeout_s, self._body_stalled)
+        if self._body_clock is not None:
+            self._body_clock.received(len(body))
+            self._bound_body()
         self._body_bytes += len(body)
         if self._body_bytes > MAX_BODY_BYTES:
             self._reject(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -327,6 +210,7 @@ class FrontConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._meter.message_ends()
         self._in_message = False
+        self._body_clock = None
         self._unbound()
         if self._rejected:
             return
@@ -449,9 +333,16 @@ class FrontConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _bound_body(self) -> None:
+        assert self._body_clock is not None
+        self._bound(self._body_clock.seconds_left(asyncio.get_running_loop().time()), self._body_stalled)
+
     def _expire(self, seconds: float, expired: Callable[[], None]) -> None:
         self._timer = None
         if self._reading_paused and not self._rejected:
+            if self._body_clock is not None:  # a body's time starts again when the router reads again
+                self._body_clock.restart(asyncio.get_running_loop().time())
+                seconds = self._bounds.body_idle_timeout_s
             self._bound(seconds, expired)  # the router is not reading: the client is not the one late
         else:
             expired()
@@ -470,7 +361,8 @@ class FrontConnection(asyncio.Protocol):
                      "request_timeout")
 
     def _body_stalled(self) -> None:
-        self._reject(408, f"the request's body sent no byte for {self._bounds.body_idle_timeout_s:g} s",
+        self._reject(408, f"the request's body sent no byte for {self._bounds.body_idle_timeout_s:g} s, or came "
+                          f"slower than {BODY_MIN_RATE:g} bytes a second",
                      "request_timeout")
 
     def _pause_reading(self) -> None:
@@ -497,20 +389,6 @@ def send_at_once(transport: asyncio.Transport) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-    """An OpenAI-style error object."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
-
-
-
-_REASONS = {status.value: status.phrase for status in HTTPStatus}
-
-
-def _reason(status: int) -> str:
-    return _REASONS.get(status, "Unknown")
 
 
 async def serve(handler: Handler, host: str, port: int, open_connections: set[FrontConnection] | None = None,

@@ -40,10 +40,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from heron.gc_freeze import freeze_startup_objects
 from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds
 from heron.router.disaggregation import PrefillStage, prefills_first
-from heron.router.http_front import FrontConnection, HttpRequest, ResponseWriter, error_body, serve
+from heron.router.http_front import FrontConnection, HttpRequest, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
+from heron.router.response_writer import ResponseWriter, error_body
 from heron.router.upstream import UpstreamConnection, UpstreamCut, UpstreamFailed, UpstreamPool
 from heron.routing.health import BreakerState, is_replica_failure, is_request_failure
 from heron.routing.policies import Router

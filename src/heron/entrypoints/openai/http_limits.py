@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from heron import http_bounds
 from heron.entrypoints.openai.errors import APIError, bad_request, body_too_large, headers_too_large
-from heron.http_bounds import HeadMeter
+from heron.http_bounds import BodyClock, HeadMeter
 
 
 def head_limit(max_header_bytes: int) -> int:
@@ -126,8 +126,9 @@ class _StallTimers(_MixedInto):
     """The time bounds of ``bounded_http_protocol``, mixed in before httptools'
     protocol: a head must arrive whole within ``HEAD_TIMEOUT_S`` of the
     connection or of its first byte (else 408 and closed), and a body may go
-    ``BODY_IDLE_TIMEOUT_S`` without a byte (else closed: the app, waiting on
-    the body, sees the client gone). Neither runs out while the server is the
+    ``BODY_IDLE_TIMEOUT_S`` without a byte, nor come slower than
+    ``BODY_MIN_RATE`` past that (``BodyClock``; else closed: the app, waiting
+    on the body, sees the client gone). Neither runs out while the server is the
     one not reading (uvicorn pauses reading behind a pipelined request, or a
     body the app has not taken), and a head's bound not while an earlier
     answer is still being written: a pipelined request's timer cut the stream
@@ -135,6 +136,7 @@ class _StallTimers(_MixedInto):
 
     _head_timer: asyncio.TimerHandle | None = None  # armed while a head is awaited
     _body_timer: asyncio.TimerHandle | None = None  # armed while a body is awaited
+    _body_clock: BodyClock | None = None  # the time the body being awaited may take
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -153,16 +155,18 @@ class _StallTimers(_MixedInto):
         _disarm(self._head_timer)
         super().on_headers_complete()
         if has_body({"headers": self.headers}):
+            self._body_clock = BodyClock(self.loop.time(), http_bounds.BODY_IDLE_TIMEOUT_S)
             self._arm_body_timer()
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
-        if self._body_timer is not None:
+        if self._body_timer is not None and self._body_clock is not None:
+            self._body_clock.received(len(body))
             self._arm_body_timer()
 
     def on_message_complete(self) -> None:
         _disarm(self._body_timer)
-        self._body_timer = None  # a later request's body is timed only once it declares one
+        self._body_timer = self._body_clock = None  # a later request's body is timed only once it declares one
         super().on_message_complete()
 
     def _arm_head_timer(self) -> None:
@@ -171,10 +175,13 @@ class _StallTimers(_MixedInto):
 
     def _arm_body_timer(self) -> None:
         _disarm(self._body_timer)
-        self._body_timer = self.loop.call_later(http_bounds.BODY_IDLE_TIMEOUT_S, self._body_stalled)
+        assert self._body_clock is not None
+        self._body_timer = self.loop.call_later(self._body_clock.seconds_left(self.loop.time()), self._body_stalled)
 
     def _body_stalled(self) -> None:
         if self.flow.read_paused:
+            assert self._body_clock is not None
+            self._body_clock.restart(self.loop.time())
             self._arm_body_timer()
         else:
             self._cut(b"")
