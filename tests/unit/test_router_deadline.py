@@ -89,8 +89,11 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
         assert run_router(args) == 0
         assert created[-1]["bounds"].keep_alive_s == 20  # the default: longer than clients' pools keep one
         assert created.pop()["request_timeout"] == timeout
-    args = parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--keep-alive-timeout", "75"])
-    assert run_router(args) == 0 and created.pop()["bounds"].keep_alive_s == 75
+    args = parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--keep-alive-timeout", "75",
+                              "--allowed-origins", "http://a.example,http://b.example"])
+    assert run_router(args) == 0
+    assert created[-1]["bounds"].keep_alive_s == 75
+    assert created.pop()["allowed_origins"] == ("http://a.example", "http://b.example")
 
 
 @pytest.mark.parametrize("flags, message", [

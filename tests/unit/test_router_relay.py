@@ -132,13 +132,14 @@ class OneBlockHasher:
 
 
 def run_with_router(test: Callable[[str, list[FakeReplica], RouterServer], Awaitable[None]],
-                    replicas: list[FakeReplica] | None = None, hasher: OneBlockHasher | None = None) -> None:
+                    replicas: list[FakeReplica] | None = None, hasher: OneBlockHasher | None = None,
+                    allowed_origins: tuple[str, ...] = ()) -> None:
     async def main() -> None:
         fakes = replicas or [FakeReplica()]
         for fake in fakes:
             await fake.start()
         server = RouterServer(ReplicaSet([f.url for f in fakes], {}, probe_interval=30.0), Router("round_robin"),
-                              hasher=hasher)  # type: ignore[arg-type]
+                              hasher=hasher, allowed_origins=allowed_origins)  # type: ignore[arg-type]
         await server.start()
         front = await serve(server.handle, "127.0.0.1", 0)
         port = front.sockets[0].getsockname()[1]
@@ -464,6 +465,25 @@ def test_a_browsers_cors_requests_reach_the_replica_and_its_answers_come_back():
             assert (await client.get("/v1/completions")).status_code == 405  # GET is still no generation
 
     run_with_router(test)
+
+
+def test_the_routers_own_answers_carry_cors_headers_for_an_allowed_origin():
+    """A page could not read the router's own errors (its 404, 405, 503): no
+    CORS headers; a replica's answer keeps the replica's own."""
+    async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            allowed = {"Origin": "http://localhost:3000"}
+            for answer in (await client.get("/nowhere", headers=allowed),
+                           await client.get("/v1/completions", headers=allowed)):
+                assert answer.status_code in (404, 405)
+                assert answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+                assert answer.headers["vary"] == "origin"
+            other = await client.get("/nowhere", headers={"Origin": "http://evil.example"})
+            assert "access-control-allow-origin" not in other.headers
+            relayed = await client.post("/v1/completions", json={"prompt": "x"}, headers=allowed)
+            assert relayed.headers.get_list("access-control-allow-origin") == ["http://localhost:3000"]  # once
+
+    run_with_router(test, allowed_origins=("http://localhost:3000",))
 
 
 def test_when_every_replica_refuses_the_client_gets_the_last_replicas_answer():

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
 from heron.entrypoints.arg_types import FINITE_NON_NEGATIVE_FLOAT, FINITE_POSITIVE_FLOAT, POSITIVE_INT, port
+from heron.entrypoints.openai.cors import origin_list
 from heron.http_bounds import BODY_IDLE_TIMEOUT_S, DEFAULT_KEEP_ALIVE_S, HEAD_TIMEOUT_S, ConnectionBounds
 from heron.routing.policies import RoutingPolicy
 
@@ -52,6 +53,10 @@ def add_router_parser(subcommands: Any) -> None:
     router.add_argument("--shutdown-timeout", type=FINITE_NON_NEGATIVE_FLOAT, default=5.0, metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
                              "are refused meanwhile) before the rest are cut; 0 cuts them at once")
+    router.add_argument("--allowed-origins", type=origin_list, action="extend", default=None, metavar="ORIGINS",
+                        help="browser pages from these origins (comma separated or a JSON list; '*' for any) may "
+                             "read the router's own answers, its errors (503, 504, 404...); the replicas' answers, "
+                             "preflights included, carry the replicas' own CORS headers (their --allowed-origins)")
     router.add_argument("--keep-alive-timeout", type=FINITE_POSITIVE_FLOAT, default=DEFAULT_KEEP_ALIVE_S,
                         metavar="SECONDS",
                         help="seconds an idle kept-alive client connection stays open (longer than the clients' "
@@ -81,7 +86,8 @@ def run_router(args: argparse.Namespace) -> int:
     prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval, decodes=False)
                         if args.prefill else None)
     server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts,
-                          request_timeout=args.request_timeout or None, prefill_replicas=prefill_replicas)
+                          request_timeout=args.request_timeout or None, prefill_replicas=prefill_replicas,
+                          allowed_origins=tuple(args.allowed_origins or ()))
     logger.info("heron router (%s) on http://%s:%d over %s%s", args.policy, args.host, args.port,
                 ", ".join(args.replica + ([f"the replicas on Ray at {args.ray_address}"] if args.ray_address else [])),
                 f"; prompts prefilled first on {', '.join(args.prefill)}" if args.prefill else "")

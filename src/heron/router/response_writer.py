@@ -41,6 +41,9 @@ class ResponseWriter:
         self.client_paused = client_paused  # the client's socket buffer is full (it is not reading)
         self.event_stream = False  # its content type is text/event-stream
         self._tail = b""  # the last two body bytes written: where a stream cut now stands
+        # headers the router's own whole answers carry (CORS, for a page to read its errors); an answer that
+        # names the header itself (a replica's, passed on) keeps its own
+        self.own_headers: list[tuple[str, str]] = []
         self._pending: list[bytes] = []
 
     @property
@@ -49,7 +52,10 @@ class ResponseWriter:
 
     def send(self, status: int, body: bytes, content_type: str = "application/json",
              headers: list[tuple[str, str]] | None = None) -> None:
-        self.start(status, [("content-type", content_type), *(headers or [])], content_length=len(body))
+        headers = list(headers or [])
+        named = {name.lower() for name, _ in headers}
+        headers += [(name, value) for name, value in self.own_headers if name not in named]
+        self.start(status, [("content-type", content_type), *headers], content_length=len(body))
         self.write(body)
         self.end()
 

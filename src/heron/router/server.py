@@ -98,11 +98,15 @@ class RouterMetrics:
 
 class RouterServer:
     def __init__(self, replicas: ReplicaSet, router: Router, hasher: PromptHasher | None, max_attempts: int = 3,
-                 request_timeout: float | None = None, prefill_replicas: ReplicaSet | None = None) -> None:
+                 request_timeout: float | None = None, prefill_replicas: ReplicaSet | None = None,
+                 allowed_origins: tuple[str, ...] = ()) -> None:
         """``prefill_replicas``: prefill/decode disaggregation, ``replicas`` decode
         (``router/disaggregation.py``). ``request_timeout``: seconds a request may
-        take from its arrival to its answer's end (None: no limit)."""
+        take from its arrival to its answer's end (None: no limit). ``allowed_origins``:
+        the browser pages ('*': any) that may read the router's own answers (its
+        errors; a replica's answers carry the replica's CORS headers)."""
         self.replicas = replicas
+        self.allowed_origins = allowed_origins
         self.router = router
         self.hasher = hasher
         self.max_attempts = max_attempts
@@ -168,6 +172,15 @@ class RouterServer:
             if not self._requests_under_way:
                 self._all_answered.set()
 
+    def _cors_headers(self, origin: str | None) -> list[tuple[str, str]]:
+        if not origin or not self.allowed_origins:
+            return []
+        if "*" in self.allowed_origins:
+            return [("access-control-allow-origin", "*")]
+        if origin in self.allowed_origins:
+            return [("access-control-allow-origin", origin), ("vary", "origin")]
+        return []
+
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.replicas.start(self.session)
@@ -187,6 +200,7 @@ class RouterServer:
     # ---- routes ------------------------------------------------------------------
 
     async def handle(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        writer.own_headers = self._cors_headers(request.headers.get("origin"))
         path = request.path
         if path in GENERATION_PATHS:
             if request.method == "OPTIONS":  # a browser's CORS preflight: the replica's --allowed-origins answers
