@@ -26,7 +26,8 @@ def _chunk(text: str, finish: str | None = None) -> bytes:
 class ScriptedServer:
     """Answers /v1/completions per ``mode``: "text" (two chunks), "empty" (a
     finish chunk of no text, as an immediate end of sequence streams), or
-    "fail_after:N" (N good answers, then 500s)."""
+    "fail_after:N" (N good answers, then 500s), or "stall_after:N" (N good
+    answers, then none for 5 s)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -42,6 +43,8 @@ class ScriptedServer:
         self.bodies.append(await request.json())
         if self.mode.startswith("fail_after:") and number >= int(self.mode.split(":")[1]):
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode.startswith("stall_after:") and number >= int(self.mode.split(":")[1]):
+            await asyncio.sleep(5)  # no answer (for longer than the test waits)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         if self.mode == "empty":
@@ -171,3 +174,25 @@ def test_bad_arguments_are_usage_errors(args, capsys):
         main(["bench", *args])
     assert info.value.code == 2
     assert "error: argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scripted", ["stall_after:2"], indirect=True)
+def test_ctrl_c_keeps_what_finished(scripted, tmp_path, capsys):
+    """A stalled request held the run, and Ctrl-C then lost every result."""
+    import os
+    import signal
+
+    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    path = tmp_path / "r.json"
+    assert bench("--base-url", scripted.base_url, "--max-concurrency", "1", "--result-filename", str(path)) == 130
+    [result] = load_results([str(path)])
+    assert result["completed"] == 2 and result["interrupted"] is True
+    assert "interrupted: 2 of 4 requests finished" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scripted", ["text"], indirect=True)
+def test_warm_up_requests_are_sent_first_and_not_counted(scripted, tmp_path):
+    path = tmp_path / "r.json"
+    assert bench("--base-url", scripted.base_url, "--num-warmups", "2", "--result-filename", str(path)) == 0
+    [result] = load_results([str(path)])
+    assert len(scripted.bodies) == 6 and result["completed"] == 4 and result["num_warmups"] == 2

@@ -21,6 +21,8 @@ UNREACHABLE = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", 
     (["--metric-percentiles", "50,abc"], "expected percentiles such as 50,90,99"),
     (["--random-range-ratio", "-0.5"], "expected a number in \\[0, 1\\)"),
     (["--random-output-range-ratio", "2"], "expected a number in \\[0, 1\\)"),
+    (["--burstiness", "inf"], "burstiness"),  # crashed in gammavariate after the first request had gone out
+    (["--request-timeout", "0"], "request-timeout"),
 ])
 def test_out_of_bounds_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -28,6 +28,11 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
     if body["prompt"] == "odd shape":  # JSON, but not an event's shape: that request fails, not the run
         await response.write(sse({"choices": [None], "usage": 5}))
         return response
+    if body["prompt"] == "usage as text":  # a count that is no number: that request fails, not the run
+        await response.write(sse({"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": "7"}}))
+        return response
+    if body["prompt"] == "stall":  # a server that never answers
+        await asyncio.sleep(3)  # (longer than the timeout; the stub waits for it as it stops)
     if body["prompt"] == "null error":  # "error": null is no error
         await response.write(sse({"error": None, "choices": [{"index": 0, "text": "fine"}]}))
     for piece in ["Hello", "", " world"]:
@@ -61,7 +66,7 @@ async def unauthorized(request: web.Request) -> web.Response:
     return web.json_response({"error": {"message": "bad key"}}, status=401)
 
 
-def run_against_stub(prompt: str, path: str):
+def run_against_stub(prompt: str, path: str, timeout_s: float = 60.0):
     async def main():
         app = web.Application()
         app.router.add_post("/v1/completions", stream_handler)
@@ -78,7 +83,7 @@ def run_against_stub(prompt: str, path: str):
                 return await send_request(
                     client, f"http://127.0.0.1:{port}{path}",
                     request_body("m", sample, "chat" in path, True, {"temperature": 0.0}),
-                    sample, time.perf_counter(), {}, lambda text: len(text.split()),
+                    sample, time.perf_counter(), {}, lambda text: len(text.split()), timeout_s,
                 )
         finally:
             await runner.cleanup()
@@ -151,3 +156,17 @@ def test_reasoning_chunks_are_tokens_for_the_timings_and_not_the_answer():
     assert result.success and result.generated_text == "The answer is 4."
     assert result.ttft < 0.3 and len(result.itl) == 6  # 7 timed chunks (the content came after 0.5 s)
     assert result.output_tokens == len("step 0 step 1 step 2 step 3 step 4 The answer is 4.".split())
+
+
+def test_a_usage_count_that_is_no_number_fails_its_request():
+    """completion_tokens "7" crashed the whole run at the report (every result lost)."""
+    result = run_against_stub("usage as text", "/v1/completions")
+    assert not result.success and "not a whole number" in result.error
+
+
+def test_a_request_with_no_answer_fails_at_its_timeout():
+    """One stalled request held the whole run for the client's 6 hours."""
+    started = time.perf_counter()
+    result = run_against_stub("stall", "/v1/completions", timeout_s=0.5)
+    assert not result.success and "--request-timeout (0.5 s)" in result.error
+    assert time.perf_counter() - started < 8

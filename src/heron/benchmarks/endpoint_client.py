@@ -14,6 +14,7 @@ Python (httpx) would itself run out of CPU before the server does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -68,7 +69,11 @@ async def send_request(
     bench_start: float,
     headers: dict[str, str],
     count_tokens: Any,
+    timeout_s: float = 6 * 3600.0,
 ) -> RequestResult:
+    """One streamed request, timed; a failure (an HTTP error, an error event, a
+    cut or malformed stream, no answer within ``timeout_s``) is the result's
+    ``error``, never an exception."""
     result = RequestResult(prompt_len=sample.prompt_len)
     chat = "messages" in body
     started = time.perf_counter()
@@ -80,7 +85,7 @@ async def send_request(
     ended = False  # the stream said it was done ([DONE]): one that just stops was cut
     finished_at: float | None = None  # when a choice first carried its finish_reason
     try:
-        async with client.post(url, json=body, headers=headers) as response:
+        async with asyncio.timeout(timeout_s), client.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:300]}"
                 return result
@@ -98,7 +103,7 @@ async def send_request(
                     result.error = str(payload["error"])[:300]
                     return result
                 if payload.get("usage"):
-                    usage_tokens = payload["usage"].get("completion_tokens", usage_tokens)
+                    usage_tokens = _token_count(payload["usage"].get("completion_tokens", usage_tokens))
                 text = thought = ""
                 for choice in payload.get("choices") or []:
                     if chat:
@@ -135,8 +140,17 @@ async def send_request(
             result.error = "the server returned no text"
         elif not ended:
             result.error = "the stream ended without [DONE] (cut)"
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, over-long line
+    except TimeoutError:
+        result.error = f"no whole answer within --request-timeout ({timeout_s:g} s)"
+    except (aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, over-long line
         result.error = f"{type(exc).__name__}: {exc}"
     except (TypeError, AttributeError) as exc:  # JSON of another shape ("usage": 5, "choices": [null]): this one
         result.error = f"an event of an unexpected shape: {type(exc).__name__}: {exc}"
     return result
+
+
+def _token_count(value: Any) -> int | None:
+    """A usage count as sent: a whole number of at least 0 (or None), else a malformed event."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError(f"a usage count that is not a whole number of tokens: {value!r}")

@@ -73,34 +73,53 @@ async def run_load(
     count_tokens: Any,
     seed: int,
     show_progress: bool,
-) -> tuple[list[RequestResult], float]:
+    request_timeout_s: float = 6 * 3600.0,
+    num_warmups: int = 0,
+) -> tuple[list[RequestResult], float, bool]:
+    """The results of the requests that finished, the run's duration, and
+    whether it was interrupted (Ctrl-C: the requests under way are dropped,
+    and what finished is still a result). ``num_warmups`` requests go first,
+    one at a time, untimed (a cold server's first answers include its warm-up)."""
     url = base_url.rstrip("/") + endpoint
     chat = "chat" in endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = tqdm(total=len(samples), disable=not show_progress, desc="requests")
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no limit on connections
-    timeout = aiohttp.ClientTimeout(total=6 * 3600.0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True) as client:
+    async with aiohttp.ClientSession(connector=connector, trust_env=True) as client:
+        for index in range(num_warmups):
+            sample = samples[index % len(samples)]
+            warmup = await send_request(client, url, request_body(model, sample, chat, ignore_eos, sampling), sample,
+                                        time.perf_counter(), headers, count_tokens, request_timeout_s)
+            if not warmup.success:
+                print(f"warm-up request {index + 1} failed: {warmup.error}")
         start = time.perf_counter()
 
         async def one(sample: SampleRequest) -> RequestResult:
             body = request_body(model, sample, chat, ignore_eos, sampling)
             if semaphore is None:
-                result = await send_request(client, url, body, sample, start, headers, count_tokens)
+                result = await send_request(client, url, body, sample, start, headers, count_tokens, request_timeout_s)
             else:
                 async with semaphore:
-                    result = await send_request(client, url, body, sample, start, headers, count_tokens)
+                    result = await send_request(client, url, body, sample, start, headers, count_tokens,
+                                                request_timeout_s)
             progress.update(1)
             return result
 
-        tasks = []
-        async for sample in arrivals(samples, request_rate, burstiness, seed):
-            tasks.append(asyncio.create_task(one(sample)))
-        results = await asyncio.gather(*tasks)
+        tasks: list[asyncio.Task[RequestResult]] = []
+        interrupted = False
+        try:
+            async for sample in arrivals(samples, request_rate, burstiness, seed):
+                tasks.append(asyncio.create_task(one(sample)))
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels this task; a second one stops at once)
+            interrupted = True
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         duration = time.perf_counter() - start
     progress.close()
-    return list(results), duration
+    return [task.result() for task in tasks if task.done() and not task.cancelled()], duration, interrupted
 
 
 async def fetch_model_name(base_url: str, api_key: str | None) -> str:

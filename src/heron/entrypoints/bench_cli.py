@@ -12,6 +12,7 @@ from typing import Any
 
 from heron.engine.args import EngineArgs
 from heron.entrypoints.arg_types import (
+    FINITE_POSITIVE_FLOAT,
     NON_NEGATIVE_FLOAT,
     NON_NEGATIVE_INT,
     POSITIVE_FLOAT,
@@ -43,7 +44,14 @@ def add_bench_parsers(subcommands: Any) -> None:
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     _add_dataset_args(serve)
     serve.add_argument("--request-rate", type=POSITIVE_FLOAT, default=float("inf"))
-    serve.add_argument("--burstiness", type=POSITIVE_FLOAT, default=1.0)
+    serve.add_argument("--burstiness", type=FINITE_POSITIVE_FLOAT, default=1.0,
+                       help="gamma shape of the gaps between sends: 1 Poisson, lower burstier, higher steadier")
+    serve.add_argument("--request-timeout", type=FINITE_POSITIVE_FLOAT, default=6 * 3600.0, metavar="SECONDS",
+                       help="a request without its whole answer after this long counts as failed (default 6 h, "
+                            "as vLLM's client; a stalled server held the run that long)")
+    serve.add_argument("--num-warmups", type=NON_NEGATIVE_INT, default=0, metavar="N",
+                       help="untimed requests sent one at a time before the run (a cold server's first answers "
+                            "include its warm-up: TTFT 12-33x the warm figure on a fresh heron serve)")
     serve.add_argument("--max-concurrency", type=POSITIVE_INT, default=None)
     serve.add_argument("--ignore-eos", action="store_true")
     serve.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.0)
@@ -261,12 +269,16 @@ def _bench_serve(args: argparse.Namespace) -> int:
     for index, base_url in enumerate(base_urls):
         model = args.model or _served_model(base_url, args.api_key)
         client_cpu_started, started_at = time.process_time(), time.time()
-        raw, duration = asyncio.run(run_load(
+        raw, duration, interrupted = asyncio.run(run_load(
             base_url, args.endpoint, model, samples,
             request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
             ignore_eos=args.ignore_eos, sampling=sampling, api_key=args.api_key,
             count_tokens=count_tokens, seed=args.seed, show_progress=not args.disable_tqdm,
+            request_timeout_s=args.request_timeout, num_warmups=args.num_warmups,
         ))
+        if interrupted:
+            print(f"interrupted: {len(raw)} of {len(samples)} requests finished; the result is theirs",
+                  file=sys.stderr)
         settings = {
             "label": labels[index] if labels else None,
             "base_url": base_url,
@@ -277,6 +289,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "num_prompts": len(samples),
             "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
             "burstiness": args.burstiness,
+            "num_warmups": args.num_warmups,
+            "interrupted": interrupted,
             "max_concurrency": args.max_concurrency,
             "goodput_slos_ms": goodput or None,
             "sampling": sampling,
@@ -303,6 +317,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
         if failed:
             first_error = next((error for error in result["errors"] if error), "")
             print(f"{failed} requests failed; first error: {first_error}", file=sys.stderr)
+        if interrupted:
+            return 130  # as a Ctrl-C anywhere else: the servers after this one are not measured
     if len(results) > 1:
         print(comparison_table(results))
     # nothing measured (no server, or every request failed) is not a result: a script must see it
