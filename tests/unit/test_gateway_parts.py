@@ -132,6 +132,41 @@ def test_an_indented_comment_is_no_key_and_a_key_that_can_never_match_is_refused
         collect_api_keys(["clé-secrète"], None)
 
 
+def test_a_key_source_that_names_no_key_is_refused(tmp_path, monkeypatch):
+    """A key file of comments only, or HERON_API_KEY=",", started a server that
+    took every request without a key, saying nothing."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("# keys rotated out; add new ones here\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        collect_api_keys(None, str(key_file))
+    monkeypatch.setenv("HERON_API_KEY", ",")
+    with pytest.raises(ValueError, match="names no key"):
+        collect_api_keys(None, None)
+    monkeypatch.setenv("HERON_API_KEY", "")  # set but empty: unset
+    assert collect_api_keys(None, None) == []
+
+
+def test_a_key_file_that_reads_once_is_read_once(monkeypatch):
+    """--api-key-file <(vault read ...): the launcher's check read the pipe, and
+    the server, reading it again, found no key and took every request."""
+    import os
+
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.openai.cli_args import check_serve_args
+    from heron.entrypoints.openai.server import gateway_settings_from_args
+
+    monkeypatch.delenv("HERON_API_KEY", raising=False)
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"sk-from-vault\n")
+    os.close(write_end)
+    try:
+        args = build_parser().parse_args(["serve", "--api-key-file", f"/dev/fd/{read_end}"])
+        check_serve_args(args)
+        assert gateway_settings_from_args(args).api_keys == ["sk-from-vault"]
+    finally:
+        os.close(read_end)
+
+
 @pytest.mark.parametrize("allow, seen", [(None, "127.0.0.1"), ("127.0.0.1", "10.0.0.7")])
 def test_x_forwarded_for_names_the_client_only_from_a_trusted_proxy(allow, seen):
     """uvicorn's default trusted X-Forwarded-For from 127.0.0.1: without API keys

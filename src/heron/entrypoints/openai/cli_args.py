@@ -98,13 +98,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def collect_api_keys(cli_keys: list[str] | None, key_file: str | None) -> list[str]:
     """Keys from --api-key (repeatable), the HERON_API_KEY variable (comma
-    separated) and --api-key-file (one per line, # comments)."""
+    separated) and --api-key-file (one per line, # comments). A source given
+    that names no key is an error: the server it started took every request
+    without one, saying nothing."""
     keys = list(cli_keys or [])
-    keys += envs.api_keys()
+    from_env = envs.api_keys()
+    if os.environ.get(envs.HERON_API_KEY, "").strip() and not from_env:
+        raise ValueError(f"{envs.HERON_API_KEY} is set but names no key (only commas?)")
+    keys += from_env
     if key_file:
         with open(key_file, encoding="utf-8") as handle:
             lines = [line.strip() for line in handle]
-        keys += [line for line in lines if line and not line.startswith("#")]  # an indented comment is one too
+        from_file = [line for line in lines if line and not line.startswith("#")]  # an indented comment is one too
+        if not from_file:
+            raise ValueError(f"--api-key-file {key_file!r} holds no key (only empty lines or # comments)")
+        keys += from_file
     for key in keys:
         if not key or key != key.strip():
             # `--api-key "$UNSET"` turned keys on with "", which the empty bearer token matched
@@ -125,8 +133,13 @@ def check_gateway(api_keys: list[str], protect_metrics: bool) -> None:
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """The gateway flags' checks, before ``heron serve`` starts anything (the
-    engine cores start before the server reads its flags)."""
-    check_gateway(collect_api_keys(args.api_key, args.api_key_file), args.protect_metrics)
+    engine cores start before the server reads its flags). The keys are read
+    here, once, and ``args`` carries them on: a key file that reads once (a
+    pipe: ``--api-key-file <(vault read ...)``, /dev/stdin) was read again by
+    the server, which then had no key and took every request."""
+    keys = collect_api_keys(args.api_key, args.api_key_file)
+    args.api_key, args.api_key_file = keys, None
+    check_gateway(keys, args.protect_metrics)
     cors_settings_from_args(args)
     read_chat_template(args.chat_template)
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
