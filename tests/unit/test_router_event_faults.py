@@ -164,6 +164,8 @@ class EventfulReplica:
         self.url = ""
         self.kv_events_answer: dict | None = None
         self.events_on = True  # False: restarted without KV events (no epoch in /health)
+        self.kv_events_asked = 0
+        self.kv_events_status = 200
 
     def info(self) -> dict:
         return {"enabled": True, "endpoint": self.publisher.endpoint, "topic": "", "block_size": 16,
@@ -178,6 +180,9 @@ class EventfulReplica:
             return web.Response(text="")
 
         async def kv_events(_: web.Request) -> web.Response:
+            self.kv_events_asked += 1
+            if self.kv_events_status != 200:
+                return web.json_response({"error": {"message": "slow down"}}, status=self.kv_events_status)
             answer = self.kv_events_answer or self.info()
             return web.json_response(answer if self.events_on else {"enabled": False, "block_size": 16})
 
@@ -201,9 +206,10 @@ class EventfulReplica:
         await self.runner.cleanup()
 
 
-def run_replica_set(test) -> None:
+def run_replica_set(test, events_on: bool = True) -> None:
     async def scenario() -> None:
         replica = EventfulReplica()
+        replica.events_on = events_on
         await replica.start()
         async with aiohttp.ClientSession() as session:
             replicas = ReplicaSet([replica.url], {}, probe_interval=0.05)
@@ -308,3 +314,18 @@ def test_a_health_body_without_an_epoch_is_no_restart(body):
     from heron.router.replica import _epoch, _health_fields
 
     assert _epoch(_health_fields(body)) is None
+
+
+def test_kv_events_are_asked_for_only_where_health_names_them_and_not_again_at_once_after_a_refusal():
+    """The router asked /v1/kv_events at every probe of a replica without events
+    (each ask a token of the replica's rate limit: a client sharing the key got
+    429s at half its limit), and again at every probe after a 429."""
+    async def test(replica: EventfulReplica, replicas: ReplicaSet) -> None:
+        await asyncio.sleep(0.5)  # about ten probes
+        assert replica.kv_events_asked == 0
+        replica.events_on, replica.kv_events_status = True, 429
+        await until(lambda: replica.kv_events_asked >= 1)
+        await asyncio.sleep(0.5)
+        assert replica.kv_events_asked == 1  # not again until the retry time
+
+    run_replica_set(test, events_on=False)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ T = TypeVar("T")
 
 _METRIC = re.compile(r'^heron:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} ([0-9.eE+-]+)$')
 # only these samples: a replica renders three gauges instead of every histogram (~30 KB)
+_SUBSCRIBE_RETRY_S = 30.0  # after a refused /v1/kv_events (a rate limit, an error)
 _LOAD_QUERY = [("name[]", f"heron:{name}") for name in ("num_requests_running", "num_requests_waiting",
                                                        "kv_cache_usage_perc")]
 
@@ -67,6 +69,7 @@ class Replica:
     index: KVBlockIndex = field(default_factory=KVBlockIndex)
     subscriber: KVEventSubscriber | None = None
     subscription: asyncio.Task[None] | None = None
+    subscribe_after: float = 0.0  # (monotonic) a refused /v1/kv_events is asked again only then
     # a replica of several data-parallel engines: the other ranks' caches (``index`` is rank 0's), each
     # followed on its own; the replica sends a prompt to the engine that holds most of it
     rank_indexes: list[KVBlockIndex] = field(default_factory=list)
@@ -255,7 +258,11 @@ class ReplicaSet:
             replica.takes_kv_transfers = takes
             self._follow_restarts(replica, _epoch(fields))
             await self._read_metrics(session, replica)
-            if replica.subscription is None:
+            # only a replica whose /health names its events' epoch publishes any; each ask of /v1/kv_events
+            # takes a token of the replica's rate limit (the router asked every second, and a client sharing
+            # its key got 429s at half its limit)
+            wanted = replica.subscription is None and _epoch(fields) is not None
+            if wanted and time.monotonic() >= replica.subscribe_after:
                 await self._subscribe(session, replica)
         except (TimeoutError, aiohttp.ClientError, OSError):
             raise
@@ -312,6 +319,7 @@ class ReplicaSet:
     async def _subscribe(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         async with session.get(f"{replica.url}/v1/kv_events", headers=self.headers, timeout=self.timeout) as response:
             if response.status != 200:
+                replica.subscribe_after = time.monotonic() + _SUBSCRIBE_RETRY_S
                 return
             info = await response.json()
         if not isinstance(info, dict) or not info.get("enabled"):
