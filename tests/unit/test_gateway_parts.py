@@ -666,3 +666,15 @@ def test_a_body_that_trickles_is_cut_off(short_bounds, monkeypatch):
         return time.monotonic() - started
 
     assert serve_while(_reading_app, trickle) < 4
+
+
+def test_unknown_field_names_are_logged_quoted_cut_and_counted():
+    """A field named "x\\n23:59:59 ERROR ..." forged a log line of its own, and
+    one of 5 MB wrote 5 MB of log a request."""
+    from heron.entrypoints.openai.serving_common import loggable_names
+
+    forged = "x\n23:59:59 ERROR heron.engine.async_llm: engine core died"
+    line = loggable_names([forged, "A" * 5_000_000, "a", "b", "c", "d", "e"])
+    assert "\n" not in line and len(line) < 600
+    assert line.startswith("'x\\n23:59:59 ERROR") and line.endswith("and 2 more")
+    assert loggable_names(["frobnicate"]) == "'frobnicate'"

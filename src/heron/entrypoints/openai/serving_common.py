@@ -120,7 +120,16 @@ def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) 
         raise model_not_found(model)
     unknown = request.unknown_fields()
     if unknown:
-        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+        logger.warning("ignoring unknown request fields: %s", loggable_names(unknown))
+
+
+def loggable_names(names: Sequence[str], most: int = 5, longest: int = 64) -> str:
+    """Names a client chose, as a log line may hold them: quoted (a newline in
+    one forged a log line of its own), each cut short, a few and a count (one
+    of 5 MB wrote 5 MB of log a request)."""
+    shown = [repr(name[:longest]) + ("..." if len(name) > longest else "") for name in names[:most]]
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {rest} more" if rest else "")
 
 
 def check_waiting_bound(ctx: ServingContext, waiting: int, adding: int = 1) -> None:
