@@ -93,3 +93,13 @@ def test_a_named_origin_streams_an_answer_and_reads_a_refusal(browser, allowed_o
 def test_an_origin_not_named_reads_nothing(browser, other_origin, cors_server):
     result = fetch_from(browser, other_origin, cors_server, KEY)
     assert "error" in result and "Failed to fetch" in result["error"], result
+
+
+def test_a_page_may_read_retry_after(allowed_origin, cors_server):
+    """A 429's or a 503's Retry-After was not exposed to the page."""
+    import httpx
+
+    answer = httpx.get(f"{cors_server.base_url}/v1/models", headers={"Origin": allowed_origin,
+                                                                      "Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 200
+    assert "retry-after" in answer.headers["access-control-expose-headers"].lower()

@@ -106,4 +106,6 @@ def add_cors(app: FastAPI, settings: CorsSettings) -> None:
         allow_methods=list(settings.allowed_methods),
         allow_headers=list(settings.allowed_headers),
         allow_credentials=settings.allow_credentials,
+        # a page reads only the headers exposed to it: a 429's or a 503's Retry-After was hidden
+        expose_headers=["Retry-After"],
     )
