@@ -104,16 +104,9 @@ async def send_request(
                     return result
                 if payload.get("usage"):
                     usage_tokens = _token_count(payload["usage"].get("completion_tokens", usage_tokens))
-                text = thought = ""
-                for choice in payload.get("choices") or []:
-                    if chat:
-                        delta = choice.get("delta") or {}
-                        text += delta.get("content") or ""
-                        thought += delta.get("reasoning_content") or delta.get("reasoning") or ""
-                    else:
-                        text += choice.get("text") or ""
-                    if choice.get("finish_reason") and finished_at is None:
-                        finished_at = time.perf_counter()
+                text, thought, finishes = _event_text(payload, chat)
+                if finishes and finished_at is None:
+                    finished_at = time.perf_counter()
                 if not text and not thought:
                     continue
                 now = time.perf_counter()
@@ -147,6 +140,21 @@ async def send_request(
     except (TypeError, AttributeError) as exc:  # JSON of another shape ("usage": 5, "choices": [null]): this one
         result.error = f"an event of an unexpected shape: {type(exc).__name__}: {exc}"
     return result
+
+
+def _event_text(payload: dict[str, Any], chat: bool) -> tuple[str, str, bool]:
+    """An event's answer text and reasoning text over its choices, and whether one of them finished."""
+    text = thought = ""
+    finishes = False
+    for choice in payload.get("choices") or []:
+        if chat:
+            delta = choice.get("delta") or {}
+            text += delta.get("content") or ""
+            thought += delta.get("reasoning_content") or delta.get("reasoning") or ""
+        else:
+            text += choice.get("text") or ""
+        finishes = finishes or bool(choice.get("finish_reason"))
+    return text, thought, finishes
 
 
 def _token_count(value: Any) -> int | None:
