@@ -78,3 +78,16 @@ def unit_interval(*, above_zero: bool = False) -> Callable[[str], float]:
         return _read(float, text, expected, lambda value: (value > 0 if above_zero else value >= 0) and value <= 1)
 
     return parse
+
+
+def add_keep_alive_timeout(group: argparse._ActionsContainer) -> None:
+    """--keep-alive-timeout, as heron serve and heron router both take it."""
+    from heron.http_bounds import BODY_IDLE_TIMEOUT_S, BODY_MIN_RATE, DEFAULT_KEEP_ALIVE_S, HEAD_TIMEOUT_S
+
+    group.add_argument("--keep-alive-timeout", type=FINITE_POSITIVE_FLOAT, default=DEFAULT_KEEP_ALIVE_S,
+                       metavar="SECONDS",
+                       help="seconds an idle kept-alive connection stays open; longer than the idle expiry of the "
+                            "clients' pools (httpx and the openai client: 5 s, aiohttp: 15 s), so that a client "
+                            "never sends a request on a connection the server is closing (it would get a reset). "
+                            f"A request's head must arrive within {HEAD_TIMEOUT_S:g} s; its body may pause "
+                            f"{BODY_IDLE_TIMEOUT_S:g} s and must bring {BODY_MIN_RATE:g} bytes a second after")

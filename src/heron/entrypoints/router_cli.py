@@ -8,9 +8,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
-from heron.entrypoints.arg_types import FINITE_NON_NEGATIVE_FLOAT, FINITE_POSITIVE_FLOAT, POSITIVE_INT, port
+from heron.entrypoints.arg_types import (
+    FINITE_NON_NEGATIVE_FLOAT,
+    FINITE_POSITIVE_FLOAT,
+    POSITIVE_INT,
+    add_keep_alive_timeout,
+    port,
+)
 from heron.entrypoints.openai.cors import origin_list
-from heron.http_bounds import BODY_IDLE_TIMEOUT_S, DEFAULT_KEEP_ALIVE_S, HEAD_TIMEOUT_S, ConnectionBounds
+from heron.http_bounds import ConnectionBounds
 from heron.routing.policies import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -57,11 +63,7 @@ def add_router_parser(subcommands: Any) -> None:
                         help="browser pages from these origins (comma separated or a JSON list; '*' for any) may "
                              "read the router's own answers, its errors (503, 504, 404...); the replicas' answers, "
                              "preflights included, carry the replicas' own CORS headers (their --allowed-origins)")
-    router.add_argument("--keep-alive-timeout", type=FINITE_POSITIVE_FLOAT, default=DEFAULT_KEEP_ALIVE_S,
-                        metavar="SECONDS",
-                        help="seconds an idle kept-alive client connection stays open (longer than the clients' "
-                             "pools keep one: httpx 5 s, aiohttp 15 s); a request's head must arrive within "
-                             f"{HEAD_TIMEOUT_S:g} s and its body may pause {BODY_IDLE_TIMEOUT_S:g} s at most")
+    add_keep_alive_timeout(router)
 
 
 def run_router(args: argparse.Namespace) -> int:

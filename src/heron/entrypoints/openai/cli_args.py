@@ -9,17 +9,16 @@ from heron import envs
 from heron.engine.args import positive_size
 from heron.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S
 from heron.entrypoints.arg_types import (
-    FINITE_POSITIVE_FLOAT,
     NON_NEGATIVE_FLOAT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
+    add_keep_alive_timeout,
     number_at_least,
     port,
 )
 from heron.entrypoints.openai.cors import add_cors_args, cors_settings_from_args
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from heron.entrypoints.openai.tools.parsers import PARSERS as TOOL_PARSERS
-from heron.http_bounds import DEFAULT_KEEP_ALIVE_S
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -57,11 +56,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM or Ctrl-C: seconds the requests under way get to finish (new connections "
                             "are refused meanwhile) before the rest are cut; 0 cuts them at once. A supervisor's "
                             "kill timeout (Kubernetes' terminationGracePeriodSeconds) should exceed it")
-    group.add_argument("--keep-alive-timeout", type=FINITE_POSITIVE_FLOAT, default=DEFAULT_KEEP_ALIVE_S,
-                       metavar="SECONDS",
-                       help="seconds an idle kept-alive connection stays open; longer than the idle expiry of the "
-                            "clients' pools (httpx and the openai client: 5 s, aiohttp: 15 s), so that a client "
-                            "never sends a request on a connection the server is closing (it would get a reset)")
+    add_keep_alive_timeout(group)
     gateway = parser.add_argument_group("gateway")
     gateway.add_argument("--api-key", action="append", default=None,
                          help="accepted API key (repeatable; also HERON_API_KEY, comma separated)")
