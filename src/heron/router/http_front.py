@@ -116,7 +116,7 @@ class FrontConnection(asyncio.Protocol):
             self._feed(data)
         finally:
             if not self._rejected and self._meter.read_ends(len(data)) > MAX_HEAD_BYTES:
-                self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
+                self._head_too_large()
 
     def _feed(self, data: bytes) -> None:
         try:
@@ -319,7 +319,10 @@ class FrontConnection(asyncio.Protocol):
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
+            self._head_too_large()
+
+    def _head_too_large(self) -> None:
+        self._reject(431, f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes")
 
     # ---- the connection's time bounds -------------------------------------------
 
