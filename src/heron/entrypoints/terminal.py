@@ -10,6 +10,7 @@ from typing import Any, TextIO
 from heron.engine.args import EngineArgs
 from heron.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from heron.engine.llm_engine import LLMEngine
+from heron.entrypoints.chat_input import NOT_TEXT, ChatInput
 from heron.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -87,40 +88,24 @@ def run_chat(args: argparse.Namespace, input_stream: TextIO = sys.stdin, out: Te
         engine.shutdown()
 
 
-def _read_line(input_stream: TextIO) -> str | None:
-    """The next line typed, '' for one that is not UTF-8 text, None at the end
-    of input. (A strict decoder raised on such a line and ended the session;
-    the default one let it through as surrogates the tokenizer refused.)"""
-    try:
-        line = input_stream.readline()
-    except UnicodeDecodeError:
-        return ""
-    if not line:
-        return None
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        return ""
-    return line
-
-
 def _chat_loop(engine: LLMEngine, params: SamplingParams, system: str | None, input_stream: TextIO,
                out: TextIO) -> int:
     history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     out.write(
-        f"heron chat with {engine.config.model.served_model_name}: /reset clears the history, /exit or Ctrl-D quits\n"
+        f"heron chat with {engine.config.model.served_model_name}: /reset clears the history, /exit or Ctrl-D quits,"
+        ' """ starts and ends a message of several lines\n'
     )
+    reader = ChatInput(input_stream, out)
     while True:
-        out.write("\n> ")
-        out.flush()
-        line = _read_line(input_stream)
-        if line is None:
+        out.write("\n")
+        message = reader.read_message()
+        if message is None:
             out.write("\n")
             return 0
-        if line == "":
+        if message is NOT_TEXT:
             out.write("(that line is not UTF-8 text: not sent)\n")
             continue
-        message = line.strip()
+        assert isinstance(message, str)
         if not message:
             continue
         if message in ("/exit", "/quit"):
