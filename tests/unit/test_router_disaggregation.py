@@ -16,7 +16,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from heron.router.disaggregation import PrefillStage
-from heron.router.http_front import serve
 from heron.router.replica import ReplicaSet
 from heron.router.server import RouterServer
 from heron.routing.health import BreakerState
@@ -78,7 +77,7 @@ def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingR
                               Router("round_robin"), None,
                               prefill_replicas=ReplicaSet([prefill.url], {}, probe_interval=30.0))
         await server.start()
-        front = await serve(server.handle, "127.0.0.1", 0)
+        front = await server.listen("127.0.0.1", 0)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}") as client:
                 await asyncio.wait_for(test(client, *([server] if with_router else []), prefill, *decode_replicas),

@@ -15,7 +15,6 @@ import httpx
 import pytest
 from aiohttp import web
 
-from heron.router.http_front import serve
 from heron.router.replica import ReplicaSet
 from heron.router.server import STALL_S, RouterServer
 from heron.routing.policies import Router
@@ -141,7 +140,7 @@ def run_with_router(test: Callable[[str, list[FakeReplica], RouterServer], Await
         server = RouterServer(ReplicaSet([f.url for f in fakes], {}, probe_interval=30.0), Router("round_robin"),
                               hasher=hasher, allowed_origins=allowed_origins)  # type: ignore[arg-type]
         await server.start()
-        front = await serve(server.handle, "127.0.0.1", 0)
+        front = await server.listen("127.0.0.1", 0)
         port = front.sockets[0].getsockname()[1]
         try:
             await asyncio.wait_for(test(f"http://127.0.0.1:{port}", fakes, server), 30)
@@ -428,7 +427,7 @@ def test_health_is_ok_only_once_a_replica_has_answered():
         nowhere = f"http://127.0.0.1:{listener.getsockname()[1]}"
         server = RouterServer(ReplicaSet([nowhere], {}, probe_interval=30.0), Router("round_robin"), None)
         await server.start()  # one probe round, failed: the breaker is still closed
-        front = await serve(server.handle, "127.0.0.1", 0)
+        front = await server.listen("127.0.0.1", 0)
         url = f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}"
         try:
             async with httpx.AsyncClient(base_url=url) as client:
@@ -468,8 +467,8 @@ def test_a_browsers_cors_requests_reach_the_replica_and_its_answers_come_back():
 
 
 def test_the_routers_own_answers_carry_cors_headers_for_an_allowed_origin():
-    """A page could not read the router's own errors (its 404, 405, 503): no
-    CORS headers; a replica's answer keeps the replica's own."""
+    """A page could not read the router's own errors (its 404, 405, 503, and the
+    front's 413 / 408 / 431): no CORS headers; a replica's answer keeps the replica's own."""
     async def test(url: str, _: list[FakeReplica], server: RouterServer) -> None:
         async with httpx.AsyncClient(base_url=url) as client:
             allowed = {"Origin": "http://localhost:3000"}
@@ -482,6 +481,13 @@ def test_the_routers_own_answers_carry_cors_headers_for_an_allowed_origin():
             assert "access-control-allow-origin" not in other.headers
             relayed = await client.post("/v1/completions", json={"prompt": "x"}, headers=allowed)
             assert relayed.headers.get_list("access-control-allow-origin") == ["http://localhost:3000"]  # once
+        # refused by the front before any handler runs (a body declared too large): CORS too
+        reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:3000\r\n"
+                     b"Content-Length: 999999999999\r\n\r\n")
+        refusal = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert refusal.startswith(b"HTTP/1.1 413") and b"access-control-allow-origin: http://localhost:3000" in refusal
 
     run_with_router(test, allowed_origins=("http://localhost:3000",))
 

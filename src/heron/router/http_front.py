@@ -66,16 +66,23 @@ class HttpRequest:
 
 
 Handler = Callable[[HttpRequest, ResponseWriter], Awaitable[None]]
+CorsHeaders = Callable[[str | None], list[tuple[str, str]]]  # a request's Origin -> the CORS headers it gets
+
+
+def no_cors(origin: str | None) -> list[tuple[str, str]]:
+    return []
 
 
 class FrontConnection(asyncio.Protocol):
     """One client connection: parses requests and runs ``handler`` on each in turn."""
 
     def __init__(self, handler: Handler, open_connections: set[FrontConnection] | None = None,
-                 bounds: ConnectionBounds = DEFAULT_BOUNDS) -> None:
+                 bounds: ConnectionBounds = DEFAULT_BOUNDS, cors: CorsHeaders = no_cors) -> None:
         """``open_connections``: where this connection is listed while it is open (a graceful stop's);
-        ``bounds``: how long a head, a stalled body and an idle connection may take."""
+        ``bounds``: how long a head, a stalled body and an idle connection may take; ``cors``: the
+        headers the answers written here (never by the handler) carry, from the request's Origin."""
         self._handler = handler
+        self._cors = cors
         self._open_connections = open_connections
         self._bounds = bounds
         self._meter = HeadMeter()  # the unfinished head's bytes, counted from the reads
@@ -93,7 +100,8 @@ class FrontConnection(asyncio.Protocol):
         self._writer: ResponseWriter | None = None
         self._client_paused = False  # the client's socket buffer is full, whichever answer filled it
         self._rejected = False  # nothing more is parsed (a bad request, or one after which the client closes)
-        self._rejection: tuple[int, str, str | None] | None = None  # answered once the requests before it are
+        # answered once the requests before it are: status, message, code, CORS headers
+        self._rejection: tuple[int, str, str | None, list[tuple[str, str]]] | None = None
         self._reset_message()
 
     # ---- asyncio.Protocol -----------------------------------------------------
@@ -252,15 +260,18 @@ class FrontConnection(asyncio.Protocol):
             self._unbound()
             if self._queue:  # sent on a kept-alive connection as the router stops: refused, not cut later
                 request, _, http10 = self._queue.popleft()
-                ResponseWriter(transport, keep_alive=False, head_only=request.method == "HEAD",
-                               http10=http10).send_json(503, error_body(503, STOPPING, "server_stopping"))
+                refusal = ResponseWriter(transport, keep_alive=False, head_only=request.method == "HEAD",
+                                         http10=http10)
+                refusal.own_headers = self._cors(request.headers.get("origin"))
+                refusal.send_json(503, error_body(503, STOPPING, "server_stopping"))
             transport.close()
             return
         if not self._queue:
             if self._rejection is not None:  # every request before the bad one is answered
-                status, message, code = self._rejection
-                ResponseWriter(transport, keep_alive=False, head_only=False).send_json(
-                    status, error_body(status, message, code))
+                status, message, code, cors_headers = self._rejection
+                refusal = ResponseWriter(transport, keep_alive=False, head_only=False)
+                refusal.own_headers = cors_headers  # a page's script can read why (a 413, a 408)
+                refusal.send_json(status, error_body(status, message, code))
                 transport.close()
             return
         request, keep_alive, http10 = self._queue.popleft()
@@ -382,7 +393,7 @@ class FrontConnection(asyncio.Protocol):
         self._unbound()
         self._in_message = False  # the request is not read further
         self._rejected = True
-        self._rejection = (status, message, code)
+        self._rejection = (status, message, code, self._cors(self._headers.get("origin")))
         self._pause_reading()
         self._next()
 
@@ -395,9 +406,9 @@ def send_at_once(transport: asyncio.Transport) -> None:
 
 
 async def serve(handler: Handler, host: str, port: int, open_connections: set[FrontConnection] | None = None,
-                bounds: ConnectionBounds = DEFAULT_BOUNDS) -> asyncio.Server:
+                bounds: ConnectionBounds = DEFAULT_BOUNDS, cors: CorsHeaders = no_cors) -> asyncio.Server:
     """A listening server running ``handler`` on every request (``open_connections``: kept
     listing its connections, for a graceful stop to ``drain`` and ``cut``)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: FrontConnection(handler, open_connections, bounds), host, port,
+    return await loop.create_server(lambda: FrontConnection(handler, open_connections, bounds, cors), host, port,
                                     reuse_address=True)

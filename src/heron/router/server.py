@@ -123,6 +123,12 @@ class RouterServer:
         self._all_answered = asyncio.Event()
         self._all_answered.set()
 
+    async def listen(self, host: str, port: int, connections: set[FrontConnection] | None = None,
+                     bounds: ConnectionBounds = DEFAULT_BOUNDS) -> asyncio.Server:
+        """The front, listening: every request to ``counted_handle``, every answer it
+        writes itself (a refused head or body) with this router's CORS headers."""
+        return await serve(self.counted_handle, host, port, connections, bounds, self._cors_headers)
+
     async def run(self, host: str, port: int, shutdown_timeout: float = 5.0,
                   bounds: ConnectionBounds = DEFAULT_BOUNDS) -> None:
         """Serves until SIGINT or SIGTERM; then stops listening (an idle kept-alive
@@ -132,7 +138,7 @@ class RouterServer:
         await self.start()
         connections: set[FrontConnection] = set()
         try:
-            server = await serve(self.counted_handle, host, port, connections, bounds)
+            server = await self.listen(host, port, connections, bounds)
         except OSError as exc:  # the port taken, an address not of this machine, a host that does not resolve
             await self.stop()
             raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
