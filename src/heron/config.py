@@ -288,7 +288,10 @@ class KVTransferConfig:
     ``do_remote_prefill`` request, giving up when the prefill engine does not
     answer one of its pulls (32 MiB of blocks each) within ``kv_timeout_seconds``.
     ``kv_peers`` (heron's own key): the prefill engines a consumer pulls from,
-    each "host" or "host:port" as handles name them; empty: any, as vLLM."""
+    each "host" or "host:port" as handles name them; empty: any, as vLLM, but
+    then what is pulled serves only the request that pulled it (a handle is
+    the client's to write: one naming a server of its own would otherwise put
+    its bytes in the prefix cache under another prompt's hashes)."""
 
     kv_connector: str = "HeronConnector"
     kv_role: KVRole = "kv_both"
@@ -305,6 +308,11 @@ class KVTransferConfig:
         host_port = address.removeprefix("tcp://")
         host = host_port.rpartition(":")[0]
         return host_port in self.kv_peers or host in self.kv_peers
+
+    @property
+    def trusts_peers(self) -> bool:
+        """Whether pulled blocks may enter the prefix cache: only from peers the operator named."""
+        return bool(self.kv_peers)
 
     @property
     def produces(self) -> bool:

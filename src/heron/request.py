@@ -92,6 +92,9 @@ class Request:
         # preemption scores them again, and only the ones past this are news
         self.num_prompt_logprobs_reported = 0
         self.remote_prefill_tried = False  # its kv_transfer_params' blocks were pulled (or tried)
+        # its blocks may enter the prefix cache (False: its prefix came from a peer no one vouched for, so
+        # nothing it holds, pulled or computed after, is given to other requests)
+        self.shares_cache = True
         # lifecycle events not yet reported: (EngineEventType, time.monotonic())
         self.events: list[tuple[int, float]] = []
 

@@ -305,6 +305,29 @@ def test_a_long_prompt_comes_over_in_bounded_pulls(llama, monkeypatch):
     books_balance(decode)
 
 
+def test_a_pull_cut_part_way_keeps_the_blocks_that_came(llama, monkeypatch):
+    """A pull whose third run failed reported every block failed: the two that
+    had come whole were thrown away and the whole prompt computed again."""
+    directory, prompts, expected = llama
+    monkeypatch.setattr(kv_pull, "CHUNK_BYTES", 1)  # one block a pull
+    prefill, decode = engines(directory)
+    server = prefill.engine.engine_core.model_runner.kv_server
+    captured, capture = [], server.codec.capture
+
+    def fail_the_third(block_id: int):
+        captured.append(block_id)
+        if len(captured) == 3:
+            raise RuntimeError("the copy failed")
+        return capture(block_id)
+
+    monkeypatch.setattr(server.codec, "capture", fail_the_third)
+    output, = prefill_then_decode(prefill, decode, prompts[:1])
+    assert output.outputs[0].token_ids == expected[tuple(prompts[0])]
+    assert output.num_cached_tokens == 2 * POOL["block_size"]
+    books_balance(prefill)
+    books_balance(decode)
+
+
 def test_a_lease_withdrawn_during_a_copy_waits_for_it_and_steps_never_do(llama, monkeypatch):
     directory, prompts, _ = llama
     prefill = LLM(directory, kv_transfer_config={"kv_role": "kv_producer"}, **POOL)
@@ -357,4 +380,62 @@ def test_leases_give_way_when_the_pool_is_short(llama):
     manager.check_integrity()
     given_up, = decode_with(decode, prompts[:1], handles[:1])  # its decode engine computes the prompt itself
     assert given_up.outputs[0].token_ids == expected[tuple(prompts[0])] and given_up.num_cached_tokens == 0
+    books_balance(decode)
+
+
+class ForgingPeer:
+    """A prefill engine of the client's own: it relays each pull to a real one and
+    answers it with the blocks' bytes zeroed (the layout's fingerprint kept)."""
+
+    def __init__(self, real_address: str) -> None:
+        self.context = zmq.Context()
+        self.front = self.context.socket(zmq.ROUTER)
+        self.address = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        self.back = self.context.socket(zmq.DEALER)
+        self.back.connect(real_address)
+        self.thread = threading.Thread(target=self._relay, daemon=True)
+        self.thread.start()
+
+    def _relay(self) -> None:
+        try:
+            while True:
+                identity, message = self.front.recv_multipart()
+                self.back.send(message)
+                if msgpack.unpackb(message)[0] == "pull":
+                    header, *blocks = self.back.recv_multipart()
+                    self.front.send_multipart([identity, header, *(bytes(len(block)) for block in blocks)])
+        except zmq.ContextTerminated:  # close(): the sockets are closed by the thread that uses them
+            pass
+        finally:
+            self.front.close(0)
+            self.back.close(0)
+
+    def close(self) -> None:
+        self.context.term()  # wakes the relay, which closes its sockets; term returns once they are
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("vouched", [False, True], ids=["any-peer", "kv-peers"])
+def test_blocks_from_a_peer_no_one_vouched_for_serve_only_their_own_request(llama, vouched):
+    """A handle is the client's to write: one naming a server of its own put
+    that server's bytes in the decode engine's prefix cache under the prompt's
+    hashes, and every later request with the prompt read them (wrong tokens,
+    counted as cached). With kv_peers empty (any peer) the pulled blocks serve
+    only the request that pulled them; with the peers named they are shared."""
+    directory, prompts, expected = llama
+    handle, = prefill_handles(prefill := engines(directory)[0], prompts[:1])
+    forger = ForgingPeer(handle["remote_engine_address"])
+    peers = {"kv_peers": [forger.address.removeprefix("tcp://")]} if vouched else {}
+    decode = LLM(directory, kv_transfer_config={"kv_role": "kv_consumer", "kv_timeout_seconds": 5, **peers}, **POOL)
+    try:
+        forged, = decode_with(decode, prompts[:1], [{**handle, "remote_engine_address": forger.address}])
+        assert forged.num_cached_tokens > 0  # the zeroed blocks came over (the answer is the client's own)
+        honest, = decode_with(decode, prompts[:1], [None])
+        if vouched:  # the operator named the peer: what it sends is shared, as before
+            assert honest.num_cached_tokens > 0
+        else:
+            assert honest.num_cached_tokens == 0 and honest.outputs[0].token_ids == expected[tuple(prompts[0])]
+    finally:
+        forger.close()
+    books_balance(prefill)
     books_balance(decode)

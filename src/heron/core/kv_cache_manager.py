@@ -256,6 +256,9 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks.get(request_id, 0)
         if num_full_blocks <= num_cached:
             return
+        if not request.shares_cache:  # counted as done (the decode fast path), never findable by others
+            self.num_cached_blocks[request_id] = num_full_blocks
+            return
         owned = self.req_to_blocks[request_id]
         block_hashes = update_block_hashes(request, self.block_size)
         self.block_pool.cache_full_blocks(

@@ -103,14 +103,16 @@ class SchedulerKVMixin:
             if failed:
                 logger.warning("%s: %d prefix blocks could not be loaded (%s)",
                                request_id, len(failed), self.kv_load_failure_policy)
-                self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
-                request.num_cached_tokens = -1  # what is found again when it is admitted
                 if self.kv_load_failure_policy == "fail":
+                    self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
+                    request.num_cached_tokens = -1
                     self._fail_request(request, f"{len(failed)} of its prompt's KV blocks could not be loaded")
                     continue
-            else:
-                request.num_computed_tokens = num_computed
-                self._holding[request_id] = request
+                # it keeps the blocks before the failure, and computes the rest (freed and admitted again, it
+                # found them in the prefix cache, except those of a request that does not share its cache)
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            self._holding[request_id] = request
             self.waiting.add_preempted(request)
 
     def _release_held_blocks(self, keep: Request | None = None) -> bool:
@@ -169,6 +171,7 @@ class SchedulerKVMixin:
         blocks = self.kv_cache_manager.start_remote_load(request, hits, num_blocks)
         if blocks is None:
             return False
+        request.shares_cache = self.kv_transfer.trusts_peers
         self.kv_cache_manager.record_lookup(request, hits)
         request.remote_prefill_tried = True
         self._remote_loads.append(RemoteLoad(request.request_id, str(params["remote_engine_address"]),

@@ -250,12 +250,16 @@ class RemoteKVLoader:
             self.reports.finished(pull.job.request_id, [])
         else:
             pull.socket.close(0)  # drops a question still queued for a peer that never came
-            self._report(pull.job, error)
+            self._report(pull.job, error, pull.done)
 
-    def _report(self, job: RemoteLoad, error: str) -> None:
-        """Every block of the job failed: reported first, then the lease released (best effort)."""
-        logger.warning("%s: could not pull %d blocks from %s: %s", job.request_id, len(job.blocks), job.address, error)
-        self.reports.finished(job.request_id, job.block_hashes)
+    def _report(self, job: RemoteLoad, error: str, num_done: int = 0) -> None:
+        """The job's blocks from ``num_done`` on failed (those before came whole and are kept: a
+        pull cut in its last run recomputed the whole prompt): reported first, then the lease
+        released (best effort)."""
+        failed = job.block_hashes[num_done:]
+        logger.warning("%s: could not pull %d of %d blocks from %s: %s", job.request_id, len(failed), len(job.blocks),
+                       job.address, error)
+        self.reports.finished(job.request_id, failed)
         self._release(job)
 
     def _release(self, job: RemoteLoad) -> None:
