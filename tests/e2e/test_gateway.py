@@ -69,6 +69,35 @@ def test_api_keys_from_flag_env_and_file(guarded):
         assert post(guarded, "key-from-env-b", body, path).status_code == 200, path
 
 
+def send(server: ServerProcess, method: str, path: str, key: str, body: dict | None = None) -> httpx.Response:
+    """One request under ``key``, waiting out the rate limit (1/s here) when it answers 429."""
+    for _ in range(10):
+        response = httpx.request(method, f"{server.base_url}{path}", json=body, timeout=30,
+                                 headers={"Authorization": f"Bearer {key}"})
+        if response.status_code != 429:
+            return response
+        time.sleep(float(response.headers.get("retry-after", "1")))
+    return response
+
+
+def test_a_stored_response_is_found_only_under_the_key_that_made_it(guarded):
+    """Any key could read, continue, list and delete another key's stored
+    responses (one store per process, no owner): OpenAI scopes them to their project."""
+    made = send(guarded, "POST", "/v1/responses", "key-from-flag",
+                {"model": MODEL, "input": "What is the capital of France?", "max_output_tokens": 4})
+    assert made.status_code == 200, made.text
+    response_id = made.json()["id"]
+    for method, path in (("GET", f"/v1/responses/{response_id}"), ("GET", f"/v1/responses/{response_id}/input_items"),
+                         ("DELETE", f"/v1/responses/{response_id}")):
+        other = send(guarded, method, path, "key-from-file")
+        assert other.status_code == 404 and other.json()["error"]["code"] == "response_not_found", (path, other.text)
+    chained = send(guarded, "POST", "/v1/responses", "key-from-env-a",
+                   {"model": MODEL, "input": "And of Germany?", "previous_response_id": response_id})
+    assert chained.status_code == 400 and chained.json()["error"]["code"] == "previous_response_not_found"
+    assert send(guarded, "GET", f"/v1/responses/{response_id}", "key-from-flag").json()["id"] == response_id
+    assert send(guarded, "DELETE", f"/v1/responses/{response_id}", "key-from-flag").json()["deleted"] is True
+
+
 PROTECTED_KEY = "key-for-everything"
 
 

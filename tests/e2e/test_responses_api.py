@@ -266,8 +266,8 @@ def test_the_store_is_bounded():
     store = ResponseStore(max_entries=2)
     for name in ("a", "b"):
         store.put(name, StoredResponse({"id": name}, []))
-    assert store.get("a") is not None  # used: "b" is now the oldest
+    assert store.get("a", None) is not None  # used: "b" is now the oldest
     store.put("c", StoredResponse({"id": "c"}, []))
-    assert len(store) == 2 and store.get("b") is None and store.get("a") and store.get("c")
+    assert len(store) == 2 and store.get("b", None) is None and store.get("a", None) and store.get("c", None)
     with pytest.raises(ValueError):
         ResponseStore(max_entries=0)

@@ -17,13 +17,13 @@ def test_the_store_keeps_to_its_byte_budget_least_recently_used_first():
     for index in range(5):
         store.put(f"r{index}", stored("x" * 2_000))
     assert store.num_bytes <= 10_000 and len(store) == 2
-    assert store.get("r3") is not None and store.get("r4") is not None
-    store.get("r3")  # used last: r4 goes first
+    assert store.get("r3", None) is not None and store.get("r4", None) is not None
+    store.get("r3", None)  # used last: r4 goes first
     store.put("r5", stored("y" * 2_000))
-    assert store.get("r4") is None and store.get("r3") is not None
+    assert store.get("r4", None) is None and store.get("r3", None) is not None
     store.put("huge", stored("z" * 20_000))  # alone past the budget: not kept, nothing else lost
-    assert store.get("huge") is None and len(store) == 2
-    assert store.delete("r3") and not store.delete("r3")
+    assert store.get("huge", None) is None and len(store) == 2
+    assert store.delete("r3", None) and not store.delete("r3", None)
     assert 0 < store.num_bytes < 5_000
 
 
@@ -31,7 +31,7 @@ def test_the_store_keeps_to_its_count_and_replacing_an_entry_counts_once():
     store = ResponseStore(max_entries=2)
     for index in range(3):
         store.put(f"r{index}", stored("a"))
-    assert store.get("r0") is None and len(store) == 2
+    assert store.get("r0", None) is None and len(store) == 2
     before = store.num_bytes
     store.put("r2", stored("a"))
     assert store.num_bytes == before

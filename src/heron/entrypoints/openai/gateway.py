@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from heron.entrypoints.openai.errors import APIError, too_many_requests, unauthorized
@@ -51,6 +52,14 @@ class APIKeyChecker:
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+KEY_OWNER = "heron_key_owner"  # in a request's state: the digest of the API key it came with
+
+
+def key_owner(request: Request) -> str | None:
+    """The digest of the API key ``request`` came with (None: the server takes no keys)."""
+    return getattr(request.state, KEY_OWNER, None)
 
 
 # buckets a process keeps; past it the least recently used is forgotten (full again for its key: only a key
@@ -163,6 +172,8 @@ class GatewayMiddleware:
         )
         try:
             key = self.keys.check(authorization)
+            if key:  # whose the stored responses are (only the key that made one reads it)
+                scope.setdefault("state", {})[KEY_OWNER] = _digest(key.encode()).hex()
             if api and self.limiter is not None:
                 client = scope.get("client")
                 self.limiter.acquire(key or (client[0] if client else "anonymous"))

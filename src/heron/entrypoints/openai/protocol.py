@@ -9,9 +9,10 @@ context length) are the handlers'. Unknown fields are accepted and reported by
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from heron.entrypoints.openai.limits import (
     MAX_BAD_WORDS,
@@ -39,14 +40,36 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class OpenAIModel(BaseModel):
+    """A request body's model. A ``null`` given for a field that has a default
+    means that default, as OpenAI's spec types such fields (``stream``, ``n``,
+    ``store``...: ``boolean | null``) and as vLLM takes them: clients and
+    wrappers that pass ``stream=None`` on got a 400."""
+
     # JSON has no NaN or Infinity; Python's parser accepts them, the models do not
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _fields_with_defaults(cls)
+        if not any(value is None and name in defaulted for name, value in data.items()):
+            return data
+        return {name: value for name, value in data.items() if value is not None or name not in defaulted}
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
 
 
-class StreamOptions(BaseModel):
+@functools.cache
+def _fields_with_defaults(model: type[BaseModel]) -> frozenset[str]:
+    """The names a body gives ``model``'s fields by whose default is not None (a required field is not one)."""
+    return frozenset(field.alias or name for name, field in model.model_fields.items()
+                     if not field.is_required() and field.get_default(call_default_factory=False) is not None)
+
+
+class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Discriminator, Field, StringConstraints, Tag
 
 from heron.entrypoints.openai.limits import MAX_TOOLS
 from heron.entrypoints.openai.protocol import FunctionName, MaxTokens, OpenAIModel
@@ -23,6 +23,7 @@ class MessageItem(OpenAIModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
+    id: str | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -32,7 +33,8 @@ class MessageItem(OpenAIModel):
         kind = "output_text" if self.role == "assistant" else "input_text"
         parts = [{"type": kind, "text": self.content}] if isinstance(self.content, str) else [
             {"type": kind if part.type == "text" else part.type, "text": part.text} for part in self.content]
-        return {"id": item_id, "type": "message", "role": self.role, "content": parts, "status": "completed"}
+        return {"id": self.id or item_id, "type": "message", "role": self.role, "content": parts,
+                "status": "completed"}
 
 
 class FunctionCallItem(OpenAIModel):
@@ -56,17 +58,35 @@ class FunctionCallOutputItem(OpenAIModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[InputText]  # text, or text parts (OpenAI's newer form)
+    id: str | None = None
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
     def listed(self, item_id: str) -> dict[str, Any]:
         output = self.output if isinstance(self.output, str) else [part.model_dump() for part in self.output]
-        return {"id": item_id, "type": "function_call_output", "call_id": self.call_id, "output": output,
+        return {"id": self.id or item_id, "type": "function_call_output", "call_id": self.call_id, "output": output,
                 "status": "completed"}
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+def _item_kind(item: Any) -> str | None:
+    """Which model an input item is read as, from its ``type`` (a message may
+    leave it out). The tags are class-like names, which an error's ``param``
+    leaves out (``input.1.arguments``)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return _ITEM_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+_ITEM_TAGS = {"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}
+
+# by its type, so an error names the field of the item the client meant (a function_call whose arguments
+# were an object read "input.1.type: Input should be 'message'")
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+    Discriminator(_item_kind, custom_error_type="invalid_input_item",
+                  custom_error_message="an input item's type is message, function_call or function_call_output"),
+]
 
 
 class FunctionTool(OpenAIModel):
@@ -96,7 +116,7 @@ class TextOptions(OpenAIModel):
 
 class ResponsesRequest(OpenAIModel):
     model: str | None = None
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: Annotated[list[InputItem], Field(min_length=1)] | str  # the list first: its errors are the ones named
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -108,6 +128,13 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
+    # OpenAI's fields heron does not serve: refused when asked for (a 200 looked like what was asked);
+    # truncation "auto" is taken as "disabled" (an input too long is a 400 either way)
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     # OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512 (a stored response keeps them)
     metadata: Annotated[
         dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],

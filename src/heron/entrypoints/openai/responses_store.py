@@ -5,7 +5,9 @@ longest ago going first. A count alone let 25 requests with 8 MB of text
 each hold 370 MB, and each entry holds its whole conversation, which grows
 along a chain of ``previous_response_id``. Each API-server process keeps its
 own (with ``--api-server-count`` > 1, a follow-up may reach another process:
-README says so)."""
+README says so). A response stored under an API key is found only under that
+key: another key's client is told it does not exist, as OpenAI scopes
+responses to their project."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class StoredResponse:
     response: dict[str, Any]  # the response object, as it was answered
     conversation: list[dict[str, Any]]  # chat messages up to and including its output, for a follow-up
     input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, as items with ids
+    owner: str | None = None  # the digest of the API key that created it (None: the server takes no keys)
 
 
 class UnknownItem(LookupError):
@@ -63,7 +66,7 @@ class ResponseStore:
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keep ``stored``; one larger than ``max_bytes`` on its own is not kept."""
-        self.delete(response_id)
+        self.delete(response_id, stored.owner)
         size = _json_size(stored)
         if size > self.max_bytes:
             return
@@ -73,17 +76,19 @@ class ResponseStore:
             _, (_, dropped) = self._entries.popitem(last=False)
             self.num_bytes -= dropped
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        """The response stored as ``response_id`` by ``owner``'s key (None: no such, or another key's)."""
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or entry[0].owner != owner:
             return None
         self._entries.move_to_end(response_id)
         return entry[0]
 
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
+    def delete(self, response_id: str, owner: str | None) -> bool:
+        entry = self._entries.get(response_id)
+        if entry is None or entry[0].owner != owner:
             return False
+        del self._entries[response_id]
         self.num_bytes -= entry[1]
         return True
 

@@ -20,6 +20,7 @@ from heron.core.hashing import BLOCK_HASH_SCHEME
 from heron.engine.input_processor import InvalidRequestError, check_text
 from heron.engine.kv_events_publisher import connectable
 from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body, model_not_found
+from heron.entrypoints.openai.gateway import key_owner
 from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -143,8 +144,8 @@ async def responses(request: ResponsesRequest, raw_request: Request, ctx: Servin
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, ctx: Serving) -> Any:
-    stored = ctx.responses.get(response_id)
+async def get_response(response_id: str, ctx: Serving, raw_request: Request) -> Any:
+    stored = ctx.responses.get(response_id, key_owner(raw_request))
     if stored is None:
         raise response_not_found(response_id)
     return stored.response
@@ -154,11 +155,12 @@ async def get_response(response_id: str, ctx: Serving) -> Any:
 async def get_response_input_items(
     response_id: str,
     ctx: Serving,
+    raw_request: Request,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> dict[str, Any]:
-    stored = ctx.responses.get(response_id)
+    stored = ctx.responses.get(response_id, key_owner(raw_request))
     if stored is None:
         raise response_not_found(response_id)
     try:
@@ -168,18 +170,18 @@ async def get_response_input_items(
 
 
 @router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, ctx: Serving) -> Any:
+async def cancel_response(response_id: str, ctx: Serving, raw_request: Request) -> Any:
     """OpenAI cancels only responses created with ``background: true``, which
     heron does not run: every stored response has already finished."""
-    if ctx.responses.get(response_id) is None:
+    if ctx.responses.get(response_id, key_owner(raw_request)) is None:
         raise response_not_found(response_id)
     raise bad_request(f"Response {response_id!r} was not created in the background (background is not supported): "
                       "it has finished and cannot be cancelled", "response_id")
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, ctx: Serving) -> dict[str, Any]:
-    if not ctx.responses.delete(response_id):
+async def delete_response(response_id: str, ctx: Serving, raw_request: Request) -> dict[str, Any]:
+    if not ctx.responses.delete(response_id, key_owner(raw_request)):
         raise response_not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 

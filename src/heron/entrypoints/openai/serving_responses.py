@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from heron.engine.input_processor import InvalidRequestError
 from heron.entrypoints.openai.errors import APIError, bad_request
+from heron.entrypoints.openai.gateway import key_owner
 from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import ChatCompletionRequest
 from heron.entrypoints.openai.protocol_responses import FunctionCallItem, MessageItem, ResponsesRequest
@@ -124,11 +125,36 @@ def _in_responses_terms(error: APIError) -> APIError:
                        _CHAT_TOOL_FIELD.sub(r"tools[\1].", error.param))
 
 
+# what ``include`` may name here: the rest asks for what heron does not produce (logprobs), or for the
+# outputs of OpenAI's built-in tools, which it refuses anyway; reasoning.encrypted_content (Codex sends
+# it) has nothing to carry, with no reasoning items
+_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+
+
+def refuse_unserved(request: ResponsesRequest) -> None:
+    """A 400 for OpenAI fields heron does not serve, when the request asks for them:
+    answering as if they were not there looked like what was asked."""
+    if request.background:
+        raise bad_request("background responses are not supported: leave background out (or false) and "
+                          "stream the response instead", "background")
+    if request.conversation is not None:
+        raise bad_request("conversation objects are not supported: continue a conversation with "
+                          "previous_response_id, or send it whole as input", "conversation")
+    unserved = [name for name in request.include or [] if name not in _INCLUDABLE]
+    if unserved:
+        raise bad_request(f"include: {unserved[0]!r} is not available here (logprobs are, on "
+                          "/v1/chat/completions)", "include")
+    if request.top_logprobs:
+        raise bad_request("top_logprobs is not available here (it is, on /v1/chat/completions)", "top_logprobs")
+
+
 async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_request: Request) -> Any:
     check_request(ctx, request, request.model)
+    refuse_unserved(request)
+    owner = key_owner(raw_request)
     history: list[dict[str, Any]] = []
     if request.previous_response_id is not None:
-        previous = ctx.responses.get(request.previous_response_id)
+        previous = ctx.responses.get(request.previous_response_id, owner)
         if previous is None:
             raise bad_request(f"Previous response with id {request.previous_response_id!r} not found.",
                               "previous_response_id", "previous_response_not_found")
@@ -156,7 +182,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
     except InvalidRequestError as exc:
         raise invalid_input(exc) from exc
     streams = name_constraint_errors(streams, [params], param)
-    builder = ResponseBuilder(ctx, request, response_id, tools, conversation)
+    builder = ResponseBuilder(ctx, request, response_id, tools, conversation, owner)
     if request.stream:
         # a failure mid-stream ends it with response.failed; the Responses API has no [DONE]
         events = sse_stream(ctx, builder.events(streams), lambda: None, failure=builder.failed_event, done="")
@@ -201,8 +227,9 @@ def output_as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class ResponseBuilder:
     def __init__(self, ctx: ServingContext, request: ResponsesRequest, response_id: str, tools: ChatTools | None,
-                 conversation: list[dict[str, Any]]) -> None:
+                 conversation: list[dict[str, Any]], owner: str | None = None) -> None:
         self.ctx = ctx
+        self.owner = owner  # of the API key that asked: only it reads the stored response
         self.request = request
         self.response_id = response_id
         self.tools = tools
@@ -274,7 +301,8 @@ class ResponseBuilder:
         if self.request.store:
             conversation = self.conversation + output_as_messages(output)
             self.ctx.responses.put(self.response_id,
-                                   StoredResponse(response, conversation, listed_input_items(self.request)))
+                                   StoredResponse(response, conversation, listed_input_items(self.request),
+                                                  self.owner))
         return response
 
     async def events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[str, None]:
