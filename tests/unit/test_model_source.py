@@ -1,0 +1,59 @@
+"""Where a model argument leads (loader/model_source.py): a missing file is
+named as missing, and a Hub id behind a connection that never answers fails
+with the usual message instead of waiting for ever."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from heron.loader.model_source import ModelNotFoundError, resolve_model_source
+
+
+@pytest.mark.parametrize("name", ["models/missing.gguf", "missing.gguf", "org/weights.safetensors"])
+def test_a_missing_model_file_is_not_taken_for_a_hub_id(name):
+    """"could not fetch 'models/missing.gguf' from the Hugging Face Hub" (and,
+    with a network, an attempt to download it first)."""
+    with pytest.raises(ModelNotFoundError, match=f"model '{name}' not found"):
+        resolve_model_source(name)
+
+
+def test_a_hub_id_behind_a_silent_proxy_fails_within_the_bound():
+    """A proxy that accepts and never answers held `heron serve --model org/name`
+    for good: huggingface_hub's client waits without a timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+
+    def accept_and_say_nothing() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
+    proxy = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    env = {**os.environ, "HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "HF_HUB_OFFLINE": "0",
+           "HERON_HUB_TIMEOUT_S": "1", "HF_HOME": os.path.join(os.environ.get("TMPDIR", "/tmp"), "heron-no-hub")}
+    env.pop("NO_PROXY", None)
+    env.pop("no_proxy", None)
+    code = ("from heron.loader.model_source import resolve_model_source\n"
+            "try:\n    resolve_model_source('someorg/somemodel')\n"
+            "except ValueError as exc:\n    print(exc)\n")
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+    assert "could not fetch 'someorg/somemodel'" in done.stdout, done.stdout + done.stderr
+    assert time.monotonic() - started < 60
