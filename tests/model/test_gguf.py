@@ -186,8 +186,27 @@ def test_gguf_files_that_are_no_whole_model_are_named(tmp_path, metadata, messag
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         gguf_to_hf_config(GGUFFile(path))
+    assert "damaged" not in str(refused.value)  # it read "the GGUF metadata is damaged or incomplete (...)"
+
+
+def test_a_tensor_whose_rows_are_not_whole_blocks_is_named(tmp_path):
+    """It passed the header check and failed at weight loading, in the engine
+    core, as numpy's "cannot reshape array" with no file or tensor named."""
+    path = str(tmp_path / "odd.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_tensor("odd_rows_tensor", np.zeros((2, 48), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(open(path, "rb").read())
+    type_at = data.index(b"odd_rows_tensor") + len("odd_rows_tensor") + 4 + 8 * 2  # after n_dims and two dims
+    data[type_at:type_at + 4] = (8).to_bytes(4, "little")  # F32 -> Q8_0, whose blocks hold 32 values
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"odd\.gguf.*'odd_rows_tensor' has rows of 48 values"):
+        GGUFFile(path)
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ class GGUFFile:
                 shape=tuple(reversed(dims)),
                 ggml_type=ggml_type,
                 data_offset=data_start + offset,
-                num_bytes=_tensor_num_bytes(dims, ggml_type),
+                num_bytes=_tensor_num_bytes(name, dims, ggml_type),
             )
 
     @property
@@ -200,13 +200,16 @@ class GGUFFile:
         raise GGUFFormatError(f"unknown GGUF metadata value type {value_type}")
 
 
-def _tensor_num_bytes(dims: list[int], ggml_type: int) -> int:
+def _tensor_num_bytes(name: str, dims: list[int], ggml_type: int) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError) as exc:
         raise GGUFFormatError(f"unknown GGML tensor type {ggml_type}") from exc
+    if dims and dims[0] % block_size:  # a row is whole blocks (it failed later as a reshape, with no path)
+        raise GGUFFormatError(f"tensor {name!r} has rows of {dims[0]} values, not a whole number of its type's "
+                              f"blocks of {block_size}")
     num_elements = int(np.prod(dims)) if dims else 1
     return num_elements // block_size * type_size
 

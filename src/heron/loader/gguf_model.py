@@ -106,17 +106,19 @@ def _end_tokens(meta: dict[str, Any]) -> int | list[int] | None:
 def gguf_to_hf_config(gguf: GGUFFile) -> ArchConfig:
     """Build the model config (the fields transformers' config would hold) from the
     GGUF metadata; metadata missing or of the wrong kind is a ``GGUFFormatError``
-    naming the file (it was a TypeError traceback from ``int(None)``)."""
+    naming the file (it was a TypeError traceback from ``int(None)``). A file that is
+    no model (an adapter, a split's part) or of an architecture heron does not run
+    is said so as it is, not as damaged."""
+    model_type, architecture = gguf_architecture(gguf)
     try:
-        return _hf_config(gguf)
+        return _hf_config(gguf, model_type, architecture)
     except GGUFFormatError:
         raise
     except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as exc:
         raise GGUFFormatError(f"{gguf.path}: the GGUF metadata is damaged or incomplete ({exc})") from exc
 
 
-def _hf_config(gguf: GGUFFile) -> ArchConfig:
-    model_type, architecture = gguf_architecture(gguf)
+def _hf_config(gguf: GGUFFile, model_type: str, architecture: str) -> ArchConfig:
     meta = gguf.metadata
     arch = gguf.architecture
 
