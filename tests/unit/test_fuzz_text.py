@@ -147,3 +147,15 @@ def test_byte_fallback_ids_that_are_not_utf8_stream_to_the_full_decode(pieces):
     tokenizer = byte_fallback_tokenizer()
     ids = [tokenizer.convert_tokens_to_ids(p) for p in pieces]
     check_pieces(tokenizer, ids, True, exact="\ufffd" not in tokenizer.decode(ids))
+
+
+def test_a_developer_message_is_a_system_message_where_the_template_has_no_developer(processor):
+    """The embedded template rendered its default system prompt and then a
+    `<|im_start|>developer` turn; OpenAI's developer role is the system role."""
+    developer = processor.render_chat([{"role": "developer", "content": "Be terse."},
+                                       {"role": "user", "content": "Hi"}])
+    system = processor.render_chat([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}])
+    assert developer == system and "developer" not in developer
+    own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{# knows developer #}"
+    kept = processor.render_chat([{"role": "developer", "content": "x"}], chat_template=own)
+    assert kept.startswith("<developer>x")

@@ -152,7 +152,9 @@ class InputProcessor:
                 "this model has no chat template; use the completions API or pass chat_template",
                 "messages",
             )
-        flattened = [flatten_content(m) for m in messages]  # its refusals name the content, not the template
+        template = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
+        # its refusals name the content, not the template
+        flattened = [as_template_role(flatten_content(m), template) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 flattened,
@@ -260,6 +262,16 @@ def check_text(text: str, param: str) -> None:
         raise InvalidRequestError(
             f"the {param} is not valid Unicode text: a lone surrogate at position {exc.start}", param
         ) from exc
+
+
+def as_template_role(message: dict[str, Any], template: Any) -> dict[str, Any]:
+    """OpenAI's ``developer`` role is its ``system`` role for newer models: a template
+    that does not name it gets the message as ``system`` (SmolLM2's rendered its
+    default system prompt and then a ``<|im_start|>developer`` turn the model was
+    never trained on)."""
+    if message.get("role") != "developer" or "developer" in str(template):
+        return message
+    return {**message, "role": "system"}
 
 
 def flatten_content(message: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from heron.engine.input_processor import InputProcessor
+from heron.engine.input_processor import InputProcessor, as_template_role
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ _SAMPLES: tuple[tuple[tuple[tuple[str, str], ...], bool], ...] = (
     ((("user", "Hello  there,\n\tfriend. Ünïcode 🦩"),), True),
     ((("user", "One"), ("assistant", "Two"), ("user", "Three")), True),
     ((("system", "s"), ("user", "u"), ("assistant", "a")), False),
+    ((("developer", "Be brief."), ("user", "Hi")), True),
 )
 
 
@@ -52,6 +53,7 @@ class DirectChatRenderer:
         """``source``: the template's text, to see whether conversations can be
         filled into skeletons (None: every conversation runs the template)."""
         self._template = template
+        self._source = source
         self._variables = variables
         self._skeletons = (ChatSkeletons(self._render_plain)
                            if source and substitutes_content_only(source, getattr(template, "environment", None))
@@ -98,7 +100,8 @@ class DirectChatRenderer:
             if (not isinstance(message, dict) or message.keys() != _PLAIN_KEYS
                     or not isinstance(message["role"], str) or not isinstance(message["content"], str)):
                 return None
-            plain.append({"role": message["role"], "content": message["content"]})
+            # as the replica renders it (a developer message as system, where the template has no developer)
+            plain.append(as_template_role({"role": message["role"], "content": message["content"]}, self._source))
         if self._skeletons is not None:
             return self._skeletons.render(plain, add_generation_prompt)
         return self._render_plain(plain, add_generation_prompt)
