@@ -31,6 +31,7 @@ class RecordingReplica:
     def __init__(self, health: dict[str, Any] | None = None) -> None:
         self.health = health or {"status": "ok"}
         self.hold: asyncio.Event | None = None  # set: every answer waits for it (a hung host)
+        self.params: dict[str, Any] | None = _PARAMS  # None: answers with nothing to transfer (a short prompt)
         self.seen: list[tuple[str, dict[str, Any]]] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -55,7 +56,7 @@ class RecordingReplica:
         self.seen.append((request.path, await request.json()))
         if self.hold is not None:
             await self.hold.wait()
-        return web.json_response({"id": "resp_1", "kv_transfer_params": _PARAMS})
+        return web.json_response({"id": "resp_1", **({"kv_transfer_params": self.params} if self.params else {})})
 
 
 def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -226,3 +227,22 @@ def test_a_prompt_waiting_on_a_prefill_replica_taken_out_is_computed_by_the_deco
         prefill.hold.set()
 
     run_disaggregated(test, with_router=True)
+
+
+def test_a_prompt_with_nothing_to_transfer_is_no_failed_prefill():
+    """A prompt of no whole block comes back 200 with no kv_transfer_params: it
+    was counted heron_router_prefills_total{outcome="failed"}."""
+    async def main() -> None:
+        prefill = RecordingReplica()
+        prefill.params = None
+        await prefill.start()
+        stage = PrefillStage(ReplicaSet([prefill.url], {}), Router("round_robin"), CollectorRegistry())
+        try:
+            async with aiohttp.ClientSession() as session:
+                assert await stage.run(session, "/v1/completions", {"prompt": "hi"}, {}, []) is None
+        finally:
+            await prefill.stop()
+        assert stage.outcomes.labels("nothing_to_transfer")._value.get() == 1  # noqa: SLF001
+        assert stage.outcomes.labels("failed")._value.get() == 0  # noqa: SLF001
+
+    asyncio.run(main())

@@ -87,9 +87,10 @@ class PrefillStage:
             self.outcomes.labels("no_replica").inc()
             return None
         started = time.perf_counter()
-        result = await self._prefill(session, replica, path, body, headers, hashes, deadline)
+        answered, result = await self._prefill(session, replica, path, body, headers, hashes, deadline)
         self.seconds.observe(time.perf_counter() - started)
-        self.outcomes.labels("ok" if result is not None else "failed").inc()
+        # a prompt of no whole block is answered with nothing to transfer: not a failure of the replica
+        self.outcomes.labels("ok" if result is not None else "nothing_to_transfer" if answered else "failed").inc()
         return result
 
     def _choose(self, hashes: list[bytes]) -> Replica | None:
@@ -104,10 +105,12 @@ class PrefillStage:
         return None
 
     async def _prefill(self, session: aiohttp.ClientSession, replica: Replica, path: str, body: dict[str, Any],
-                       headers: dict[str, str], hashes: list[bytes], deadline: float | None) -> dict[str, Any] | None:
-        """The replica's ``kv_transfer_params`` for the prompt; None when it fails, refuses,
-        misses ``deadline`` or is taken out (its breaker opens: a hung host held the request
-        for the whole prefill timeout, though the decode replica could compute the prompt)."""
+                       headers: dict[str, str], hashes: list[bytes], deadline: float | None,
+                       ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the replica answered 200, and its ``kv_transfer_params`` for the prompt;
+        None when it fails, refuses, misses ``deadline`` or is taken out (its breaker opens: a
+        hung host held the request for the whole prefill timeout, though the decode replica
+        could compute the prompt), or has none to give (a prompt of no whole block)."""
         replica.load.dispatch(len(hashes))
         replica.index.expect(hashes)
         scope = asyncio.timeout_at(deadline)
@@ -119,25 +122,25 @@ class PrefillStage:
             if status != 200:
                 logger.info("prefill replica %s answered %d: the decode replica computes the prompt",
                             replica.url, status)
-                return None
+                return False, None
         except TakenOut as exc:
             logger.warning("prefill replica %s: %s; the decode replica computes the prompt", replica.url, exc)
-            return None
+            return False, None
         except TimeoutError as exc:
             if scope.expired():  # the request's deadline, not the replica's failure
                 logger.warning("prefill replica %s had not answered by the request's deadline", replica.url)
             else:
                 logger.warning("prefill replica %s failed: %r", replica.url, exc)
                 self.replicas.record(replica, None)
-            return None
+            return False, None
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             logger.warning("prefill replica %s failed: %r", replica.url, exc)
             self.replicas.record(replica, None)
-            return None
+            return False, None
         finally:
             replica.load.release(len(hashes))
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        return params if isinstance(params, dict) else None
+        return True, params if isinstance(params, dict) else None
 
     async def _post(self, session: aiohttp.ClientSession, url: str, request: dict[str, Any],
                     headers: dict[str, str]) -> tuple[int, Any]:
