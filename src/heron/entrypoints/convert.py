@@ -32,7 +32,7 @@ def export_hf_directory(config: EngineConfig, output_dir: str) -> str:
     tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
     tensors = {
         name: tensor.to(model.dtype).contiguous()
-        for name, tensor in iterate_weights(model)
+        for name, tensor in iterate_weights(model, cache_floats=False)  # the directory written is the copy
         if not (tied and name == "lm_head.weight")
     }
     save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})

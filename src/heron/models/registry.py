@@ -56,7 +56,8 @@ def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
             return _with_native_decoder(model.eval(), model_config.quantization)
         model = _instantiate(model_config, device)  # a fresh one: loading may have replaced some layers
     model.load_weights(
-        (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config)
+        # the packed entry is what later starts read: no float entry beside it
+        (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config, cache_path is None)
     )
     model = quantize_model(model.eval(), model_config.quantization, device)
     if cache_path is not None:
