@@ -49,7 +49,14 @@ def select_implementation(model_config: ModelDescription) -> str:
     if model_config.model_impl == "native" and native is not None and rope_type not in NATIVE_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported natively (native: "
                          f"{', '.join(NATIVE_ROPE_TYPES)}); use model_impl='transformers' or 'auto'")
-    if model_config.model_impl != "transformers" and native is not None and rope_type in NATIVE_ROPE_TYPES:
+    # a checkpoint quantized by a method of its own (FP8 with block scales, GPTQ, AWQ...): native layers read
+    # float weights only (an FP8 one failed as "tensor ...weight_scale_inv has no place", as if damaged)
+    quant_method = checkpoint_quant_method(model_config.hf_config)
+    if model_config.model_impl == "native" and native is not None and quant_method is not None:
+        raise ValueError(f"the checkpoint is quantized with quant_method {quant_method!r}, which heron's native "
+                         "layers do not read; use model_impl='transformers' or 'auto'")
+    if (model_config.model_impl != "transformers" and native is not None and rope_type in NATIVE_ROPE_TYPES
+            and quant_method is None):
         return "native"
     supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
     if model_config.model_impl == "native":
@@ -69,3 +76,13 @@ def select_implementation(model_config: ModelDescription) -> str:
     if model_config.source_format != "hf":
         raise ValueError(f"{model_type!r} models load from Hugging Face directories only, not GGUF")
     return "transformers"
+
+
+def checkpoint_quant_method(hf_config: Any) -> str | None:
+    """config.json's ``quantization_config.quant_method``, or None for a float checkpoint."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    return str(method or "unknown")
