@@ -37,6 +37,10 @@ def test_a_block_prompts_for_its_next_lines():
 def test_a_line_that_is_not_utf8_is_named_not_sent():
     stream = io.TextIOWrapper(io.BytesIO(b"ok\n\xff\xfe\n"), encoding="utf-8", errors="surrogateescape")
     assert _messages_from(stream) == ["ok", NOT_TEXT]
+    # inside a block: the whole block is not sent (its later lines were sent one by one)
+    block = io.TextIOWrapper(io.BytesIO(b'"""first\n\xff\nsecond\nthird"""\nnext\n'), encoding="utf-8",
+                             errors="surrogateescape")
+    assert _messages_from(block) == [NOT_TEXT, "next"]
 
 
 def _messages_from(stream: io.TextIOWrapper) -> list[object]:

@@ -25,6 +25,9 @@ def test_a_null_for_a_field_with_a_default_means_the_default():
     assert CompletionRequest.model_validate({"prompt": "hi", "echo": None, "ignore_eos": None}).echo is False
     responses = ResponsesRequest.model_validate({"input": "hi", "store": None, "stream": None})
     assert responses.store is True and responses.stream is False
+    # a null of a field whose type has one keeps its meaning: completions' max_tokens (default 16) null is
+    # "up to the context's end"
+    assert CompletionRequest.model_validate({"prompt": "hi", "max_tokens": None}).max_tokens is None
 
 
 @pytest.mark.parametrize("body, param, fragment", [
@@ -62,10 +65,13 @@ def test_what_costs_nothing_to_honour_is_accepted():
         "top_logprobs": 0}))
 
 
-def test_listed_items_keep_their_own_ids():
+def test_listed_items_keep_their_own_ids_once():
+    """An id given twice paged for ever: ``after`` found its first copy."""
     request = ResponsesRequest.model_validate({"input": [
         {"type": "message", "id": "msg_given", "role": "user", "content": "hi"},
         {"type": "function_call_output", "id": "fco_given", "call_id": "c", "output": "42"},
-        {"role": "user", "content": "no id"}]})
+        {"role": "user", "content": "no id"},
+        {"type": "message", "id": "msg_given", "role": "user", "content": "again"}]})
     ids = [item["id"] for item in listed_input_items(request)]
-    assert ids[:2] == ["msg_given", "fco_given"] and ids[2].startswith("msg_")
+    assert ids[:2] == ["msg_given", "fco_given"] and ids[2].startswith("msg_") and ids[3] != "msg_given"
+    assert len(set(ids)) == 4

@@ -56,13 +56,21 @@ class ChatInput:
             if line is None:
                 return "\n".join(lines).strip()
             if line is NOT_TEXT:
-                return NOT_TEXT
+                return self._drop_block()
             if line is _GIVEN_UP:  # the whole message is given up
                 return ""
             assert isinstance(line, str)
             lines.append(line.rstrip("\r\n"))
         lines[-1] = lines[-1].rstrip()[: -len(BLOCK_MARK)]
         return "\n".join(lines).strip()
+
+    def _drop_block(self) -> object:
+        """A block with a line that is not text is not sent: its lines up to the closing
+        mark are read and dropped (each was sent as a turn of its own)."""
+        while True:
+            line = self._read_line("... ")
+            if line is None or line is _GIVEN_UP or (isinstance(line, str) and _closes_block(line)):
+                return NOT_TEXT
 
     def _read_line(self, prompt: str) -> str | None | object:
         if self.interactive:

@@ -10,6 +10,8 @@ context length) are the handlers'. Unknown fields are accepted and reported by
 from __future__ import annotations
 
 import functools
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -64,9 +66,21 @@ class OpenAIModel(BaseModel):
 
 @functools.cache
 def _fields_with_defaults(model: type[BaseModel]) -> frozenset[str]:
-    """The names a body gives ``model``'s fields by whose default is not None (a required field is not one)."""
+    """The names a body gives ``model``'s fields whose default is not None and whose type
+    has no None of its own (a required field is not one; completions' ``max_tokens``,
+    default 16, takes null as "up to the context's end", as vLLM does)."""
     return frozenset(field.alias or name for name, field in model.model_fields.items()
-                     if not field.is_required() and field.get_default(call_default_factory=False) is not None)
+                     if not field.is_required() and field.get_default(call_default_factory=False) is not None
+                     and not _admits_none(field.annotation))
+
+
+def _admits_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) is Annotated:
+        return _admits_none(typing.get_args(annotation)[0])
+    return any(_admits_none(member) for member in typing.get_args(annotation)
+               if typing.get_origin(annotation) in (typing.Union, types.UnionType))
 
 
 class StreamOptions(OpenAIModel):

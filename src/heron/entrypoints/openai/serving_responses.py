@@ -79,9 +79,16 @@ def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
 
 def listed_input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as ``input_items`` lists it: items with ids (an
-    item's own id where it has one)."""
+    item's own id where it has one, the first time it comes)."""
     items = [MessageItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
-    return [item.listed(f"{'fc' if item.type == 'function_call' else 'msg'}_{uuid.uuid4().hex}") for item in items]
+    listed, seen = [], set()
+    for item in items:
+        entry = item.listed(f"{'fc' if item.type == 'function_call' else 'msg'}_{uuid.uuid4().hex}")
+        if entry["id"] in seen:  # an id the client gave twice: pages found its first copy, and paged for ever
+            entry["id"] = f"{entry['id']}_{uuid.uuid4().hex[:8]}"
+        seen.add(entry["id"])
+        listed.append(entry)
+    return listed
 
 
 def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
