@@ -255,3 +255,57 @@ def test_a_reader_scrolled_up_is_left_there_while_the_answer_streams(browser, de
     assert page.evaluate("document.getElementById('messages').scrollTop") == 0
     page.click("#stop")
     page.close()
+
+
+def test_a_long_answer_is_drawn_at_the_pace_it_comes(browser, default_server):
+    """Each token read the scroll position and so laid the whole answer out
+    again: 8,000 tokens arriving at once took 108 s to show (the page, not the
+    server, set the pace, and the tok/s shown was the page's). Also an event
+    stream with CRLF line ends (a proxy's rewrite) is read: it showed nothing."""
+    page = open_page(browser, default_server)
+    tokens = 8000
+    done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    body = sse(*(delta(f"w{i} ") for i in range(tokens)), done).replace("\n", "\r\n")
+    fulfilled_chat(page, 200, body)
+    started = time.monotonic()
+    ask(page, "Go on for a while")
+    page.wait_for_function("!document.getElementById('send').disabled", timeout=120_000)
+    assert time.monotonic() - started < 40  # 108 s before; well under a second here on a Zen 3
+    answer = last_answer(page)
+    assert answer.startswith("w0 w1 ") and f"w{tokens - 1} " in answer and "(stopped at the token limit)" in answer
+    page.close()
+
+
+def test_a_second_question_waits_for_the_first_while_the_model_name_is_asked(browser, default_server):
+    """With /v1/models slow, a question sent meanwhile was not "running" yet: a
+    second one ran beside it (two user turns in a row), and Stop ended only the
+    second, leaving the first streaming with no way to stop it."""
+    page = browser.new_page()
+    held: list = []
+    page.route("**/v1/models", lambda route: held.append(route))  # never answered until the test says so
+    page.goto(default_server.base_url + "/")
+    sent = fulfilled_chat(page, 200, sse(delta("Hi"), {"choices": [{"index": 0, "delta": {},
+                                                                     "finish_reason": "stop"}]}))
+    ask(page, "one")
+    page.wait_for_function("document.getElementById('send').disabled")
+    ask(page, "two")  # refused while the first is under way: it stays in the input
+    assert page.input_value("#input") == "two"
+    page.unroute("**/v1/models")
+    for route in held:
+        route.continue_()
+    page.wait_for_function("!document.getElementById('send').disabled", timeout=30_000)
+    assert [body["messages"] for body in sent] == [[{"role": "user", "content": "one"}]]
+    page.close()
+
+
+def test_a_chat_refused_for_its_key_shows_the_key_field(browser, default_server):
+    """A server restarted with keys after the page loaded: the field stayed
+    hidden and the page had to be reloaded to enter one."""
+    page = open_page(browser, default_server)
+    refusal = json.dumps({"error": {"message": "Incorrect or missing API key", "type": "authentication_error",
+                                    "param": None, "code": "invalid_api_key"}})
+    fulfilled_chat(page, 401, refusal)
+    ask(page, "Hello")
+    page.wait_for_selector("#key-row", state="visible")
+    assert "API key" in page.inner_text("#model")
+    page.close()

@@ -75,3 +75,12 @@ def test_listed_items_keep_their_own_ids_once():
     ids = [item["id"] for item in listed_input_items(request)]
     assert ids[:2] == ["msg_given", "fco_given"] and ids[2].startswith("msg_") and ids[3] != "msg_given"
     assert len(set(ids)) == 4
+
+
+def test_the_chat_page_answers_head_as_the_router_does(app):  # noqa: F811
+    """HEAD / was a 405 on heron serve (FastAPI's GET route) and a 200 on heron router."""
+    client = TestClient(app)
+    page = client.get("/")
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    head = client.head("/")
+    assert head.status_code == 200 and head.content == b""

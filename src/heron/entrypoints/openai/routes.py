@@ -53,7 +53,7 @@ INVALID_BODY: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD too, as the router answers it
 async def chat_page() -> HTMLResponse:
     """The chat page (static/chat.html): one file, no build step, nothing from elsewhere."""
     return HTMLResponse(CHAT_PAGE)
