@@ -94,6 +94,9 @@ def test_in_a_terminal_a_multi_line_paste_is_one_message_and_ctrl_c_gives_up_a_l
         # a terminal brackets a paste as readline asks: ESC[200~ ... ESC[201~
         os.write(controller, b"\x1b[200~first line\nsecond line\x1b[201~\r")
         assert b"MESSAGE 'first line\\nsecond line'" in _read_until(controller, b"line'\r\n> ", 10)
+        # a paste that opens with a docstring's marks is whole too: it waited at "... " for a closing mark
+        os.write(controller, b'\x1b[200~"""A module.\n\nimport os\x1b[201~\r')
+        assert b"MESSAGE '\"\"\"A module.\\n\\nimport os'" in _read_until(controller, b"os'\r\n> ", 10)
         os.write(controller, b"typed\r")  # (each waits for the prompt: readline is reading)
         assert b"MESSAGE 'typed'" in _read_until(controller, b"'typed'\r\n> ", 10)
         os.write(controller, b"half a line")

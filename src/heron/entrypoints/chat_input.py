@@ -44,8 +44,8 @@ class ChatInput:
         if not isinstance(first, str):
             return first
         text = first.strip()
-        if not text.startswith(BLOCK_MARK):
-            return text
+        if not text.startswith(BLOCK_MARK) or "\n" in text:  # a paste of several lines is whole already
+            return text  # (one opening with a docstring's marks waited for a closing one)
         return self._read_block(text[len(BLOCK_MARK):])
 
     def _read_block(self, opening: str) -> str | None | object:
