@@ -89,9 +89,10 @@ class SchedulerKVMixin:
 
     # ---- loading -------------------------------------------------------------
 
-    def update_kv_loads(self, finished: list[tuple[str, list[BlockHash]]]) -> None:
+    def update_kv_loads(self, finished: list[tuple[str, list[BlockHash]]],
+                        errors: dict[str, str] | None = None) -> None:
         """The worker is done loading these requests' blocks (with the hashes it
-        could not load)."""
+        could not load; ``errors``: why, by request id, for a failed request to tell)."""
         for request_id, failed in finished:
             request = self.loading[request_id]
             num_computed = self.kv_cache_manager.finish_load(request, failed)
@@ -106,7 +107,9 @@ class SchedulerKVMixin:
                 if self.kv_load_failure_policy == "fail":
                     self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
                     request.num_cached_tokens = -1
-                    self._fail_request(request, f"{len(failed)} of its prompt's KV blocks could not be loaded")
+                    why = (errors or {}).get(request_id)
+                    self._fail_request(request, f"{len(failed)} of its prompt's KV blocks could not be loaded"
+                                                + (f" ({why})" if why else ""))
                     continue
                 # it keeps the blocks before the failure, and computes the rest (freed and admitted again, it
                 # found them in the prefix cache, except those of a request that does not share its cache)

@@ -153,7 +153,7 @@ class EngineCore:
         """Schedule and run one step; return the outputs of the step that finished
         (this one, or with async scheduling usually the one before). The step's
         KV-cache events are published as one batch."""
-        self.scheduler.update_kv_loads(self.model_runner.take_finished_kv_loads())
+        self.scheduler.update_kv_loads(*self.model_runner.take_finished_kv_loads())
         self.scheduler.kv_cache_manager.forget_failed_disk_writes(self.model_runner.take_failed_disk_writes())
         self._settle_kv_leases()
         outputs = self._run_step()

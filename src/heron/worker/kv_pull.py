@@ -259,7 +259,7 @@ class RemoteKVLoader:
         failed = job.block_hashes[num_done:]
         logger.warning("%s: could not pull %d of %d blocks from %s: %s", job.request_id, len(failed), len(job.blocks),
                        job.address, error)
-        self.reports.finished(job.request_id, failed)
+        self.reports.finished(job.request_id, failed, f"the prefill engine at {job.address}: {error}")
         self._release(job)
 
     def _release(self, job: RemoteLoad) -> None:
