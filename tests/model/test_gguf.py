@@ -318,6 +318,9 @@ def test_convert_writes_float32_into_a_new_directory_only(tiny_gguf, tmp_path, m
     for output, message in ((taken, "is not empty"), (tmp_path / "file", "is a file")):
         assert main(["convert", "--model", tiny_gguf, "--output", str(output)]) == 2
         assert message in capsys.readouterr().err
+    # an asked-for quantization is said to apply when serving (float32 was written without a word)
+    assert main(["convert", "--model", tiny_gguf, "--quantization", "int4", "--output", str(tmp_path / "q")]) == 2
+    assert "writes float weights" in capsys.readouterr().err and not (tmp_path / "q").exists()
     monkeypatch.setattr(resolve, "cpu_has_native_bf16", lambda: True)  # where "auto" means bfloat16
     written = tmp_path / "hf"
     assert main(["convert", "--model", tiny_gguf, "--quantization", "none", "--output", str(written)]) == 0

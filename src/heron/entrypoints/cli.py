@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             from heron.entrypoints.convert import check_output_directory, export_hf_directory
 
             check_output_directory(args.output)  # before the model loads
+            if getattr(args, "quantization", None) not in (None, "auto", "none"):  # it wrote float32 regardless
+                raise ValueError(f"heron convert writes float weights; --quantization {args.quantization} applies "
+                                 "when the directory is served (heron serve --model DIR --quantization "
+                                 f"{args.quantization})")
             if args.dtype == "auto":  # "auto" is the fastest dtype here (bfloat16 on some CPUs): lossy for a copy
                 args.dtype = "float32"
             print(export_hf_directory(EngineArgs.from_cli_args(args).create_engine_config(), args.output))
