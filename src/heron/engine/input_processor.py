@@ -152,9 +152,10 @@ class InputProcessor:
                 "this model has no chat template; use the completions API or pass chat_template",
                 "messages",
             )
-        template = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
+        knows_developer = names_developer(chat_template if chat_template is not None
+                                          else getattr(self.tokenizer, "chat_template", None))
         # its refusals name the content, not the template
-        flattened = [as_template_role(flatten_content(m), template) for m in messages]
+        flattened = [as_template_role(flatten_content(m), knows_developer) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 flattened,
@@ -264,12 +265,17 @@ def check_text(text: str, param: str) -> None:
         ) from exc
 
 
-def as_template_role(message: dict[str, Any], template: Any) -> dict[str, Any]:
+def names_developer(template: Any) -> bool:
+    """Whether a chat template (its source, or a dict of them) knows the ``developer`` role."""
+    return "developer" in str(template)
+
+
+def as_template_role(message: dict[str, Any], knows_developer: bool) -> dict[str, Any]:
     """OpenAI's ``developer`` role is its ``system`` role for newer models: a template
-    that does not name it gets the message as ``system`` (SmolLM2's rendered its
-    default system prompt and then a ``<|im_start|>developer`` turn the model was
-    never trained on)."""
-    if message.get("role") != "developer" or "developer" in str(template):
+    that does not name it (``names_developer``) gets the message as ``system``
+    (SmolLM2's rendered its default system prompt and then a
+    ``<|im_start|>developer`` turn the model was never trained on)."""
+    if knows_developer or message.get("role") != "developer":
         return message
     return {**message, "role": "system"}
 

@@ -32,7 +32,7 @@ from typing import Any
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from heron.engine.input_processor import InputProcessor, as_template_role
+from heron.engine.input_processor import InputProcessor, as_template_role, names_developer
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class DirectChatRenderer:
         """``source``: the template's text, to see whether conversations can be
         filled into skeletons (None: every conversation runs the template)."""
         self._template = template
-        self._source = source
+        self._knows_developer = names_developer(source)  # once, not per message of every request
         self._variables = variables
         self._skeletons = (ChatSkeletons(self._render_plain)
                            if source and substitutes_content_only(source, getattr(template, "environment", None))
@@ -101,7 +101,8 @@ class DirectChatRenderer:
                     or not isinstance(message["role"], str) or not isinstance(message["content"], str)):
                 return None
             # as the replica renders it (a developer message as system, where the template has no developer)
-            plain.append(as_template_role({"role": message["role"], "content": message["content"]}, self._source))
+            plain.append(as_template_role({"role": message["role"], "content": message["content"]},
+                                          self._knows_developer))
         if self._skeletons is not None:
             return self._skeletons.render(plain, add_generation_prompt)
         return self._render_plain(plain, add_generation_prompt)

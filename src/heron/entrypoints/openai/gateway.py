@@ -36,8 +36,13 @@ class APIKeyChecker:
 
     def check(self, authorization: str | None) -> str:
         """Return the caller's key, or raise a 401 APIError."""
+        return self.identify(authorization)[0]
+
+    def identify(self, authorization: str | None) -> tuple[str, str | None]:
+        """The caller's key and its digest in hex (who owns what it stores), or a
+        401 APIError; ("", None) when the server takes no keys."""
         if not self._digests:
-            return ""
+            return "", None
         if not authorization or not authorization.lower().startswith("bearer "):
             raise unauthorized()
         presented = authorization[7:].strip(" \t")  # HTTP's spaces: str.strip() took \xa0 and \x85 too
@@ -47,7 +52,7 @@ class APIKeyChecker:
             matched |= hmac.compare_digest(digest, stored)
         if not matched:
             raise unauthorized()
-        return presented
+        return presented, digest.hex()
 
 
 def _digest(key: bytes) -> bytes:
@@ -171,9 +176,9 @@ class GatewayMiddleware:
             (value.decode("latin-1") for name, value in scope.get("headers", ()) if name == b"authorization"), None
         )
         try:
-            key = self.keys.check(authorization)
-            if key:  # whose the stored responses are (only the key that made one reads it)
-                scope.setdefault("state", {})[KEY_OWNER] = _digest(key.encode()).hex()
+            key, owner = self.keys.identify(authorization)
+            if owner is not None:  # whose the stored responses are (only the key that made one reads it)
+                scope.setdefault("state", {})[KEY_OWNER] = owner
             if api and self.limiter is not None:
                 client = scope.get("client")
                 self.limiter.acquire(key or (client[0] if client else "anonymous"))

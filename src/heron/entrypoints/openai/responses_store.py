@@ -66,7 +66,7 @@ class ResponseStore:
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keep ``stored``; one larger than ``max_bytes`` on its own is not kept."""
-        self.delete(response_id, stored.owner)
+        self._remove(response_id)
         size = _json_size(stored)
         if size > self.max_bytes:
             return
@@ -86,9 +86,13 @@ class ResponseStore:
 
     def delete(self, response_id: str, owner: str | None) -> bool:
         entry = self._entries.get(response_id)
-        if entry is None or entry[0].owner != owner:
+        return entry is not None and entry[0].owner == owner and self._remove(response_id)
+
+    def _remove(self, response_id: str) -> bool:
+        """Forget an entry whoever stored it (``put`` replacing one must not leave its bytes counted)."""
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
             return False
-        del self._entries[response_id]
         self.num_bytes -= entry[1]
         return True
 
