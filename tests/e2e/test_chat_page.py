@@ -259,7 +259,7 @@ def test_a_reader_scrolled_up_is_left_there_while_the_answer_streams(browser, de
 
 def test_a_long_answer_is_drawn_at_the_pace_it_comes(browser, default_server):
     """Each token read the scroll position and so laid the whole answer out
-    again: 8,000 tokens arriving at once took 108 s to show (the page, not the
+    again: the time to show 8,000 tokens arriving at once grew with the square of their length (the page, not the
     server, set the pace, and the tok/s shown was the page's). Also an event
     stream with CRLF line ends (a proxy's rewrite) is read: it showed nothing."""
     page = open_page(browser, default_server)
@@ -270,7 +270,7 @@ def test_a_long_answer_is_drawn_at_the_pace_it_comes(browser, default_server):
     started = time.monotonic()
     ask(page, "Go on for a while")
     page.wait_for_function("!document.getElementById('send').disabled", timeout=120_000)
-    assert time.monotonic() - started < 40  # 108 s before; well under a second here on a Zen 3
+    assert time.monotonic() - started < 40  # a bound the old page missed by far
     answer = last_answer(page)
     assert answer.startswith("w0 w1 ") and f"w{tokens - 1} " in answer and "(stopped at the token limit)" in answer
     page.close()
