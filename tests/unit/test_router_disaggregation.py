@@ -246,3 +246,25 @@ def test_a_prompt_with_nothing_to_transfer_is_no_failed_prefill():
         assert stage.outcomes.labels("failed")._value.get() == 0  # noqa: SLF001
 
     asyncio.run(main())
+
+
+def test_a_client_naming_its_own_kv_transfer_params_is_refused():
+    """The router writes the handle in disaggregated mode: a client's own went to
+    a decode replica as it came, which connected to whatever address it named.
+    A null one is none (the request is prefilled as usual)."""
+    async def test(client: httpx.AsyncClient, prefill: RecordingReplica, decode: RecordingReplica) -> None:
+        own = {"remote_engine_address": "10.0.0.9:5555", "remote_request_id": "x", "remote_num_blocks": 1}
+        for path, body in (("/v1/completions", {"prompt": "a heron", "max_tokens": 4}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "a heron", "n": 2})):
+            answer = await client.post(path, json={**body, "kv_transfer_params": own})
+            assert answer.status_code == 400
+            error = answer.json()["error"]
+            assert error["param"] == "kv_transfer_params" and "--prefill" in error["message"]
+        assert prefill.seen == [] and decode.seen == []
+        body = {"prompt": "a heron", "max_tokens": 4, "kv_transfer_params": None}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert [path for path, _ in prefill.seen] == ["/v1/completions"]
+        assert decode.seen == [("/v1/completions", {**body, "kv_transfer_params": _PARAMS})]
+
+    run_disaggregated(test)

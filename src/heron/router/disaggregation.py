@@ -35,14 +35,18 @@ logger = logging.getLogger(__name__)
 
 PREFILL_PATHS = ("/v1/completions", CHAT_PATH)
 # dropped from the prefill copy: one non-streamed sample of one token, whatever the client asked
+# a client's own handle would have the decode replica connect wherever it names: the router's to write
+CLIENT_KV_TRANSFER = ("this router runs prefill/decode disaggregation (--prefill) and writes kv_transfer_params "
+                      "itself: send the request without them")
 _NOT_PREFILLED = ("stream", "stream_options", "n", "best_of", "min_tokens", "kv_transfer_params")
 
 
 def prefills_first(path: str, body: dict[str, Any]) -> bool:
     """Whether a generation request goes to a prefill replica first: a completion
     or chat request of one prompt and one sample (``n``, ``best_of``: absent or
-    1) that names no ``kv_transfer_params`` of its own."""
-    if path not in PREFILL_PATHS or "kv_transfer_params" in body:
+    1); the router refuses one that names ``kv_transfer_params`` of its own
+    (``CLIENT_KV_TRANSFER``), and null is none."""
+    if path not in PREFILL_PATHS or body.get("kv_transfer_params") is not None:
         return False
     if any(body.get(key) not in (None, 1) for key in ("n", "best_of")):
         return False

@@ -138,10 +138,10 @@ def _event_boundary(tail: bytes) -> bytes:
     return b"\n" if tail.endswith(b"\n") else b"\n\n"
 
 
-def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-    """An OpenAI-style error object."""
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error object (``param``: the request field at fault)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 _REASONS = {status.value: status.phrase for status in HTTPStatus}

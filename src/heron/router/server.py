@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from heron.gc_freeze import freeze_startup_objects
 from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds
-from heron.router.disaggregation import PrefillStage, prefills_first
+from heron.router.disaggregation import CLIENT_KV_TRANSFER, PrefillStage, prefills_first
 from heron.router.http_front import FrontConnection, HttpRequest, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
@@ -249,6 +249,9 @@ class RouterServer:
         raw = request.body
         started = time.perf_counter()
         body = _json_object(raw)
+        if self.prefill is not None and body is not None and body.get("kv_transfer_params") is not None:
+            writer.send_json(400, error_body(400, CLIENT_KV_TRANSFER, "invalid_request_error", "kv_transfer_params"))
+            return
         hashes = await self._block_hashes(request.path, body, len(raw)) if self.hasher and body else []
         session = (body.get("user") if body else None) or request.headers.get("x-session-id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
