@@ -34,7 +34,8 @@ def wait_idle(server: ServerProcess, timeout: float = 10.0) -> None:
 
 
 def test_health_version_models(server, client):
-    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok", "kv_role": None}  # no KV transfers
+    # no KV transfers; the block size lets a router skip prefill servers no decode server can pull from
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok", "kv_role": None, "block_size": 16}
     assert httpx.get(f"{server.base_url}/version").json()["version"]
     [model] = client.models.list().data
     assert model.id == MODEL

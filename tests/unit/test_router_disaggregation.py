@@ -38,7 +38,8 @@ class RecordingReplica:
 
     async def start(self) -> None:
         app = web.Application()
-        for path, answer in (("/health", self.health), ("/v1/kv_events", {"enabled": False}), ("/metrics", {})):
+        app.router.add_get("/health", self.answer_health)  # read at each probe: a test may change it
+        for path, answer in (("/v1/kv_events", {"enabled": False}), ("/metrics", {})):
             app.router.add_get(path, _answer(answer))
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
             app.router.add_post(path, self.generate)
@@ -51,6 +52,9 @@ class RecordingReplica:
     async def stop(self) -> None:
         assert self.runner is not None
         await self.runner.cleanup()
+
+    async def answer_health(self, _: web.Request) -> web.Response:
+        return web.json_response(self.health)
 
     async def generate(self, request: web.Request) -> web.Response:
         self.seen.append((request.path, await request.json()))
@@ -194,7 +198,7 @@ def test_a_prefill_replica_resting_from_failures_gets_one_trial_at_a_time():
         try:
             async with aiohttp.ClientSession() as session:
                 for _ in range(3):
-                    assert await stage.run(session, "/v1/completions", {"prompt": "x"}, {}, []) is None
+                    assert await stage.run(session, "/v1/completions", {"prompt": "x"}, {}, [], []) is None
         finally:
             listener.close()
         assert replica.breaker.state is BreakerState.OPEN and not replica.breaker.usable
@@ -239,7 +243,7 @@ def test_a_prompt_with_nothing_to_transfer_is_no_failed_prefill():
         stage = PrefillStage(ReplicaSet([prefill.url], {}), Router("round_robin"), CollectorRegistry())
         try:
             async with aiohttp.ClientSession() as session:
-                assert await stage.run(session, "/v1/completions", {"prompt": "hi"}, {}, []) is None
+                assert await stage.run(session, "/v1/completions", {"prompt": "hi"}, {}, [], []) is None
         finally:
             await prefill.stop()
         assert stage.outcomes.labels("nothing_to_transfer")._value.get() == 1  # noqa: SLF001
@@ -268,3 +272,35 @@ def test_a_client_naming_its_own_kv_transfer_params_is_refused():
         assert decode.seen == [("/v1/completions", {**body, "kv_transfer_params": _PARAMS})]
 
     run_disaggregated(test)
+
+
+def test_a_prefill_replica_no_decode_replica_can_pull_from_is_skipped():
+    """Blocks of another size cannot be pulled: such a prefill held a lease for
+    nothing, and the decode server warned on every request. /health names the
+    block size; the router skips those prefill replicas (once said in its log),
+    counts the outcome, and a decode replica of the same size is still used."""
+    body = {"prompt": "a heron", "max_tokens": 4}
+
+    async def mismatched(client: httpx.AsyncClient, router: RouterServer, prefill: RecordingReplica,
+                         decode: RecordingReplica) -> None:
+        prefill.health = {"status": "ok", "kv_role": "kv_producer", "block_size": 32}
+        await router.prefill.replicas._round(router.session)
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert prefill.seen == [] and decode.seen == [("/v1/completions", body)]
+        metrics = (await client.get("/metrics")).text
+        assert 'heron_router_prefills_total{outcome="block_size_mismatch"} 1.0' in metrics
+        described = (await client.get("/router/replicas")).json()
+        assert [r["block_size"] for r in described["prefill_replicas"]] == [32]
+        assert [r["block_size"] for r in described["replicas"]] == [16]
+        decode_32 = RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 32})
+        await decode_32.start()
+        try:  # one decode replica of its size is enough to prefill
+            router.replicas.set_discovered([decode_32.url])
+            await router.replicas._round(router.session)
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            assert [path for path, _ in prefill.seen] == ["/v1/completions"]
+        finally:
+            await decode_32.stop()
+
+    run_disaggregated(mismatched, RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 16}),
+                      with_router=True)

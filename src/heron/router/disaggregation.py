@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -55,6 +56,12 @@ def prefills_first(path: str, body: dict[str, Any]) -> bool:
     return not several_prompts
 
 
+def same_block_size(prefill: Replica, decodes: Sequence[Replica]) -> bool:
+    """Whether one of ``decodes`` can pull what ``prefill`` stores (a replica
+    whose /health names no block size is taken to match any)."""
+    return prefill.block_size is None or any(decode.block_size in (None, prefill.block_size) for decode in decodes)
+
+
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     """The copy of a client's request sent to a prefill replica: one token, not
     streamed, one sample, with no lower bound on its length."""
@@ -75,20 +82,27 @@ class PrefillStage:
         self.replicas = replicas
         self.router = router
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=2.0)
+        self._warned_block_sizes: set[str] = set()
         self.outcomes = Counter("heron_router_prefills", "Prompts sent to a prefill replica first, by outcome",
                                 ["outcome"], registry=registry)
         self.seconds = Histogram("heron_router_prefill_seconds", "Time a prefill replica took",
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
 
     async def run(self, session: aiohttp.ClientSession, path: str, body: dict[str, Any], headers: dict[str, str],
-                  hashes: list[bytes], deadline: float | None = None) -> dict[str, Any] | None:
+                  hashes: list[bytes], decodes: Sequence[Replica], deadline: float | None = None,
+                  ) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` of the prompt prefilled on a prefill replica
         (None: none could, or ``deadline``, the loop's time, passed: the decode
         replica will compute it). A replica is used only when its breaker allows
-        it (half-open: one trial at a time), as for decode replicas."""
-        replica = self._choose(hashes)
+        it (half-open: one trial at a time), as for decode replicas, and when one
+        of ``decodes`` (the usable decode replicas that pull KV) can pull its
+        blocks: one of another block size prefilled for nothing."""
+        unpullable = [replica for replica in self.replicas.usable() if not same_block_size(replica, decodes)]
+        replica = self._choose(hashes, unpullable)
         if replica is None:
-            self.outcomes.labels("no_replica").inc()
+            self.outcomes.labels("block_size_mismatch" if unpullable and not self.replicas.usable(unpullable)
+                                 else "no_replica").inc()
+            self._warn_unpullable(unpullable, decodes)
             return None
         started = time.perf_counter()
         answered, result = await self._prefill(session, replica, path, body, headers, hashes, deadline)
@@ -97,9 +111,20 @@ class PrefillStage:
         self.outcomes.labels("ok" if result is not None else "nothing_to_transfer" if answered else "failed").inc()
         return result
 
-    def _choose(self, hashes: list[bytes]) -> Replica | None:
-        """The policy's pick among the usable replicas whose breaker lets a request through."""
-        tried: list[Replica] = []
+    def _warn_unpullable(self, unpullable: list[Replica], decodes: Sequence[Replica]) -> None:
+        """Says once per prefill replica that no decode replica pulls its blocks."""
+        for replica in unpullable:
+            if replica.url not in self._warned_block_sizes:
+                self._warned_block_sizes.add(replica.url)
+                logger.warning("prefill replica %s stores KV in blocks of %s tokens and the decode replicas in %s: "
+                               "none can pull its blocks, so it is skipped (start every replica with the same "
+                               "--block-size)", replica.url, replica.block_size,
+                               sorted({decode.block_size for decode in decodes if decode.block_size is not None}))
+
+    def _choose(self, hashes: list[bytes], exclude: list[Replica]) -> Replica | None:
+        """The policy's pick among the usable replicas not in ``exclude`` whose
+        breaker lets a request through."""
+        tried = list(exclude)
         while candidates := self.replicas.usable(exclude=tried):
             replica = self.router.choose(candidates, hashes, None).replica
             assert isinstance(replica, Replica)

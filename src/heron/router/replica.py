@@ -55,6 +55,12 @@ def _takes_kv_transfers(health: dict[str, Any]) -> bool:
     return "kv_role" not in health or health["kv_role"] in ("kv_consumer", "kv_both")
 
 
+def _block_size(health: dict[str, Any]) -> int | None:
+    """The KV block size a /health body names (None: none, as vLLM's)."""
+    size = health.get("block_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def _epoch(health: dict[str, Any]) -> str | None:
     """The KV events epoch a /health body names (None: none)."""
     epoch = health.get("kv_events_epoch")
@@ -78,6 +84,7 @@ class Replica:
     # whether it pulls a prefill engine's KV: one that does not is sent the client's request as it came (a
     # kv_transfer_params it cannot take was a 400 naming a field the client never sent)
     takes_kv_transfers: bool = True
+    block_size: int | None = None  # its KV blocks' tokens, as its /health names them (None: not named)
     # requests waiting on it (``unless_taken_out``): told when its breaker opens
     out_waiters: set[asyncio.Future[None]] = field(default_factory=set)
     answered: bool = False  # it has answered a probe or a request (a breaker starts closed on faith)
@@ -256,6 +263,7 @@ class ReplicaSet:
                 logger.info("replica %s pulls %s", replica.url, "prefilled KV" if takes else
                             "no prefilled KV (started without --kv-transfer-config): it computes its prompts")
             replica.takes_kv_transfers = takes
+            replica.block_size = _block_size(fields)
             self._follow_restarts(replica, _epoch(fields))
             await self._read_metrics(session, replica)
             # only a replica whose /health names its events' epoch publishes any; each ask of /v1/kv_events

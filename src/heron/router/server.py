@@ -256,11 +256,11 @@ class RouterServer:
         session = (body.get("user") if body else None) or request.headers.get("x-session-id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         prefilled = None
-        if (self.prefill is not None and body is not None and prefills_first(request.path, body)
-                and any(replica.takes_kv_transfers for replica in self.replicas.usable())):
+        pulling = [replica for replica in self.replicas.usable() if replica.takes_kv_transfers]
+        if self.prefill is not None and body is not None and prefills_first(request.path, body) and pulling:
             assert self.session is not None
             kv_transfer_params = await self.prefill.run(self.session, request.path, body,
-                                                        dict(_passed_headers(request)), hashes, deadline)
+                                                        dict(_passed_headers(request)), hashes, pulling, deadline)
             if kv_transfer_params is not None:
                 prefilled = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
         previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
@@ -292,6 +292,7 @@ class RouterServer:
     def _replica_states(self, replicas: ReplicaSet | None = None) -> list[dict[str, Any]]:
         return [{"url": r.url, "state": r.breaker.state.value, "in_flight": r.load.in_flight,
                  "load": r.load.score(), "cached_blocks": r.cached_blocks, "requests": r.num_requests,
+                 "block_size": r.block_size,
                  "kv_events": r.subscription is not None} for r in (replicas or self.replicas).replicas]
 
     # ---- proxying ----------------------------------------------------------------

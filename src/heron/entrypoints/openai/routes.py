@@ -72,7 +72,9 @@ async def health(ctx: Serving) -> Response:
     # whether it pulls a prefill engine's KV (a router adds kv_transfer_params only where it does)
     transfer = engine.config.kv_transfer
     role = {"kv_role": transfer.kv_role if transfer is not None else None}
-    return JSONResponse({"status": "ok", **epoch, **role, **ctx.health_extra})
+    # a decode server pulls only from a prefill server of the same block size: a router skips the others
+    blocks = {"block_size": ctx.engine.engine_info.get("block_size", ctx.engine.config.cache.block_size)}
+    return JSONResponse({"status": "ok", **epoch, **role, **blocks, **ctx.health_extra})
 
 
 @router.get("/version")
