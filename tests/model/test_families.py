@@ -183,3 +183,23 @@ def test_a_fallback_checkpoint_missing_a_weight_is_refused(tiny_model_dir, tmp_p
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks 1 of the model's weights \\(model.layers.1.mlp.down_proj.weight\\)"):
         LLM(str(directory), dtype="float32", max_model_len=64, num_kv_blocks=16)
+
+
+def test_a_native_checkpoint_missing_weights_names_them_as_the_checkpoint_does(tiny_model_dir, tmp_path):
+    """The native loader named heron's fused parameters ("qkv_proj.weight[64:]")
+    and no path: a user looking in the checkpoint found no such tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "llama"
+    shutil.copytree(tiny_model_dir("llama"), directory)
+    weights = load_file(directory / "model.safetensors")
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        del weights[name]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as raised:
+        LLM(str(directory), dtype="float32", max_model_len=64, num_kv_blocks=16, model_impl="native")
+    message = str(raised.value)
+    assert message.startswith(f"{directory}: the checkpoint lacks 2 of the model's weights "
+                              "(model.layers.0.self_attn.k_proj.weight, model.layers.1.mlp.up_proj.weight)"), message

@@ -203,9 +203,22 @@ class LlamaForCausalLM(CausalLM):
                 )
             destination.copy_(tensor)
             loaded.add((param_name, start))
-        missing = sorted(f"{name}[{start}:]" if start else name for name, start in expected - loaded)
+        missing = sorted(self._checkpoint_name(name, start) for name, start in expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
+            raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights ({', '.join(missing[:4])}"
+                             f"{', ...' if len(missing) > 4 else ''}): an incomplete download or export?")
+
+    def _checkpoint_name(self, param_name: str, start: int) -> str:
+        """The checkpoint's (HF) name of a parameter or of the slice of a fused one
+        that starts at row ``start``: the inverse of ``_map_name``, so an error
+        names what the checkpoint lacks, not heron's fused layout."""
+        attn, intermediate = self._decoder_layers()[0].self_attn, self._decoder_layers()[0].mlp.intermediate
+        parts = {"qkv_proj": {0: "q_proj", attn.q_size: "k_proj", attn.q_size + attn.kv_size: "v_proj"},
+                 "gate_up_proj": {0: "gate_proj", intermediate: "up_proj"}}
+        for fused, slices in parts.items():
+            if f".{fused}." in param_name:
+                param_name = param_name.replace(fused, slices[start])
+        return param_name if param_name.startswith("lm_head.") else f"model.{param_name}"
 
     def _expected_slices(self) -> set[tuple[str, int]]:
         first = self._decoder_layers()[0]

@@ -55,10 +55,13 @@ def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
             logger.info("low-bit layers loaded from %s", cache_path)
             return _with_native_decoder(model.eval(), model_config.quantization)
         model = _instantiate(model_config, device)  # a fresh one: loading may have replaced some layers
-    model.load_weights(
-        # the packed entry is what later starts read: no float entry beside it
-        (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config, cache_path is None)
-    )
+    try:
+        model.load_weights(
+            # the packed entry is what later starts read: no float entry beside it
+            (name, tensor.to(model_config.dtype)) for name, tensor in iterate_weights(model_config, cache_path is None)
+        )
+    except ValueError as exc:  # say which checkpoint (a Hub id names a snapshot directory)
+        raise ValueError(f"{model_config.model}: {exc}") from exc
     model = quantize_model(model.eval(), model_config.quantization, device)
     if cache_path is not None:
         save_packed(model, cache_path, model_config)
