@@ -231,13 +231,18 @@ class KVEventsConfig:
     """KV-cache events (core/kv_events.py), with vLLM's keys: published per engine
     step on a ZMQ PUB socket at ``endpoint``, the last ``buffer_steps`` batches
     kept for a subscriber that missed some to fetch from ``replay_endpoint``
-    (default: a free port on the endpoint's host)."""
+    (default: a free port on the endpoint's host). ``hwm``: the batches the PUB
+    socket queues for a subscriber that does not read (then it drops, and the
+    subscriber sees the gap); ``max_queue_size``: the steps' batches waiting for
+    the publishing thread (past it a batch is dropped, its number skipped)."""
 
     enable_kv_cache_events: bool = False
     publisher: KVEventsPublisher = "null"
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
     topic: str = ""
 
     @property
@@ -251,7 +256,8 @@ class KVEventsConfig:
         if not isinstance(value, dict):
             raise ValueError("kv_events_config must be a dict such as {'enable_kv_cache_events': true, "
                              "'publisher': 'zmq', 'endpoint': 'tcp://*:5557'}")
-        known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "topic"}
+        known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
+                 "max_queue_size", "topic"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -260,8 +266,10 @@ class KVEventsConfig:
 
     def __post_init__(self) -> None:
         check_choice("kv_events_config.publisher", self.publisher, KVEventsPublisher)
-        if not isinstance(self.buffer_steps, int) or self.buffer_steps < 1:
-            raise ValueError("kv_events_config.buffer_steps must be an integer >= 1")
+        for name, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"kv_events_config.{name} must be an integer >= {least}, got {value!r}")
         for name in ("endpoint", "replay_endpoint"):
             address = getattr(self, name)
             if address is not None and not address.startswith(("tcp://", "ipc://")):

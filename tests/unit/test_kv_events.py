@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+import time
 
 import pytest
 import zmq
@@ -147,6 +149,101 @@ def test_the_config_takes_vllms_keys_and_rejects_others():
         KVEventsConfig.from_dict({"enable_kv_cache_events": True, "port": 1})
     with pytest.raises(ValueError, match="ZMQ address"):
         KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "localhost:5557"})
+    # vLLM's bounds (a vLLM config was refused for naming them)
+    bounded = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "hwm": 10, "max_queue_size": 5})
+    assert (bounded.hwm, bounded.max_queue_size) == (10, 5)
+    for key, value in (("hwm", -1), ("max_queue_size", 0), ("buffer_steps", True)):
+        with pytest.raises(ValueError, match=f"kv_events_config.{key} must be an integer"):
+            KVEventsConfig.from_dict({"enable_kv_cache_events": True, key: value})
+
+
+def replayed_numbers(publisher: ZmqEventPublisher, context: zmq.Context, start: int = 0) -> list[int]:
+    """The sequence numbers a replay from ``start`` brings."""
+    replay = context.socket(zmq.DEALER)
+    replay.connect(publisher.replay_endpoint)
+    replay.send_multipart([b"", start.to_bytes(8, "big")])
+    numbers = []
+    while True:
+        assert replay.poll(5000), "the replay socket did not answer"
+        _, seq, _ = replay.recv_multipart()
+        if seq == END_OF_REPLAY:
+            return numbers
+        numbers.append(int.from_bytes(seq, "big"))
+
+
+class HeldSocket:
+    """A PUB socket whose sends wait for ``go`` (a publishing thread that fell behind)."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket, self.go, self.waiting = socket, threading.Event(), threading.Event()
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.waiting.set()
+        self.go.wait(10)
+        self.socket.send_multipart(frames)
+
+    def close(self, linger: int) -> None:
+        self.socket.close(linger)
+
+
+def test_batches_past_the_queue_bound_are_dropped_as_a_gap_where_they_fell():
+    """The steps' queue had no bound. Past max_queue_size a batch is dropped and
+    its number skipped at its place in the order (a gap counted elsewhere would
+    put later batches under the dropped ones' numbers, and a subscriber would
+    rebuild at the wrong place and keep a removed block)."""
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", max_queue_size=2))
+    held = HeldSocket(publisher._pub)  # noqa: SLF001
+    publisher._pub = held  # type: ignore[assignment]  # noqa: SLF001
+    context = zmq.Context()
+    try:
+        stored = [BlockStored([b"h" * 32], None, [1, 2], 2)]
+        publisher.publish(stored)  # 0: taken by the thread, which waits to send it
+        assert held.waiting.wait(5)
+        for _ in range(4):  # 1 and 2 queued, 3 and 4 dropped
+            publisher.publish(stored)
+        held.go.set()
+        for expected in ([0, 1, 2], [0, 1, 2, 5]):
+            deadline = time.monotonic() + 5
+            while (numbers := replayed_numbers(publisher, context)) != expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert numbers == expected
+            publisher.publish(stored)  # 5, once the thread has caught up
+    finally:
+        held.go.set()
+        context.destroy(0)
+        publisher.shutdown()
+
+
+def test_a_peer_that_never_reads_its_replays_holds_at_most_two():
+    """Each replay request queued a copy of the whole buffer for the peer, with no
+    bound: one that asked again and again without reading grew the engine by the
+    buffer's size each time (53 MB a request with the default buffer of
+    10,000 steps in a review). Past two whole replays a peer's answers are dropped."""
+    steps = 2000
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", buffer_steps=steps))
+    context = zmq.Context()
+    try:
+        hashes = [bytes([i % 256]) * 32 for i in range(150)]  # ~5 KB a batch
+        for _ in range(steps):
+            publisher.publish([BlockStored(hashes, None, list(range(300)), 2)])
+        assert replayed_numbers(publisher, context) == list(range(steps))  # one reader gets a whole replay
+        peer = context.socket(zmq.DEALER)
+        peer.setsockopt(zmq.RCVHWM, 1)
+        peer.setsockopt(zmq.RCVBUF, 4096)
+        peer.connect(publisher.replay_endpoint)
+        requests = 30
+        for _ in range(requests):
+            peer.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(3)  # the publisher answers every request while the peer reads nothing
+        received = 0
+        while peer.poll(1000):
+            peer.recv_multipart()
+            received += 1
+        assert 0 < received < 10 * (steps + 1), received  # 30 whole replays before
+        assert replayed_numbers(publisher, context) == list(range(steps))  # others are served as before
+    finally:
+        context.destroy(0)
+        publisher.shutdown()
 
 
 def test_the_publisher_numbers_batches_and_replays_what_a_late_subscriber_missed():

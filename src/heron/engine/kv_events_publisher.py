@@ -11,6 +11,13 @@ bytes, big-endian) with ``[seq, batch]`` for every kept batch from there on,
 then ``[-1 (8 bytes, signed), b""]``. A subscriber subscribes first, replays
 from the last number it saw + 1, and drops live batches it already has.
 
+Nothing grows without bound: the PUB socket queues at most ``hwm`` batches for
+a subscriber that does not read; the replay socket two whole replays for a peer
+that does not read its answers (each request queued a copy of the whole buffer,
+so a peer asking again and again grew the engine process by the buffer's size
+each time); the steps' queue ``max_queue_size`` batches, past which a batch is
+dropped and its number skipped, so subscribers see a gap and rebuild.
+
 One thread owns both sockets (ZMQ sockets are not thread-safe); the engine
 step only puts the encoded batch on a queue.
 """
@@ -18,7 +25,6 @@ step only puts the encoded batch on a queue.
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -45,9 +51,11 @@ class ZmqEventPublisher:
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._replay = self._context.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
-        self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay of the whole buffer is queued whole, never cut
+        # a whole replay (the buffer and its end) is queued whole; past two, a peer's answers are dropped
+        self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
         # this publisher's numbering: a restarted engine numbers from 0 again under another epoch
         self.epoch = secrets.token_hex(8)
         replay_address = config.replay_endpoint or _any_port(config.endpoint)
@@ -60,7 +68,12 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise ValueError(f"kv_events_config: cannot bind {binding!r}: {exc}") from exc
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        # the steps' batches for the thread, in order: an int is a run of batches dropped when it was full
+        # (their numbers are skipped there), None the end
+        self._pending: deque[bytes | int | None] = deque()
+        self._pending_lock = threading.Lock()
+        self._max_pending = config.max_queue_size
+        self._warned_full = False
         self._next_seq = 0
         self._thread = threading.Thread(target=self._run, name="heron-kv-events", daemon=True)
         self._thread.start()
@@ -69,13 +82,28 @@ class ZmqEventPublisher:
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue one step's events (nothing when there are none, or once the
         publishing thread has stopped: they would pile up unsent)."""
-        if events and self._thread.is_alive():
-            self._queue.put(encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank)))
+        if not events or not self._thread.is_alive():
+            return
+        payload = encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank))
+        with self._pending_lock:  # the engine step never waits on the publisher: past the bound, a gap
+            if len(self._pending) < self._max_pending:
+                self._pending.append(payload)
+                return
+            last = self._pending[-1]
+            if isinstance(last, int):
+                self._pending[-1] = last + 1
+            else:
+                self._pending.append(1)
+        if not self._warned_full:
+            self._warned_full = True
+            logger.warning("KV event queue full (max_queue_size %d): dropping batches; subscribers see the gap "
+                           "and rebuild their index", self._max_pending)
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Send what is queued, then close the sockets."""
         if self._thread.is_alive():
-            self._queue.put(None)
+            with self._pending_lock:
+                self._pending.append(None)
             self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -97,12 +125,15 @@ class ZmqEventPublisher:
     def _send_queued(self) -> bool:
         """Send every queued batch; False once shutdown was asked for."""
         while True:
-            try:
-                payload = self._queue.get_nowait()
-            except queue.Empty:
-                return True
+            with self._pending_lock:
+                if not self._pending:
+                    return True
+                payload = self._pending.popleft()
             if payload is None:
                 return False
+            if isinstance(payload, int):  # dropped batches keep their numbers: a gap subscribers see
+                self._next_seq += payload
+                continue
             seq = self._next_seq
             self._next_seq += 1
             self._buffer.append((seq, payload))
