@@ -46,7 +46,8 @@ def member(prop: dict, kind: str) -> dict:
 def test_sampling_fields_state_their_ranges(schemas):
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[request]["properties"]
-        assert (props["n"]["minimum"], props["n"]["maximum"]) == (1, MAX_N)
+        n = member(props["n"], "integer")
+        assert (n["minimum"], n["maximum"]) == (1, MAX_N)
         temperature = member(props["temperature"], "number")
         assert (temperature["minimum"], temperature["maximum"]) == (0, 1e6)
         top_p = member(props["top_p"], "number")
@@ -59,10 +60,11 @@ def test_sampling_fields_state_their_ranges(schemas):
             assert int(integer["maximum"]) == MAX_INT  # exact, though FastAPI writes it as a float
         assert (member(props["min_p"], "number")["minimum"], member(props["min_p"], "number")["maximum"]) == (0, 1)
         for penalty in ("presence_penalty", "frequency_penalty"):
-            assert (props[penalty]["minimum"], props[penalty]["maximum"]) == (-2, 2)
+            number = member(props[penalty], "number")
+            assert (number["minimum"], number["maximum"]) == (-2, 2)
         repetition = member(props["repetition_penalty"], "number")
         assert (repetition["minimum"], repetition["maximum"]) == (1e-6, 1e6)
-        assert props["min_tokens"]["minimum"] == 0
+        assert member(props["min_tokens"], "integer")["minimum"] == 0
         assert member(props["prompt_logprobs"], "integer")["maximum"] == MAX_TOP_LOGPROBS
         bias = member(props["logit_bias"], "object")["additionalProperties"]
         assert (bias["minimum"], bias["maximum"]) == (-100, 100)

@@ -28,6 +28,23 @@ def test_a_null_for_a_field_with_a_default_means_the_default():
     # a null of a field whose type has one keeps its meaning: completions' max_tokens (default 16) null is
     # "up to the context's end"
     assert CompletionRequest.model_validate({"prompt": "hi", "max_tokens": None}).max_tokens is None
+    # an input item's null type is a message's default (the discriminator read it as no type at all)
+    item = ResponsesRequest.model_validate({"input": [{"type": None, "role": "user", "content": "hi"}]}).input
+    assert isinstance(item, list) and item[0].type == "message"
+
+
+def test_the_published_schema_says_null_is_taken_where_it_means_the_default(app):  # noqa: F811
+    """The schema typed stream, n, store... as non-null, so a client generated
+    from it could not send the null heron takes (and OpenAI's spec allows)."""
+    schemas = TestClient(app).get("/openapi.json").json()["components"]["schemas"]
+    null = {"type": "null"}
+    for model, field in (("ChatCompletionRequest", "stream"), ("ChatCompletionRequest", "n"),
+                         ("CompletionRequest", "echo"), ("ResponsesRequest", "store"), ("StreamOptions", "include_usage")):
+        prop = schemas[model]["properties"][field]
+        assert null in prop["anyOf"] and "default" in prop, (model, field, prop)
+    # a field whose null has its own meaning is typed as before; a required field takes no null
+    assert schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"].count(null) == 1
+    assert "anyOf" not in schemas["ChatCompletionRequest"]["properties"]["messages"]
 
 
 @pytest.mark.parametrize("body, param, fragment", [

@@ -47,8 +47,10 @@ class OpenAIModel(BaseModel):
     ``store``...: ``boolean | null``) and as vLLM takes them: clients and
     wrappers that pass ``stream=None`` on got a 400."""
 
-    # JSON has no NaN or Infinity; Python's parser accepts them, the models do not
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # JSON has no NaN or Infinity; Python's parser accepts them, the models do not. The published
+    # schema says null is taken where it means the default
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False,
+                              json_schema_extra=lambda schema, model: _nullable_defaults(schema, model))
 
     @model_validator(mode="before")
     @classmethod
@@ -72,6 +74,24 @@ def _fields_with_defaults(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(field.alias or name for name, field in model.model_fields.items()
                      if not field.is_required() and field.get_default(call_default_factory=False) is not None
                      and not _admits_none(field.annotation))
+
+
+def _nullable_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Types each field that takes null as its default (``_fields_with_defaults``)
+    as ``T | null`` in ``model``'s JSON Schema, as OpenAI's spec types them (the
+    published schema said ``stream`` was a boolean alone, so a client generated
+    from it could not send the null heron takes)."""
+    properties = schema.get("properties", {})
+    for name in _fields_with_defaults(model):
+        field = properties.get(name)
+        if not isinstance(field, dict):
+            continue
+        if isinstance(field.get("anyOf"), list):
+            if {"type": "null"} not in field["anyOf"]:
+                field["anyOf"].append({"type": "null"})
+            continue
+        annotations = {key: field.pop(key) for key in ("title", "description", "default", "examples") if key in field}
+        properties[name] = {"anyOf": [field, {"type": "null"}], **annotations}
 
 
 def _admits_none(annotation: Any) -> bool:

@@ -72,8 +72,12 @@ class FunctionCallOutputItem(OpenAIModel):
 def _item_kind(item: Any) -> str | None:
     """Which model an input item is read as, from its ``type`` (a message may
     leave it out). The tags are class-like names, which an error's ``param``
-    leaves out (``input.1.arguments``)."""
-    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    leaves out (``input.1.arguments``). A null type is a message's default, as
+    null is elsewhere."""
+    if isinstance(item, dict):
+        kind = "message" if item.get("type") is None else item["type"]
+    else:
+        kind = getattr(item, "type", None)
     return _ITEM_TAGS.get(kind) if isinstance(kind, str) else None
 
 
