@@ -4,6 +4,7 @@ loaded by heron and by transformers with identical results."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -292,6 +293,9 @@ def test_convert_writes_an_equivalent_hf_directory(tiny_gguf, tmp_path):
     config = EngineArgs(model=tiny_gguf, dtype="float32", max_model_len=128).create_engine_config()
     output = export_hf_directory(config, str(tmp_path / "hf"))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(output))
+    with open(os.path.join(output, "config.json")) as file:  # transformers' key since 4.56 (torch_dtype: a warning)
+        written = json.load(file)
+    assert written["dtype"] == "float32" and "torch_dtype" not in written
     prompts = random_prompts([9], seed=4)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     original = LLM(tiny_gguf, dtype="float32", max_model_len=128, num_kv_blocks=16).generate(prompts, params,

@@ -42,10 +42,10 @@ def export_hf_directory(config: EngineConfig, output_dir: str) -> str:
         if factors is not None:  # a GGUF's rope_freqs tensor: transformers holds them as llama3 parameters
             hf_config.rope_parameters = llama3_rope_from_factors(hf_config.rope_parameters, factors)
         hf_config = hf_config.to_transformers()
-    hf_config.torch_dtype = str(model.dtype).removeprefix("torch.")
+    hf_config.dtype = str(model.dtype).removeprefix("torch.")  # (torch_dtype before transformers 4.56)
     hf_config.save_pretrained(output_dir)
     load_tokenizer(model).save_pretrained(output_dir)
-    logger.info("wrote %s (%d tensors, %s)", output_dir, len(tensors), hf_config.torch_dtype)
+    logger.info("wrote %s (%d tensors, %s)", output_dir, len(tensors), hf_config.dtype)
     return output_dir
 
 
