@@ -408,6 +408,22 @@ def test_malformed_json_and_unknown_route(server):
     assert response.status_code == 404 and "error" in response.json()
 
 
+def test_a_request_the_engine_ends_with_an_error_is_counted_as_one(server):
+    """A structured request whose constraint no allowed token meets is a 400; it
+    was counted request_success{finished_reason="abort"}, beside no abort."""
+    served = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}  # the counter has a sample to read
+    assert httpx.post(f"{server.base_url}/v1/completions", json=served, timeout=60).status_code == 200
+    before_abort = aborted_count(server)
+    before_error = server.metric("heron:request_success_total", finished_reason="error")
+    body = {"model": MODEL, "prompt": "Give JSON:", "max_tokens": 5, "allowed_token_ids": [100, 101],
+            "response_format": {"type": "json_object"}}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "allowed_token_ids" in response.json()["error"]["message"]
+    assert aborted_count(server) == before_abort
+    assert server.metric("heron:request_success_total", finished_reason="error") == before_error + 1
+
+
 def test_metrics_move_with_requests(server, client):
     before_success = server.metric("heron:request_success_total")
     before_tokens = server.metric("heron:generation_tokens_total")

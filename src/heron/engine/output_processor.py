@@ -296,9 +296,10 @@ class OutputProcessor:
             if state.finished:
                 del self.requests[output.request_id]
                 assert state.finish_reason is not None
-                stats.observe_finished(
-                    state.times, state.finish_reason, num_prompt_tokens, len(state.token_ids), now, timestamp
-                )
+                # a request ended with an error (a grammar that failed to compile, a constraint no token
+                # meets: answered 400 or 500) is counted as one, not as an abort
+                reason = state.finish_reason if state.error is None else "error"
+                stats.observe_finished(state.times, reason, num_prompt_tokens, len(state.token_ids), now, timestamp)
             if request_output is not None:
                 result.request_outputs.append(request_output)
         return result
