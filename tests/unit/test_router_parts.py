@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import pytest
 
+from heron.router.replica import ReplicaSet
+from heron.router.server import RouterServer
 from heron.routing.health import BreakerState, CircuitBreaker
 from heron.routing.kv_index import KVBlockIndex
 from heron.routing.policies import ReplicaLoad, Router
@@ -318,3 +321,19 @@ def test_a_replica_with_other_blocks_is_named(caplog):
         assert caplog.text.count("stores KV in blocks of 16 tokens") == 1 and "--block-size" in caplog.text
     finally:
         replicas.context.destroy(0)
+
+
+def test_a_replica_discovery_dropped_has_no_gauges_left():
+    """/metrics kept heron_router_replica_usable 1 for a replica that had left
+    (a dashboard summing usable replicas over-counted; Ray churn grew the series)."""
+    async def main() -> None:
+        replicas = ReplicaSet([], {}, discover=None)
+        server = RouterServer(replicas, Router("round_robin"), None)
+        replicas.set_discovered(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+        assert server._prometheus().count(b'heron_router_replica_usable{replica=') == 2  # noqa: SLF001
+        replicas.set_discovered(["http://127.0.0.1:2"])
+        rendered = server._prometheus()  # noqa: SLF001
+        assert b"127.0.0.1:1" not in rendered and b'heron_router_in_flight{replica="http://127.0.0.1:2"}' in rendered
+        replicas.context.destroy(0)
+
+    asyncio.run(main())

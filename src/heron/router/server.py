@@ -112,6 +112,7 @@ class RouterServer:
         self.max_attempts = max_attempts
         self.request_timeout = request_timeout
         self.metrics = RouterMetrics()
+        self._gauged_replicas: set[str] = set()  # the replicas /metrics has gauges for
         self.responses = ResponseAffinity()
         self.upstream = UpstreamPool()
         self.session: aiohttp.ClientSession | None = None
@@ -278,6 +279,11 @@ class RouterServer:
             self._hash_executor, self.hasher.block_hashes, path, body, self.replicas.block_size)
 
     def _prometheus(self) -> bytes:
+        present = {replica.url for replica in self.replicas.replicas}
+        for gone in self._gauged_replicas - present:  # discovery dropped it: its gauges said 1 for ever
+            self.metrics.in_flight.remove(gone)
+            self.metrics.usable.remove(gone)
+        self._gauged_replicas = present
         for replica in self.replicas.replicas:
             self.metrics.in_flight.labels(replica.url).set(replica.load.in_flight)
             self.metrics.usable.labels(replica.url).set(1 if replica.breaker.usable else 0)
