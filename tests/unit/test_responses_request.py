@@ -39,7 +39,8 @@ def test_the_published_schema_says_null_is_taken_where_it_means_the_default(app)
     schemas = TestClient(app).get("/openapi.json").json()["components"]["schemas"]
     null = {"type": "null"}
     for model, field in (("ChatCompletionRequest", "stream"), ("ChatCompletionRequest", "n"),
-                         ("CompletionRequest", "echo"), ("ResponsesRequest", "store"), ("StreamOptions", "include_usage")):
+                         ("CompletionRequest", "echo"), ("ResponsesRequest", "store"),
+                         ("StreamOptions", "include_usage")):
         prop = schemas[model]["properties"][field]
         assert null in prop["anyOf"] and "default" in prop, (model, field, prop)
     # a field whose null has its own meaning is typed as before; a required field takes no null
