@@ -57,3 +57,35 @@ def test_a_hub_id_behind_a_silent_proxy_fails_within_the_bound():
             connection.close()
     assert "could not fetch 'someorg/somemodel'" in done.stdout, done.stdout + done.stderr
     assert time.monotonic() - started < 60
+
+
+def test_a_sharded_hub_checkpoint_fetches_only_the_shards_its_index_names(monkeypatch, tmp_path):
+    """Every *.safetensors was fetched: a repository holding the weights again in
+    another layout (Mistral's consolidated.safetensors beside the HF shards)
+    downloaded the whole model twice. The hub is stood in for (no network here)."""
+    import json
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from heron.loader import model_source
+
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                "b": "model-00002-of-00002.safetensors",
+                                                "c": "model-00001-of-00002.safetensors"}}))
+    files = ["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+             "model-00002-of-00002.safetensors", "consolidated.safetensors", "tokenizer.json"]
+    asked: dict[str, object] = {}
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo, timeout: SimpleNamespace(
+        siblings=[SimpleNamespace(rfilename=name) for name in files]))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, etag_timeout: str(index))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, allow_patterns, etag_timeout: asked.setdefault("patterns", allow_patterns))
+    patterns = model_source._download_from_hub("org/sharded")  # noqa: SLF001
+    assert "*.safetensors" not in patterns and "consolidated.safetensors" not in patterns
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "*.json"} <= set(patterns)
+    # a repository of one file (no index) is fetched as before
+    files.remove("model.safetensors.index.json")
+    asked.clear()
+    assert "*.safetensors" in model_source._download_from_hub("org/single")  # noqa: SLF001

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -121,6 +122,18 @@ def _looks_like_hub_id(model: str) -> bool:
     )
 
 
+def _indexed_files(index_path: str) -> list[str]:
+    """What to fetch of a sharded checkpoint: the shards its index names and the
+    other model files, but no other .safetensors (a repository may hold the same
+    weights again in another layout, as Mistral's consolidated.safetensors: a
+    second copy of the whole model downloaded for nothing)."""
+    with open(index_path, encoding="utf-8") as file:
+        weight_map = json.load(file).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        return _MODEL_FILES  # an index of another shape: everything, as before
+    return [pattern for pattern in _MODEL_FILES if pattern != "*.safetensors"] + sorted(set(weight_map.values()))
+
+
 def resolve_tokenizer_source(tokenizer: str) -> str:
     """``--tokenizer``: a GGUF file (its vocabulary), a local directory, or a Hub
     id (its tokenizer files only), as a local path; ``~`` expands. A path that
@@ -140,9 +153,13 @@ def resolve_tokenizer_source(tokenizer: str) -> str:
                              "files, a .gguf file, or a Hugging Face Hub id")
 
 
+_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+_SHARD_INDEX = "model.safetensors.index.json"
+
+
 def _download_from_hub(repo_id: str, patterns: list[str] | None = None) -> str:
     try:
-        from huggingface_hub import model_info, snapshot_download
+        from huggingface_hub import hf_hub_download, model_info, snapshot_download
     except ImportError as exc:  # pragma: no cover - a dependency of transformers
         raise ModelNotFoundError(
             f"{repo_id!r} is not a local path and huggingface_hub is not installed"
@@ -150,12 +167,12 @@ def _download_from_hub(repo_id: str, patterns: list[str] | None = None) -> str:
     try:
         # asked first with a bound: snapshot_download asks the same with none, and a proxy or a
         # half-open connection that never answered held `heron serve --model org/name` for good
-        model_info(repo_id, timeout=float(envs.get(envs.HERON_HUB_TIMEOUT_S, "30")))
-        return snapshot_download(
-            repo_id,
-            allow_patterns=patterns or ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
-            etag_timeout=10,
-        )
+        info = model_info(repo_id, timeout=float(envs.get(envs.HERON_HUB_TIMEOUT_S, "30")))
+        if patterns is None:
+            patterns = _MODEL_FILES
+            if _SHARD_INDEX in {sibling.rfilename for sibling in info.siblings or []}:
+                patterns = _indexed_files(hf_hub_download(repo_id, _SHARD_INDEX, etag_timeout=10))
+        return snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10)
     except Exception as exc:  # network, auth, missing repo: all mean "cannot get it"
         raise ModelNotFoundError(
             f"could not fetch {repo_id!r} from the Hugging Face Hub "
