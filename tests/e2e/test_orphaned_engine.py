@@ -14,13 +14,45 @@ from heron.tempdirs import sweep_stale_dirs
 from tests.e2e.server_process import ServerProcess, descendants
 
 
+def start_pickle(pid: int) -> str:
+    """The start pickle a heron child process was given on its command line."""
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        [path] = [arg.decode() for arg in cmdline.read().split(b"\0") if arg.endswith(b".pickle")]
+    return path
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_an_engine_core_whose_launcher_died_while_it_imported_exits():
+    """The orphan watch took the parent's PID when it started, after seconds of
+    imports: a launcher killed in that time left an engine core whose parent
+    was already init, which loaded the model and stayed for good. It is held
+    stopped here from its first moments until its launcher is gone."""
+    server = ServerProcess(wait_ready=False)
+    engine_pid = None
+    try:
+        engine_pid = server.engine_core_pid(timeout=30)
+        os.kill(engine_pid, signal.SIGSTOP)  # found within 10 ms of its start: long before its imports end
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(10)
+        os.kill(engine_pid, signal.SIGCONT)
+        assert wait_gone([engine_pid], 60), "the engine core outlived its launcher"
+    finally:
+        if engine_pid is not None and os.path.exists(f"/proc/{engine_pid}"):
+            os.kill(engine_pid, signal.SIGKILL)
+        server.stop()
+
+
 def test_a_killed_api_server_leaves_no_engine_core_and_no_socket_directory():
     server = ServerProcess()
     try:
         engine_pid = server.engine_core_pid(timeout=10)
-        with open(f"/proc/{engine_pid}/cmdline", "rb") as cmdline:
-            start_path = cmdline.read().split(b"\0")[-3].decode()  # ... START_PICKLE LOG_LEVEL
-        socket_dir = os.path.dirname(start_path)
+        socket_dir = os.path.dirname(start_pickle(engine_pid))
         assert os.path.basename(socket_dir).startswith("heron-ipc-") and os.path.isdir(socket_dir)
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(10)
@@ -37,7 +69,7 @@ def test_a_killed_launcher_of_api_servers_leaves_no_process_and_its_directory_is
     server = ServerProcess("--api-server-count", "2")
     try:
         family = descendants(server.process.pid)
-        api_starts = [command.split()[-1] for command in family.values() if "api_server_proc" in command]
+        api_starts = [start_pickle(pid) for pid, command in family.items() if "api_server_proc" in command]
         assert len(api_starts) == 2
         workdir = os.path.dirname(api_starts[0])  # .../heron-api-XXXX/api-server-0.pickle
         assert os.path.basename(workdir).startswith("heron-api-") and os.path.isdir(workdir)

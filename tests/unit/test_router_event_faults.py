@@ -86,7 +86,7 @@ def test_a_replay_of_more_batches_than_a_socket_queues_arrives_whole():
             publisher.publish([*evicted, BlockStored([i.to_bytes(32, "big")], None, [1], 1)])
 
     async def test(publisher: ZmqEventPublisher, subscriber: KVEventSubscriber, index: KVBlockIndex) -> None:
-        await until(publisher._queue.empty)
+        await until(lambda: not publisher._pending)  # noqa: SLF001 (sent)
         await asyncio.sleep(0.1)
         assert await subscriber.replay(0)
         assert index.last_seq == count - 1 and index.blocks == {(count - 1).to_bytes(32, "big")}
@@ -101,13 +101,13 @@ def test_a_batch_this_router_cannot_read_costs_the_index_not_the_subscription():
         try:
             publisher.publish([BlockStored([X], None, [1], 1)])
             await until(lambda: X in index.blocks)
-            publisher._queue.put(msgpack.packb([0.0, [["BlockStoredV2", [Z]]], None]))  # another version's kind
+            publisher._enqueue(msgpack.packb([0.0, [["BlockStoredV2", [Z]]], None]))  # another version's kind
             publisher.publish([BlockStored([Y], None, [1], 1)])
             await until(lambda: Y in index.blocks)
             assert not task.done() and X not in index.blocks  # unknown what batch 1 did: X no longer claimed
             assert index.last_seq == 2 and subscriber.num_lost_batches == 1
             # hashes an index cannot hold (a list is unhashable: the set's update raised and ended the task)
-            publisher._queue.put(msgpack.packb([0.0, [["BlockStored", [[1, 2]], None, [1], 1, None, None]], None]))
+            publisher._enqueue(msgpack.packb([0.0, [["BlockStored", [[1, 2]], None, [1], 1, None, None]], None]))
             publisher.publish([BlockStored([Z], None, [1], 1)])
             await until(lambda: Z in index.blocks)
             assert not task.done() and Y not in index.blocks and subscriber.num_lost_batches == 2

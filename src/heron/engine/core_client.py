@@ -89,7 +89,9 @@ class EngineCoreProcess:
         start_path = os.path.join(socket_dir, "start.pickle")
         with open(start_path, "wb") as start_file:
             pickle.dump((engine, clients), start_file)
-        process = subprocess.Popen([sys.executable, "-m", "heron.engine.core_proc", start_path, log_level])
+        # our PID: it exits when we are gone, also when we die before it has started watching
+        process = subprocess.Popen([sys.executable, "-m", "heron.engine.core_proc", start_path, log_level,
+                                    str(os.getpid())])
         return EngineCoreProcess(process, socket_dir, clients)
 
     def endpoint(self, client: int) -> EngineCoreEndpoint:

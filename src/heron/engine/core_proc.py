@@ -30,6 +30,7 @@ from heron.engine.core_channels import ALL, ClientAddresses, ClientChannels
 from heron.engine.liveness import HEARTBEAT_INTERVAL_S
 from heron.engine.serialization import MessageKind, decode_request, pack
 from heron.gc_freeze import freeze_startup_objects
+from heron.launcher_watch import exit_when_launcher_gone
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs
 from heron.tempdirs import IPC_DIR_PREFIX
 
@@ -38,28 +39,26 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
-def _exit_when_orphaned(parent_pid: int, clients: list[ClientAddresses]) -> None:
-    """If the API server dies without shutting us down, do not linger, and
-    remove the IPC sockets' directory it can no longer remove."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            for client in clients:
-                for address in (client.input_address, client.output_address):
-                    directory = os.path.dirname(address.removeprefix("ipc://"))
-                    if address.startswith("ipc://") and os.path.basename(directory).startswith(IPC_DIR_PREFIX):
-                        shutil.rmtree(directory, ignore_errors=True)
-            os._exit(0)
+def _remove_socket_dirs(clients: list[ClientAddresses]) -> None:
+    """The IPC sockets' directory, which an API server killed outright can no longer remove."""
+    for client in clients:
+        for address in (client.input_address, client.output_address):
+            directory = os.path.dirname(address.removeprefix("ipc://"))
+            if address.startswith("ipc://") and os.path.basename(directory).startswith(IPC_DIR_PREFIX):
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_engine_core(
-    config: EngineConfig | EngineArgs, clients: list[ClientAddresses], log_level: str = "INFO"
+    config: EngineConfig | EngineArgs, clients: list[ClientAddresses], log_level: str = "INFO",
+    launcher_pid: int | None = None,
 ) -> None:
     """Process entry point (started by the API server's ``EngineCoreProcess``):
     ``config`` resolved, or the ``EngineArgs`` to resolve; ``clients``: where
-    each API server talks to it."""
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), clients), daemon=True).start()
+    each API server talks to it; ``launcher_pid``: the process that started it
+    (None: its parent now), without which it does not linger."""
     configure_engine_logging(log_level)
+    exit_when_launcher_gone(os.getppid() if launcher_pid is None else launcher_pid,
+                            lambda: _remove_socket_dirs(clients), "engine core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when we stop
     context = zmq.Context()
     channels = ClientChannels.connected(context, clients)
@@ -244,13 +243,13 @@ class EngineCoreProc:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m heron.engine.core_proc START_PICKLE LOG_LEVEL``: the pickle
-    holds the config and the API servers' addresses."""
-    start_path, log_level = argv
+    """``python -m heron.engine.core_proc START_PICKLE LOG_LEVEL [LAUNCHER_PID]``:
+    the pickle holds the config and the API servers' addresses."""
+    start_path, log_level, *launcher = argv
     with open(start_path, "rb") as start_file:
         config, clients = pickle.load(start_file)
     os.unlink(start_path)
-    run_engine_core(config, clients, log_level)
+    run_engine_core(config, clients, log_level, int(launcher[0]) if launcher else None)
 
 
 if __name__ == "__main__":

@@ -82,9 +82,11 @@ class ZmqEventPublisher:
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue one step's events (nothing when there are none, or once the
         publishing thread has stopped: they would pile up unsent)."""
-        if not events or not self._thread.is_alive():
-            return
-        payload = encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank))
+        if events and self._thread.is_alive():
+            self._enqueue(encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank)))
+
+    def _enqueue(self, payload: bytes) -> None:
+        """An encoded batch for the thread to number and send."""
         with self._pending_lock:  # the engine step never waits on the publisher: past the bound, a gap
             if len(self._pending) < self._max_pending:
                 self._pending.append(payload)

@@ -95,7 +95,8 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
                 with open(start_path, "wb") as start_file:
                     pickle.dump((args, port, index, [p.endpoint(index) for p in started], shared_path), start_file)
                 servers.append(subprocess.Popen(
-                    [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path], env=env))
+                    [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path, str(os.getpid())],
+                    env=env))
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
         logger.info("%d API servers on port %d (pids %s) over %d engine core(s)",

@@ -1,5 +1,6 @@
 """One API-server process of ``heron serve --api-server-count M``, started by
-``api_server_pool.py``: ``python -m heron.entrypoints.openai.api_server_proc START_PICKLE``.
+``api_server_pool.py``: ``python -m heron.entrypoints.openai.api_server_proc START_PICKLE
+LAUNCHER_PID`` (it exits when its launcher is gone: ``launcher_watch.py``).
 
 It resolves the same flags as the launcher's engine cores (and checks the
 engines agree when they report ready), binds the shared port with
@@ -18,9 +19,11 @@ from heron.entrypoints.cli import configure_logging
 from heron.entrypoints.openai.api_server_pool import METRICS_DIR_ENV, bind_shared_port
 from heron.entrypoints.openai.server import APIServerRole, gateway_settings_from_args, serve_api
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
+from heron.launcher_watch import exit_when_launcher_gone
 
 
-def main(start_path: str) -> int:
+def main(start_path: str, launcher_pid: int) -> int:
+    exit_when_launcher_gone(launcher_pid, what="API server")
     with open(start_path, "rb") as start_file:
         args, port, index, endpoints, shared_path = pickle.load(start_file)
     os.unlink(start_path)
@@ -43,4 +46,4 @@ def main(start_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))
