@@ -108,6 +108,30 @@ def test_reported_load_and_kv_usage_count_too():
     assert Router("least_load").choose([busy, full], PROMPT).replica.name == "full"
 
 
+def test_requests_past_an_engines_capacity_spread_a_shared_prefix():
+    """Data parallelism with max_num_seqs 4 and 16 requests sharing a long system
+    prompt: one block of load a request never outweighed the prefix, so all 16
+    went to one engine (12 waiting) while the other idled. A request past an
+    engine's capacity waits for a whole answer, and counts so."""
+    shared = [bytes([i]) * 32 for i in range(32)]
+
+    def placed(capacity: int | None) -> list[str]:
+        engines = [FakeReplica("0", load=ReplicaLoad(capacity=capacity)),
+                   FakeReplica("1", load=ReplicaLoad(capacity=capacity))]
+        router, names = Router("kv_aware"), []
+        for _ in range(16):
+            decision = router.choose(engines, shared)
+            decision.replica.load.dispatch(decision.uncached_blocks)
+            decision.replica.index.expect(shared)
+            names.append(decision.replica.name)
+        return names
+
+    assert len(set(placed(None))) == 1  # unknown capacity (a router's replicas): affinity, as before
+    spread = placed(4)
+    assert min(spread.count("0"), spread.count("1")) >= 6, spread
+    assert spread[:5] == [spread[0]] * 5  # the prefix is computed once while there is room
+
+
 def test_round_robin_and_least_load():
     replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
     router = Router("round_robin")

@@ -101,7 +101,8 @@ class DataParallelClient:
         """``started``: the engine cores, owned by this client (processes) or by
         another process (endpoints: ``--api-server-count``)."""
         self.config = config
-        self.engines = [_Engine(rank, EngineCoreClient(config, started=process))
+        self.engines = [_Engine(rank, EngineCoreClient(config, started=process),
+                                ReplicaLoad(capacity=config.scheduler.max_num_seqs))
                         for rank, process in enumerate(started)]
         self.router = Router(policy)
         # engine request id -> its engine and the prefill blocks it brought there

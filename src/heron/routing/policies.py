@@ -41,13 +41,21 @@ class ReplicaLoad:
     reported_running: int = 0  # from the replica's own metrics, when last read
     reported_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1
+    # the requests it runs at once (its max_num_seqs) where known (the engines of one server's data
+    # parallelism): past it, a request waits for another to end
+    capacity: int | None = None
 
-    def score(self, kv_usage_weight: float = 16.0) -> float:
+    def score(self, kv_usage_weight: float = 16.0, queue_weight: float = 16.0) -> float:
         """Work ahead of a new request, in blocks: the prefill queued by this
-        router, one block per request (decoding) whoever sent it, and a penalty
-        as the KV pool fills up (a full pool preempts)."""
+        router, one block per request (decoding) whoever sent it, a penalty as
+        the KV pool fills up (a full pool preempts), and, where ``capacity`` is
+        known, ``queue_weight`` blocks per request past it: a request that waits
+        for a slot waits for a whole answer, which a cached prefix does not buy
+        back (with one block a request, a long shared system prompt kept every
+        request on one engine, 12 waiting, while the other engine idled)."""
         requests = max(self.in_flight, self.reported_running + self.reported_waiting)
-        return self.pending_blocks + requests + kv_usage_weight * self.kv_cache_usage
+        queued = max(0, requests - self.capacity) if self.capacity is not None else 0
+        return self.pending_blocks + requests + queue_weight * queued + kv_usage_weight * self.kv_cache_usage
 
     def dispatch(self, uncached_blocks: int) -> None:
         self.in_flight += 1
