@@ -323,6 +323,31 @@ def test_allowed_token_ids_and_bad_words(llm):
     assert_idle(llm)
 
 
+def test_restrictions_that_leave_no_token_are_refused_or_end_the_request_with_the_reason(llm):
+    """allowed_token_ids all banned (the end of sequence held back by min_tokens, a
+    one-token bad word) left a row of -inf, and token 0 came out, outside the
+    request's own allowed_token_ids, answered as a success. Known at once: a 400.
+    Known only later (a bad word of several tokens bans the last allowed one once
+    the output ends in the rest): the request ends there with the reason."""
+    tokenizer = llm.get_tokenizer()
+    [eos] = llm.engine.input_processor.eos_token_ids[:1]
+    comma = tokenizer.encode(",", add_special_tokens=False)
+    for params in (SamplingParams(allowed_token_ids=[eos], min_tokens=3),
+                   SamplingParams(allowed_token_ids=comma, bad_words=[","])):
+        with pytest.raises(InvalidRequestError, match="no token is left") as raised:
+            llm.generate("x", params, use_tqdm=False)
+        assert raised.value.param == "allowed_token_ids"
+    [only] = tokenizer.encode(" yes", add_special_tokens=False)
+    for temperature in (0.0, 1.0):
+        [ended] = llm.generate("Answer:", SamplingParams(temperature=temperature, seed=1, max_tokens=8,
+                                                         allowed_token_ids=[only], bad_words_token_ids=[[only, only]]),
+                               use_tqdm=False)
+        completion = ended.outputs[0]
+        assert completion.token_ids == [only], completion  # never token 0
+        assert completion.finish_reason == "abort" and "no token is left" in (completion.error or ""), completion
+    assert_idle(llm)
+
+
 def test_a_prompt_dicts_cache_salt_keeps_its_prefix_apart(llm):
     """It was ignored: a prompt salted "bob" got the cached blocks of the same prompt salted "alice"."""
     stats = llm.engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats

@@ -36,6 +36,7 @@ from heron.core.request_queue import create_request_queue
 from heron.core.scheduler_kv import SchedulerKVMixin
 from heron.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from heron.request import Request, RequestStatus
+from heron.sample.bans import NO_TOKEN_LEFT, no_token_left
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, EngineEventType, ModelRunnerOutput, SchedulerStats
 
 if TYPE_CHECKING:
@@ -464,7 +465,7 @@ class Scheduler(SchedulerKVMixin):
                 new_token_ids.append(token_id)
                 if structured and self._grammar_finished(request):
                     break
-                if self._check_stop(request):
+                if self._check_stop(request) or self._no_token_left(request):
                     break
             if logprobs is not None:
                 logprobs = logprobs[: len(new_token_ids)]
@@ -529,6 +530,21 @@ class Scheduler(SchedulerKVMixin):
             logger.error("%s sampled token %d that its grammar forbids", request.request_id, token_id)
             request.status = RequestStatus.FINISHED_ERROR
         return False
+
+    def _no_token_left(self, request: Request) -> bool:
+        """Whether the request's own restrictions leave its next token no choice
+        (``sample/bans.py``: a bad word of several tokens can ban the last one of
+        its allowed_token_ids once the output ends in the rest); it is then
+        finished with the reason, as for a grammar (its row was all -inf, and
+        token 0 came out). A grammar's request is the grammar's to end."""
+        params = request.sampling_params
+        if params.allowed_token_ids is None or params.structured_outputs is not None:
+            return False
+        if not no_token_left(params, request.eos_token_ids, request.output_token_ids):
+            return False
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._failure_errors[request.request_id] = NO_TOKEN_LEFT
+        return True
 
     def _grammar_finished(self, request: Request) -> bool:
         """Whether the request's grammar is complete (the request then finishes)."""

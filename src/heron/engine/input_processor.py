@@ -16,6 +16,7 @@ from typing import Any
 
 from heron.config import ModelConfig
 from heron.request import EngineCoreRequest
+from heron.sample.bans import NO_TOKEN_LEFT, no_token_left
 from heron.sampling_params import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,8 @@ class InputProcessor:
                 raise InvalidRequestError(str(exc), "structured_outputs") from exc
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_word_token_ids(params.bad_words))
+        if no_token_left(params, self.eos_token_ids, []):  # (later, the scheduler checks each next token)
+            raise InvalidRequestError(NO_TOKEN_LEFT, "allowed_token_ids")
         room = max_model_len - num_prompt_tokens
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.sample.bans import banned_next_tokens
 from heron.sample.metadata import SamplingMetadata
 from heron.sampling_params import SamplingParams
 from heron.worker.request_state import CachedRequestState
@@ -170,26 +171,15 @@ def _add_bans(
     metadata: SamplingMetadata, states: list[CachedRequestState], min_tokens_rows: tuple[int, ...],
     bad_words_rows: tuple[int, ...], device: torch.device,
 ) -> None:
-    """EOS (unless ignored) and stop ids are banned until a row has ``min_tokens``,
-    except in rows with a grammar: a grammar decides where its output ends (once
-    the structure is complete it allows only EOS, and a ban would leave no token).
-    A bad word's last token is banned where the output ends in the rest of it
-    (a one-token word: always)."""
+    """The tokens each row may not sample next (``sample/bans.py``), for the rows
+    with ``min_tokens`` or bad words."""
     banned_by_row: dict[int, set[int]] = {}
-    for row in min_tokens_rows:
+    for row in sorted({*min_tokens_rows, *bad_words_rows}):
         state = states[row]
-        params = state.sampling_params
-        if state.num_output_tokens < params.min_tokens and params.structured_outputs is None:
-            banned = banned_by_row.setdefault(row, set())
-            banned.update(params.stop_token_ids or [])
-            if not params.ignore_eos:
-                banned |= state.eos_token_ids
-    for row in bad_words_rows:
-        output = states[row].output_token_ids()
-        for word in states[row].sampling_params.bad_words_token_ids or []:
-            head = word[:-1]
-            if not head or output[len(output) - len(head):] == head:
-                banned_by_row.setdefault(row, set()).add(word[-1])
+        banned = banned_next_tokens(state.sampling_params, state.eos_token_ids, state.num_output_tokens,
+                                    state.output_token_ids)
+        if banned:
+            banned_by_row[row] = banned
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     for row, banned in banned_by_row.items():
