@@ -20,6 +20,22 @@ def test_stop_string_matcher_finds_the_earliest_match_in_new_text():
     assert StopStringMatcher(["END"], include_in_output=True).find("abEND!", 4) == ("END", 5)
 
 
+def test_only_an_end_that_could_begin_a_stop_string_is_held_back():
+    """The last max(len(stop)) - 1 characters were always held: under a stop of 256
+    characters every streamed chunk came 255 characters late, and under
+    "<|im_start|>" a short answer streamed nothing until its end."""
+    matcher = StopStringMatcher(["STOP", "<|im_start|>", "aab"], include_in_output=False)
+    assert matcher.held("plain words") == 0
+    assert matcher.held("words ST") == 2 and matcher.held("words STO") == 3 and matcher.held("words S") == 1
+    assert matcher.held("x <|im_") == 5 and matcher.held("x <|im_start") == 10
+    assert matcher.held("xaa") == 2 and matcher.held("xa") == 1  # the longest end that begins one
+    assert matcher.held("STOPX") == 0
+    assert StopStringMatcher(["STOP"], include_in_output=True).held("ST") == 0
+    long_stop = "x" * 255 + "y"
+    assert StopStringMatcher([long_stop], include_in_output=False).held("answer text") == 0
+    assert StopStringMatcher([long_stop], include_in_output=False).held("answer xxx") == 3
+
+
 def feed(processor, tokenizer, request_id, text_pieces, finish_reason="length"):
     """Feed the tokens of ``text_pieces`` one engine step per piece."""
     outputs = []
@@ -50,6 +66,16 @@ def test_streamed_deltas_never_leak_a_stop_string(embedded_tokenizer, include):
     last = results[2].request_outputs[-1]
     assert last.finished and last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == "</answer>"
     assert results[3].request_outputs == []  # tokens after the stop are ignored
+
+
+def test_text_that_cannot_begin_a_stop_string_streams_at_once(embedded_tokenizer):
+    tok = embedded_tokenizer
+    processor = OutputProcessor(tok)
+    params = SamplingParams(stop=["<|im_start|>"], output_kind=RequestOutputKind.DELTA)
+    processor.add_request("r", ProcessedPrompt("q", tok.encode("q")), params)
+    results = feed(processor, tok, "r", ["Hello", " world <|im", "_end|> after"])
+    deltas = [o.outputs[0].text for r in results for o in r.request_outputs]
+    assert deltas == ["Hello", " world ", "<|im_end|> after"]  # only "<|im" waited for its next token
 
 
 def test_final_only_gathers_n_samples_in_index_order(embedded_tokenizer):

@@ -202,7 +202,7 @@ class RequestState:
         # the text that could begin a stop string is held back until it cannot (or the request ends), for whole
         # texts too: a cumulative output used to show it, and then a shorter text when the stop string completed
         text_end = len(self.text) if self.finished else max(
-            self.sent_text_offset, len(self.text) - self.stop_matcher.holdback
+            self.sent_text_offset, len(self.text) - self.stop_matcher.held(self.text)
         )
         if kind == RequestOutputKind.DELTA:
             text = self.text[self.sent_text_offset : text_end]
