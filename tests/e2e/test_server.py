@@ -132,6 +132,20 @@ def test_streamed_text_offsets_equal_non_streamed_under_stop_strings(server, ech
                if "\ufffd" not in token and offset + len(token) <= len(text))
 
 
+def test_text_offsets_leave_out_the_special_tokens_the_text_leaves_out(server):
+    """A special token skipped from the text (skip_special_tokens) still moved the
+    offsets on: every later token's offset pointed past its text."""
+    body = {"model": MODEL, "prompt": [1, 504, 2365, 6354, 2], "max_tokens": 4, "temperature": 0, "logprobs": 1,
+            "echo": True, "ignore_eos": True}
+    url = f"{server.base_url}/v1/completions"
+    choice = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    assert "<|im_start|>" in logprobs["tokens"][5:], logprobs["tokens"]  # the model's answer opens a turn
+    for offset, token in zip(logprobs["text_offset"][5:], logprobs["tokens"][5:]):
+        if token != "<|im_start|>" and "\ufffd" not in token:
+            assert text[offset:].startswith(token), (offset, token, text)
+
+
 def test_chat_logprobs_shape(client):
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0,
                                               logprobs=True, top_logprobs=3)

@@ -167,10 +167,15 @@ class _CompletionBuilder:
             pairs += list(zip(prompt_ids, entries))
         pairs += list(zip(token_ids, logprobs))
         num_top = self.request.logprobs or 0
-        for token_id, entry in pairs:
+        num_prompt = len(prompt_ids) if prompt_ids is not None else 0
+        for position, (token_id, entry) in enumerate(pairs):
             text = self.tokenizer.decode([token_id])
             tokens.append(completion_token_label(self.tokenizer, token_id, text))
-            offsets.append(offset.advance(token_id, text))
+            # the answer's text leaves out special tokens (skip_special_tokens): they take no room in it either
+            in_answer = text
+            if position >= num_prompt and self.request.skip_special_tokens:
+                in_answer = self.tokenizer.decode([token_id], skip_special_tokens=True)
+            offsets.append(offset.advance(token_id, in_answer))
             if entry is None:
                 token_logprobs.append(None)
                 top.append(None)
