@@ -146,6 +146,34 @@ def test_text_offsets_leave_out_the_special_tokens_the_text_leaves_out(server):
             assert text[offset:].startswith(token), (offset, token, text)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, stream):
+    """lm-evaluation-harness's loglikelihood (and vLLM, and OpenAI's legacy
+    completions) ask echo with max_tokens 0: the prompt and its logprobs,
+    nothing generated. It was a 400."""
+    prompt = "The capital of France is Paris"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+    url = f"{server.base_url}/v1/completions"
+    if stream:
+        text, tokens, finish = "", [], None
+        with httpx.stream("POST", url, json=body, timeout=120) as streamed:
+            for line in streamed.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                    text += choice["text"]
+                    tokens += (choice["logprobs"] or {}).get("tokens", [])
+                    finish = choice["finish_reason"] or finish
+    else:
+        answer = httpx.post(url, json=body, timeout=120).json()
+        choice = answer["choices"][0]
+        text, tokens, finish = choice["text"], choice["logprobs"]["tokens"], choice["finish_reason"]
+        assert answer["usage"]["completion_tokens"] == 0
+        assert answer["usage"]["prompt_tokens"] == len(tokens)
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert all(value < 0 for value in choice["logprobs"]["token_logprobs"][1:])
+    assert text == prompt and "".join(tokens) == prompt and finish == "length"
+
+
 def test_chat_logprobs_shape(client):
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0,
                                               logprobs=True, top_logprobs=3)

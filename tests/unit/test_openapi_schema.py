@@ -86,7 +86,7 @@ def test_completion_and_chat_fields(schemas):
     props = completion["properties"]
     assert (member(props["logprobs"], "integer")["minimum"], member(props["logprobs"], "integer")["maximum"]) == (
         0, MAX_TOP_LOGPROBS)
-    assert member(props["max_tokens"], "integer")["minimum"] == 1
+    assert member(props["max_tokens"], "integer")["minimum"] == 0  # 0 with echo: the prompt scored
     chat = schemas["ChatCompletionRequest"]
     assert chat["required"] == ["messages"] and chat["properties"]["messages"]["minItems"] == 1
     assert member(chat["properties"]["top_logprobs"], "integer")["maximum"] == MAX_TOP_LOGPROBS
@@ -119,7 +119,7 @@ def test_invalid_bodies_are_documented_as_400_in_openai_shape(app, schemas):
     ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop", f"at most {MAX_STOP_STRING_CHARS} characters"),
     ({"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop", f"at most {MAX_STOP_STRING_CHARS} characters"),
     ({"logprobs": MAX_TOP_LOGPROBS + 1}, "logprobs", f"less than or equal to {MAX_TOP_LOGPROBS}"),
-    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),  # 0: the prompt scored (with echo)
     ({"temperature": "hot"}, "temperature", "valid number"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
 ])

@@ -171,7 +171,8 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
     )
-    max_tokens: MaxTokens | None = 16
+    # 0 with echo: the prompt scored, nothing generated (lm-evaluation-harness's loglikelihood asks so)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None

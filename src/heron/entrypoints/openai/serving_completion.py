@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -76,13 +77,18 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     prompts = await prepare(raw_request, lambda: [_process(ctx, request, p) for p in _prompts(request)])
     check_kv_transfer_params(ctx, request, len(prompts))
     check_prompt_logprobs(request.prompt_logprobs, request.stream)
+    scores_only = request.max_tokens == 0
+    if scores_only and not request.echo:
+        raise bad_request("max_tokens 0 asks for the prompt alone, scored: it needs echo true", "max_tokens")
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:  # the echoed prompt's logprobs, top-N as asked by logprobs
         prompt_logprobs = max(request.logprobs, prompt_logprobs if prompt_logprobs is not None else 0)
     params = [
         sampling_params(
             request,
-            resolve_max_tokens(ctx, len(p.token_ids), request.max_tokens, "max_tokens", "prompt"),
+            # the engine samples one token past the prompt, which the answer leaves out
+            resolve_max_tokens(ctx, len(p.token_ids), 1 if scores_only else request.max_tokens, "max_tokens",
+                               "prompt"),
             request.logprobs,
             prompt_logprobs,
             request.stream,
@@ -124,6 +130,9 @@ class _CompletionBuilder:
                 echo_prompt: bool, offsets: TextOffsets | None = None) -> dict[str, Any]:
         """``offsets``: where this choice's next token starts (a stream keeps one
         per choice: its text sent so far is no guide, stop strings hold some back)."""
+        if self.request.max_tokens == 0:  # the prompt alone: the token sampled past it is no part of the answer
+            completion = replace(completion, text="", token_ids=[], logprobs=[], cumulative_logprob=None,
+                                 finish_reason="length" if completion.finished() else None, stop_reason=None)
         text = completion.text
         logprobs = None
         prompt = self.prompts[prompt_index]
@@ -197,7 +206,7 @@ class _CompletionBuilder:
             prompt_tokens += len(output.prompt_token_ids)
             cached += output.num_cached_tokens
             for completion in output.outputs:
-                completion_tokens += len(completion.token_ids)
+                completion_tokens += len(completion.token_ids) if self.request.max_tokens != 0 else 0
                 choices.append(self._choice(prompt_index, completion, output.prompt_logprobs, self.request.echo))
         return {
             "id": self.request_id,
@@ -235,7 +244,7 @@ class _CompletionBuilder:
                             and not echo
                         ):
                             continue
-                        completion_tokens[index] += len(completion.token_ids)
+                        completion_tokens[index] += len(completion.token_ids) if self.request.max_tokens != 0 else 0
                         choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo,
                                               text_offsets[index])
                         chunk = self._chunk([choice])
