@@ -274,30 +274,3 @@ def test_seed_none_is_a_random_seed_and_one_past_64_bits_is_named():
     assert EngineArgs(device="cpu", seed=7).create_engine_config().model.seed == 7
     with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\^63, 2\^64\)"):
         EngineArgs(device="cpu", seed=2**64).create_engine_config()
-
-
-def test_the_engines_of_one_server_share_its_disk_tier_bound(tmp_path):
-    """Each data-parallel engine core kept the whole --kv-offloading-dir-size of the
-    one directory they share: a review saw 4.07 MB in a 2.1 MB tier under two."""
-    from heron.engine.rank_events import with_disk_tier_share
-
-    args = EngineArgs(model="/models/a", kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=3.0)
-    assert with_disk_tier_share(args, 1) is args
-    assert with_disk_tier_share(args, 2).kv_offloading_dir_size == 1.5
-    assert with_disk_tier_share(EngineArgs(model="/models/a"), 2).kv_offloading_dir_size == 16.0  # no tier: as is
-    config = EngineArgs(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=1.0,
-                        max_model_len=64).create_engine_config()
-    shared = with_disk_tier_share(config, 4)
-    assert shared.cache.kv_offloading_dir_bytes == (1 << 30) // 4 and config.cache.kv_offloading_dir_bytes == 1 << 30
-
-
-def test_each_local_engine_core_is_started_with_its_share(tmp_path, monkeypatch):
-    from heron.engine import dp_client
-
-    started: list[float] = []
-    monkeypatch.setattr(dp_client.EngineCoreProcess, "start",
-                        staticmethod(lambda engine, *_: started.append(engine.kv_offloading_dir_size)))
-    args = EngineArgs(model="/models/a", kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2.0,
-                      data_parallel_size=2)
-    dp_client.start_engine_cores(args)
-    assert started == [1.0, 1.0]

@@ -33,7 +33,6 @@ from heron.engine.rank_events import (
     check_rank_endpoints,
     kv_events_of,
     rank_kv_events,
-    with_disk_tier_share,
     with_kv_events,
     with_rank_kv_transfer,
 )
@@ -73,7 +72,6 @@ def start_engine_cores(
         private = f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}"
         ranked = with_rank_kv_transfer(with_kv_events(engine, rank_kv_events(kv_events_of(engine), rank, private)),
                                        rank)
-        ranked = with_disk_tier_share(ranked, size)
         processes.append(EngineCoreProcess.start(ranked, log_level, num_clients))
     return processes
 

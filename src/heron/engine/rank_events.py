@@ -92,21 +92,3 @@ def with_rank_kv_transfer(engine: EngineConfig | EngineArgs, rank: int,
         return replace(engine, kv_transfer_config={spec.name: getattr(ranked, spec.name)
                                                    for spec in fields(KVTransferConfig)})
     return replace(engine, kv_transfer=ranked)
-
-
-def with_disk_tier_share(engine: EngineConfig | EngineArgs, size: int) -> EngineConfig | EngineArgs:
-    """One of ``size`` engine cores of one server sharing its disk tier's
-    directory: each keeps its share of the bound, so the server's directory
-    holds at most ``kv_offloading_dir_size`` (each kept the whole bound, and the
-    directory grew to ``size`` times it)."""
-    if size == 1:
-        return engine
-    if isinstance(engine, EngineArgs):
-        if engine.kv_offloading_dir is None:
-            return engine
-        return replace(engine, kv_offloading_dir_size=engine.kv_offloading_dir_size / size)
-    if engine.cache.kv_offloading_dir is None:
-        return engine
-    return replace(engine, cache=replace(engine.cache, kv_offloading_dir_bytes=engine.cache.kv_offloading_dir_bytes
-                                         // size))
-
