@@ -70,10 +70,11 @@ def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Resp
 
 
 def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingReplica,
-                      with_router: bool = False) -> None:
+                      with_router: bool = False, prefill_health: dict[str, Any] | None = None) -> None:
     """``test(client, prefill, decode, ...)`` against a router over one prefill
-    replica and ``decodes`` (default: one that answers /health as vLLM would);
-    ``with_router``: ``test(client, router, prefill, decode, ...)``."""
+    replica (its /health: ``prefill_health``) and ``decodes`` (default: one that
+    answers /health as vLLM would); ``with_router``: ``test(client, router,
+    prefill, decode, ...)``."""
     async def main(prefill: RecordingReplica) -> None:
         decode_replicas = list(decodes) or [RecordingReplica()]
         for replica in (prefill, *decode_replicas):
@@ -93,7 +94,7 @@ def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingR
             for replica in (prefill, *decode_replicas):
                 await replica.stop()
 
-    asyncio.run(main(RecordingReplica()))
+    asyncio.run(main(RecordingReplica(prefill_health)))
 
 
 def test_a_decode_replica_that_pulls_no_kv_gets_the_request_as_it_came():
@@ -304,3 +305,22 @@ def test_a_prefill_replica_no_decode_replica_can_pull_from_is_skipped():
 
     run_disaggregated(mismatched, RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 16}),
                       with_router=True)
+
+
+def test_a_decode_replica_of_another_block_size_gets_the_request_as_it_came():
+    """Of decode replicas of 16 and 32 tokens a block, the 16 one was sent a
+    32-block prefill's handle it cannot pull (and warned on every request)."""
+    body = {"prompt": "a heron", "max_tokens": 4}
+
+    async def mixed(client: httpx.AsyncClient, prefill: RecordingReplica, small: RecordingReplica,
+                    large: RecordingReplica) -> None:
+        prefill.params = {**_PARAMS, "remote_block_size": 32}
+        for _ in range(4):  # round robin over both
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert small.seen == [("/v1/completions", body)] * 2
+        assert large.seen == [("/v1/completions", {**body, "kv_transfer_params": prefill.params})] * 2
+
+    prefill_health = {"status": "ok", "kv_role": "kv_producer", "block_size": 32}
+    run_disaggregated(mixed, RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 16}),
+                      RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 32}),
+                      prefill_health=prefill_health)

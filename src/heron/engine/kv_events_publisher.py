@@ -51,11 +51,11 @@ class ZmqEventPublisher:
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.SNDHWM, min(config.hwm, 2**31 - 1))
         self._replay = self._context.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
         # a whole replay (the buffer and its end) is queued whole; past two, a peer's answers are dropped
-        self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
+        self._replay.setsockopt(zmq.SNDHWM, min(2 * (config.buffer_steps + 1), 2**31 - 1))  # (a C int)
         # this publisher's numbering: a restarted engine numbers from 0 again under another epoch
         self.epoch = secrets.token_hex(8)
         replay_address = config.replay_endpoint or _any_port(config.endpoint)

@@ -256,7 +256,7 @@ class RouterServer:
         hashes = await self._block_hashes(request.path, body, len(raw)) if self.hasher and body else []
         session = (body.get("user") if body else None) or request.headers.get("x-session-id")
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        prefilled = None
+        prefilled, prefilled_block_size = None, None
         pulling = [replica for replica in self.replicas.usable() if replica.takes_kv_transfers]
         if self.prefill is not None and body is not None and prefills_first(request.path, body) and pulling:
             assert self.session is not None
@@ -264,10 +264,12 @@ class RouterServer:
                                                         dict(_passed_headers(request)), hashes, pulling, deadline)
             if kv_transfer_params is not None:
                 prefilled = json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
+                size = kv_transfer_params.get("remote_block_size")
+                prefilled_block_size = size if isinstance(size, int) else None
         previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
         pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
         await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned,
-                          deadline, prefilled)
+                          deadline, prefilled, prefilled_block_size)
 
     async def _block_hashes(self, path: str, body: dict[str, Any], body_bytes: int) -> list[Any]:
         """The prompt's block hashes: on the loop for a small body (fast), on the
@@ -305,12 +307,14 @@ class RouterServer:
 
     async def _proxy(self, request: HttpRequest, writer: ResponseWriter, raw: bytes, hashes: list[bytes],
                      session: str | None, pinned: str | None = None, deadline: float | None = None,
-                     prefilled: bytes | None = None) -> None:
+                     prefilled: bytes | None = None, prefilled_block_size: int | None = None) -> None:
         """``pinned``: the replica holding the stored response the request names
         (tried first while usable; elsewhere it answers that it has no such response).
         ``deadline``: the loop's time by which the answer must have ended.
         ``prefilled``: the body with the prefill stage's ``kv_transfer_params``,
-        for a replica that pulls KV (one that does not gets ``raw``)."""
+        for a replica that pulls KV in blocks of ``prefilled_block_size`` tokens
+        (one that does not, or keeps blocks of another size, gets ``raw``: it
+        could not pull them, and warned on every request)."""
         tried: list[Replica] = []
         refusals: list[_Refusal] = []  # the replicas' own failure answers (a 503 and its Retry-After)
         headers = _passed_headers(request)
@@ -334,7 +338,9 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            payload = prefilled if prefilled is not None and replica.takes_kv_transfers else raw
+            pulls = replica.takes_kv_transfers and (None in (replica.block_size, prefilled_block_size)
+                                                    or replica.block_size == prefilled_block_size)
+            payload = prefilled if prefilled is not None and pulls else raw
             if await self._send(request, writer, replica, payload, headers, hashes, decision.uncached_blocks,
                                 deadline, refusals):
                 return
