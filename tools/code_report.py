@@ -33,7 +33,8 @@ LONG_FUNCTION_MARK = "one piece"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("heron.config", "heron.envs", "heron.utils", "heron.outputs", "heron.step_outputs",
               "heron.sampling_params", "heron.request", "heron.gc_freeze", "heron.profiling",
-              "heron.tempdirs", "heron.http_bounds", "heron.interrupts")),
+              "heron.tempdirs", "heron.http_bounds", "heron.interrupts", "heron.launcher_watch",
+              "heron.token_bans")),
     ("kernels", ("heron.kernels",)),
     ("loader", ("heron.loader",)),
     ("structured_output", ("heron.structured_output",)),

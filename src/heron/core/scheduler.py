@@ -36,8 +36,8 @@ from heron.core.request_queue import create_request_queue
 from heron.core.scheduler_kv import SchedulerKVMixin
 from heron.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from heron.request import Request, RequestStatus
-from heron.sample.bans import NO_TOKEN_LEFT, no_token_left
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs, EngineEventType, ModelRunnerOutput, SchedulerStats
+from heron.token_bans import NO_TOKEN_LEFT, no_token_left
 
 if TYPE_CHECKING:
     from heron.structured_output.manager import StructuredOutputManager
@@ -533,7 +533,7 @@ class Scheduler(SchedulerKVMixin):
 
     def _no_token_left(self, request: Request) -> bool:
         """Whether the request's own restrictions leave its next token no choice
-        (``sample/bans.py``: a bad word of several tokens can ban the last one of
+        (``token_bans.py``: a bad word of several tokens can ban the last one of
         its allowed_token_ids once the output ends in the rest); it is then
         finished with the reason, as for a grammar (its row was all -inf, and
         token 0 came out). A grammar's request is the grammar's to end."""

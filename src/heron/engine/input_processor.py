@@ -16,8 +16,8 @@ from typing import Any
 
 from heron.config import ModelConfig
 from heron.request import EngineCoreRequest
-from heron.sample.bans import NO_TOKEN_LEFT, no_token_left
 from heron.sampling_params import SamplingParamError, SamplingParams
+from heron.token_bans import NO_TOKEN_LEFT, no_token_left
 
 logger = logging.getLogger(__name__)
 

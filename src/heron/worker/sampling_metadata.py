@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from heron.sample.bans import banned_next_tokens
 from heron.sample.metadata import SamplingMetadata
 from heron.sampling_params import SamplingParams
+from heron.token_bans import banned_next_tokens
 from heron.worker.request_state import CachedRequestState
 from heron.worker.step_inputs import on_device
 
@@ -171,7 +171,7 @@ def _add_bans(
     metadata: SamplingMetadata, states: list[CachedRequestState], min_tokens_rows: tuple[int, ...],
     bad_words_rows: tuple[int, ...], device: torch.device,
 ) -> None:
-    """The tokens each row may not sample next (``sample/bans.py``), for the rows
+    """The tokens each row may not sample next (``token_bans.py``), for the rows
     with ``min_tokens`` or bad words."""
     banned_by_row: dict[int, set[int]] = {}
     for row in sorted({*min_tokens_rows, *bad_words_rows}):
