@@ -155,16 +155,24 @@ def test_the_hand_over_keeps_word_spaces(fail_at):
 
 
 def test_a_prompt_ending_mid_character_keeps_its_bytes_out_of_the_output(embedded_tokenizer):
-    """The prompt's pending bytes are prompt text, never output (both detokenizers agree)."""
+    """The prompt's pending bytes are prompt text, never output; but a character
+    the output completes is output text, whole (it was lost: a client continuing
+    an answer cut inside a character by sending its token ids back got neither
+    half). Both detokenizers agree."""
     tok = embedded_tokenizer
     prompt = tok.encode("Tell me 🦜")[:-1]  # cut inside the emoji
-    for continuation in (tok.encode(" hello"), tok.encode("Tell me 🦜")[-1:] + tok.encode(" hi")):
+    for continuation, expected in ((tok.encode(" hello"), " hello"),
+                                   (tok.encode("Tell me 🦜")[-1:] + tok.encode(" hi"), "🦜 hi")):
         pieces = {}
         for cls in (IncrementalDetokenizer, StreamingDetokenizer):
             detok = cls(tok, prompt, True)
             pieces[cls] = [detok.push(token_id) for token_id in continuation] + [detok.flush()]
         assert pieces[StreamingDetokenizer] == pieces[IncrementalDetokenizer]
-        assert "\ufffd" not in "".join(pieces[StreamingDetokenizer])
+        assert "".join(pieces[StreamingDetokenizer]) == expected
+    emoji = tok.encode("🦜", add_special_tokens=False)
+    if len(emoji) > 2:  # completed over two output tokens: nothing until it is whole
+        detok = IncrementalDetokenizer(tok, tok.encode("Tell me") + emoji[:1], True)
+        assert [detok.push(token_id) for token_id in emoji[1:]] == [""] * (len(emoji) - 2) + ["🦜"]
 
 
 def test_a_prompt_the_stream_cannot_follow_falls_back_at_once():

@@ -58,6 +58,10 @@ class IncrementalDetokenizer:
         self._tokens = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        # a prompt ending inside a character: its bytes decode as U+FFFD here; the output's first bytes may
+        # complete it (a client continuing an answer cut there), and the whole character is then output text
+        prompt_text = self._decode(context) if context else ""
+        self._split_prompt_chars = len(prompt_text) - len(prompt_text.rstrip(_REPLACEMENT_CHAR))
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is split)."""
@@ -77,11 +81,17 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._tokens[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) and not final:
+        prefix_length = len(prefix_text)
+        if self._split_prompt_chars:  # the prompt's split character: completed by the output, or left as it was
+            start = prefix_length - self._split_prompt_chars
+            if not full_text[start:].startswith(_REPLACEMENT_CHAR * self._split_prompt_chars):
+                prefix_length = start
+        if len(full_text) <= prefix_length and not final:
             return ""  # e.g. a special token that is skipped, or a pending byte
         if full_text.endswith(_REPLACEMENT_CHAR) and not final:
             return ""
-        new_text = full_text[len(prefix_text) :]
+        new_text = full_text[prefix_length:]
+        self._split_prompt_chars = 0  # from here on the window starts at the output's own text
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         # keep the window short: older tokens no longer matter for decoding
