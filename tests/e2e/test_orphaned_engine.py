@@ -48,6 +48,22 @@ def test_an_engine_core_whose_launcher_died_while_it_imported_exits():
         server.stop()
 
 
+def test_sigterm_while_the_server_starts_is_a_clean_stop():
+    """Before the server installed its graceful handler, SIGTERM's default action
+    killed it outright (exit -15): a service manager stopping a server that was
+    still loading saw it die, and its directories were left behind."""
+    server = ServerProcess(wait_ready=False)
+    try:
+        engine_pid = server.engine_core_pid(timeout=30)  # started: the API server is still starting up
+        socket_dir = os.path.dirname(start_pickle(engine_pid))
+        os.kill(server.process.pid, signal.SIGTERM)
+        assert server.process.wait(30) == 0, server.read_log()
+        assert wait_gone([engine_pid], 30), "the engine core outlived its launcher"
+        assert not os.path.exists(socket_dir)
+    finally:
+        server.stop()
+
+
 def test_a_killed_api_server_leaves_no_engine_core_and_no_socket_directory():
     server = ServerProcess()
     try:

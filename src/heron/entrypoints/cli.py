@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 
 from heron.engine.args import EngineArgs
 from heron.entrypoints.sampling_args import add_sampling_args
@@ -72,6 +74,14 @@ def _add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
                 _add_log_level_to_subcommands(subparser)
 
 
+class _Terminated(Exception):
+    """SIGTERM while ``heron serve`` starts, before the server's own handler (a graceful stop) is installed."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -81,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_generate(args) if args.command == "generate" else run_chat(args)
         if args.command == "serve":
+            # until the server installs its own: SIGTERM's default action killed the starting server outright
+            # (exit -15, its private directories left for the next heron; its engine cores leave on their own)
+            signal.signal(signal.SIGTERM, _terminate)
             from heron.engine.dp_client import start_engine_cores
             from heron.entrypoints.openai.cli_args import check_serve_args
 
@@ -116,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except _Terminated:  # asked to stop while starting: a clean stop, as once serving
+        return 0
     return 1
 
 
