@@ -56,10 +56,15 @@ def prefills_first(path: str, body: dict[str, Any]) -> bool:
     return not several_prompts
 
 
+def block_sizes_match(first: int | None, second: int | None) -> bool:
+    """Whether blocks of these sizes can be pulled one into the other (a size
+    not named, as by a replica whose /health names none, matches any)."""
+    return first is None or second is None or first == second
+
+
 def same_block_size(prefill: Replica, decodes: Sequence[Replica]) -> bool:
-    """Whether one of ``decodes`` can pull what ``prefill`` stores (a replica
-    whose /health names no block size is taken to match any)."""
-    return prefill.block_size is None or any(decode.block_size in (None, prefill.block_size) for decode in decodes)
+    """Whether one of ``decodes`` can pull what ``prefill`` stores."""
+    return prefill.block_size is None or any(block_sizes_match(prefill.block_size, d.block_size) for d in decodes)
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from heron.gc_freeze import freeze_startup_objects
 from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds
-from heron.router.disaggregation import CLIENT_KV_TRANSFER, PrefillStage, prefills_first
+from heron.router.disaggregation import CLIENT_KV_TRANSFER, PrefillStage, block_sizes_match, prefills_first
 from heron.router.http_front import FrontConnection, HttpRequest, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
@@ -338,8 +338,7 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            pulls = replica.takes_kv_transfers and (None in (replica.block_size, prefilled_block_size)
-                                                    or replica.block_size == prefilled_block_size)
+            pulls = replica.takes_kv_transfers and block_sizes_match(replica.block_size, prefilled_block_size)
             payload = prefilled if prefilled is not None and pulls else raw
             if await self._send(request, writer, replica, payload, headers, hashes, decision.uncached_blocks,
                                 deadline, refusals):

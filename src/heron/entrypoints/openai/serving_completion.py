@@ -126,13 +126,18 @@ class _CompletionBuilder:
         self.created = created
         self.tokenizer = ctx.engine.tokenizer
 
+    def _kept(self, completion: CompletionOutput) -> CompletionOutput:
+        """The completion as the answer has it: with max_tokens 0 (the prompt alone),
+        the token the engine sampled past the prompt is no part of it."""
+        if self.request.max_tokens != 0:
+            return completion
+        return replace(completion, text="", token_ids=[], logprobs=[], cumulative_logprob=None,
+                       finish_reason="length" if completion.finished() else None, stop_reason=None)
+
     def _choice(self, prompt_index: int, completion: CompletionOutput, prompt_logprobs: PromptLogprobs | None,
                 echo_prompt: bool, offsets: TextOffsets | None = None) -> dict[str, Any]:
         """``offsets``: where this choice's next token starts (a stream keeps one
         per choice: its text sent so far is no guide, stop strings hold some back)."""
-        if self.request.max_tokens == 0:  # the prompt alone: the token sampled past it is no part of the answer
-            completion = replace(completion, text="", token_ids=[], logprobs=[], cumulative_logprob=None,
-                                 finish_reason="length" if completion.finished() else None, stop_reason=None)
         text = completion.text
         logprobs = None
         prompt = self.prompts[prompt_index]
@@ -205,8 +210,8 @@ class _CompletionBuilder:
         for prompt_index, output in enumerate(finals):
             prompt_tokens += len(output.prompt_token_ids)
             cached += output.num_cached_tokens
-            for completion in output.outputs:
-                completion_tokens += len(completion.token_ids) if self.request.max_tokens != 0 else 0
+            for completion in map(self._kept, output.outputs):
+                completion_tokens += len(completion.token_ids)
                 choices.append(self._choice(prompt_index, completion, output.prompt_logprobs, self.request.echo))
         return {
             "id": self.request_id,
@@ -233,7 +238,7 @@ class _CompletionBuilder:
             async with aclosing(merge_streams(streams)) as merged:
                 async for prompt_index, output in merged:
                     cached[prompt_index] = output.num_cached_tokens
-                    for completion in output.outputs:
+                    for completion in map(self._kept, output.outputs):
                         index = prompt_index * n + completion.index
                         echo = self.request.echo and index not in echoed
                         echoed.add(index)
@@ -244,7 +249,7 @@ class _CompletionBuilder:
                             and not echo
                         ):
                             continue
-                        completion_tokens[index] += len(completion.token_ids) if self.request.max_tokens != 0 else 0
+                        completion_tokens[index] += len(completion.token_ids)
                         choice = self._choice(prompt_index, completion, output.prompt_logprobs, echo,
                                               text_offsets[index])
                         chunk = self._chunk([choice])
