@@ -100,16 +100,20 @@ def run_disaggregated(test: Callable[..., Awaitable[None]], *decodes: RecordingR
 def test_a_decode_replica_that_pulls_no_kv_gets_the_request_as_it_came():
     """A plain heron serve among the decode replicas got the router's
     kv_transfer_params and answered 400, naming a field the client never sent;
-    with no replica that pulls KV, the prefill stage only held a lease."""
+    with no replica that pulls KV, the prefill stage only held a lease. A
+    prefilled request goes to one that pulls while one is usable."""
     body = {"prompt": "a heron", "max_tokens": 4}
 
     async def mixed(client: httpx.AsyncClient, prefill: RecordingReplica, plain: RecordingReplica,
                     pulling: RecordingReplica) -> None:
-        for _ in range(4):  # round robin over both
+        for _ in range(4):
             assert (await client.post("/v1/completions", json=body)).status_code == 200
         assert len(prefill.seen) == 4
-        assert plain.seen == [("/v1/completions", body)] * 2  # round robin: the stages took turns from one counter
-        assert pulling.seen == [("/v1/completions", {**body, "kv_transfer_params": _PARAMS})] * 2
+        assert plain.seen == []
+        assert pulling.seen == [("/v1/completions", {**body, "kv_transfer_params": _PARAMS})] * 4
+        await pulling.stop()
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert plain.seen == [("/v1/completions", body)]
 
     run_disaggregated(mixed, RecordingReplica({"status": "ok", "kv_role": None}),
                       RecordingReplica({"status": "ok", "kv_role": "kv_consumer"}))
@@ -307,20 +311,26 @@ def test_a_prefill_replica_no_decode_replica_can_pull_from_is_skipped():
                       with_router=True)
 
 
-def test_a_decode_replica_of_another_block_size_gets_the_request_as_it_came():
-    """Of decode replicas of 16 and 32 tokens a block, the 16 one was sent a
-    32-block prefill's handle it cannot pull (and warned on every request)."""
+def test_a_prefilled_request_goes_to_a_decode_replica_that_can_pull_it():
+    """Of decode replicas of 16 and 32 tokens a block, round robin sent every
+    other prefilled request to the 16 one, which cannot pull a 32-block
+    prefill's KV: it recomputed the prompt while the prefill replica held the
+    blocks until their lease expired. The 32 one gets them all; the 16 one gets
+    the request as it came only when the 32 one is out."""
     body = {"prompt": "a heron", "max_tokens": 4}
 
-    async def mixed(client: httpx.AsyncClient, prefill: RecordingReplica, small: RecordingReplica,
-                    large: RecordingReplica) -> None:
+    async def mixed(client: httpx.AsyncClient, router: RouterServer, prefill: RecordingReplica,
+                    small: RecordingReplica, large: RecordingReplica) -> None:
         prefill.params = {**_PARAMS, "remote_block_size": 32}
-        for _ in range(4):  # round robin over both
+        for _ in range(4):
             assert (await client.post("/v1/completions", json=body)).status_code == 200
-        assert small.seen == [("/v1/completions", body)] * 2
-        assert large.seen == [("/v1/completions", {**body, "kv_transfer_params": prefill.params})] * 2
+        assert small.seen == []
+        assert large.seen == [("/v1/completions", {**body, "kv_transfer_params": prefill.params})] * 4
+        await large.stop()
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert small.seen == [("/v1/completions", body)]  # a handle it could not pull would be a 400
 
     prefill_health = {"status": "ok", "kv_role": "kv_producer", "block_size": 32}
     run_disaggregated(mixed, RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 16}),
                       RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 32}),
-                      prefill_health=prefill_health)
+                      with_router=True, prefill_health=prefill_health)

@@ -312,9 +312,11 @@ class RouterServer:
         (tried first while usable; elsewhere it answers that it has no such response).
         ``deadline``: the loop's time by which the answer must have ended.
         ``prefilled``: the body with the prefill stage's ``kv_transfer_params``,
-        for a replica that pulls KV in blocks of ``prefilled_block_size`` tokens
-        (one that does not, or keeps blocks of another size, gets ``raw``: it
-        could not pull them, and warned on every request)."""
+        for a replica that pulls KV in blocks of ``prefilled_block_size`` tokens:
+        such replicas are chosen first (the prefill replica holds the prompt's
+        blocks until one pulls them or the lease expires); one that does not, or
+        keeps blocks of another size, gets ``raw`` when no other is usable (it
+        could not pull them, and would warn on every request)."""
         tried: list[Replica] = []
         refusals: list[_Refusal] = []  # the replicas' own failure answers (a 503 and its Retry-After)
         headers = _passed_headers(request)
@@ -326,6 +328,8 @@ class RouterServer:
             if not candidates:
                 break
             candidates = [r for r in candidates if r.url == pinned] or candidates
+            if prefilled is not None:  # the prefill replica holds the prompt's KV for one that pulls it
+                candidates = [r for r in candidates if _pulls(r, prefilled_block_size)] or candidates
             decision = self.router.choose(candidates, hashes, session)
             replica = decision.replica
             assert isinstance(replica, Replica)
@@ -338,8 +342,7 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            pulls = replica.takes_kv_transfers and block_sizes_match(replica.block_size, prefilled_block_size)
-            payload = prefilled if prefilled is not None and pulls else raw
+            payload = prefilled if prefilled is not None and _pulls(replica, prefilled_block_size) else raw
             if await self._send(request, writer, replica, payload, headers, hashes, decision.uncached_blocks,
                                 deadline, refusals):
                 return
@@ -537,6 +540,11 @@ async def _until_or_stalled(replica: Replica, done: asyncio.Future[None], deadli
                     return ending.result()
     finally:
         ending.cancel()
+
+
+def _pulls(replica: Replica, block_size: int | None) -> bool:
+    """Whether ``replica`` can pull a prefill's KV stored in blocks of ``block_size`` tokens."""
+    return replica.takes_kv_transfers and block_sizes_match(replica.block_size, block_size)
 
 
 def _passed_headers(request: HttpRequest) -> list[tuple[str, str]]:
