@@ -94,6 +94,8 @@ def test_a_request_placed_on_an_engine_that_just_died_ends_with_an_error(fake_en
             stream = llm.generate(ProcessedPrompt("hi", [1, 2, 3]), SamplingParams(max_tokens=4), "r")
             with pytest.raises(EngineDeadError):  # within the engine watch's period, not never
                 await asyncio.wait_for(anext(stream), 10)
+            # which of the engines died (the message was one engine's, with no rank)
+            assert llm.dead_reason == "engine core 1: the engine core process exited"
         finally:
             llm.shutdown()
 

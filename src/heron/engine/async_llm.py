@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from heron.config import EngineConfig
-from heron.engine.core_client import UNKNOWN_EXIT_CODE, EngineCoreClient, EngineCoreEndpoint, OwnedEngineCore
+from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, OwnedEngineCore
 from heron.engine.dp_client import DataParallelClient, start_engine_cores
 from heron.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedPrompt
 from heron.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
@@ -415,9 +415,7 @@ class AsyncLLM:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if not self.client.is_alive():
-                code = self.client.exit_code
-                self._mark_dead("the engine core process exited"
-                                + ("" if code == UNKNOWN_EXIT_CODE else f" (code {code})"))
+                self._mark_dead(self.client.exit_reason())
                 return
             previous, tick = tick, time.monotonic()
             # after this loop itself was held (a long call in a handler), the engine's messages wait unread

@@ -169,6 +169,11 @@ class EngineCoreClient:
             return self._owned.exit_code()
         return None if self.pid is None or _process_running(self.pid) else UNKNOWN_EXIT_CODE
 
+    def exit_reason(self) -> str:
+        """What to tell clients once the engine core is no longer alive."""
+        code = self.exit_code
+        return "the engine core process exited" + ("" if code in (None, UNKNOWN_EXIT_CODE) else f" (code {code})")
+
     async def add_request(self, request: EngineCoreRequest) -> None:
         try:
             message = pack(MessageKind.ADD, encode_request(request))

@@ -256,6 +256,11 @@ class DataParallelClient:
     def exit_code(self) -> int | None:
         return next((e.client.exit_code for e in self.engines if not e.client.is_alive()), None)
 
+    def exit_reason(self) -> str:
+        """Which engine core is gone, and how (one gone takes the server down)."""
+        gone = next((e for e in self.engines if not e.client.is_alive()), self.engines[0])
+        return f"engine core {gone.rank}: {gone.client.exit_reason()}"
+
     def fail_pending_calls(self, error: BaseException) -> None:
         for engine in self.engines:
             engine.client.fail_pending_calls(error)
