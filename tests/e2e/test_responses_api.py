@@ -137,6 +137,13 @@ def test_a_function_call_and_its_output_round_trip(default_client):
                {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
                {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}])
     assert whole.output_text == follow_up.output_text
+    # an output for a call nobody made (a typo in call_id) was shown to the model as a tool result
+    for history in ({"previous_response_id": answer.id}, {}):
+        with pytest.raises(BadRequestError, match="No tool call found for function call output with call_id") as info:
+            default_client.responses.create(
+                model=MODEL, tools=TOOLS, max_output_tokens=4, **history,
+                input=[{"type": "function_call_output", "call_id": call.call_id + "x", "output": "18 degrees"}])
+        assert info.value.body["param"] == "input"
 
 
 def test_streamed_events_come_in_order_and_add_up(default_client):

@@ -77,6 +77,18 @@ def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def check_call_outputs(conversation: list[dict[str, Any]]) -> None:
+    """A 400, as OpenAI answers, for a function call output that answers no
+    call before it (in the input or the previous response): the model was
+    shown a tool result for a call nobody made."""
+    called: set[str] = set()
+    for message in conversation:
+        called.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            raise bad_request(f"No tool call found for function call output with call_id "
+                              f"{message['tool_call_id']!r}.", "input")
+
+
 def listed_input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as ``input_items`` lists it: items with ids (an
     item's own id where it has one, the first time it comes)."""
@@ -167,6 +179,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
                               "previous_response_id", "previous_response_not_found")
         history = previous.conversation
     conversation = history + input_messages(request)
+    check_call_outputs(conversation)
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     chat = chat_request(request, system + conversation)
     try:
