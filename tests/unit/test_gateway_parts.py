@@ -678,3 +678,27 @@ def test_unknown_field_names_are_logged_quoted_cut_and_counted():
     assert "\n" not in line and len(line) < 600
     assert line.startswith("'x\\n23:59:59 ERROR") and line.endswith("and 2 more")
     assert loggable_names(["frobnicate"]) == "'frobnicate'"
+
+
+def test_503s_while_loading_spend_none_of_the_rate_limit():
+    """A client polling a loading server (503s) arrived at readiness with its
+    bucket emptied by its own polls: its first real request was a 429."""
+    from heron.entrypoints.openai import errors
+    from heron.entrypoints.openai.gateway import GatewayMiddleware
+
+    loading = [True]
+
+    def unavailable() -> APIError | None:
+        return errors.unavailable("the model is still loading", "model_loading") if loading[0] else None
+
+    limiter = TokenBucketLimiter(rate=0.001, burst=2, clock=FakeClock())
+    gateway = GatewayMiddleware(None, APIKeyChecker(["k"]), limiter, unavailable)
+    scope = {"type": "http", "path": "/v1/models", "headers": [(b"authorization", b"Bearer k")],
+             "client": ("127.0.0.1", 1)}
+    for _ in range(5):
+        refusal = gateway._refusal(dict(scope))
+        assert refusal is not None and refusal.status_code == 503
+    assert gateway._refusal({**scope, "headers": []}).status_code == 401  # the key is still checked first
+    loading[0] = False
+    assert gateway._refusal(dict(scope)) is None and gateway._refusal(dict(scope)) is None
+    assert gateway._refusal(dict(scope)).status_code == 429

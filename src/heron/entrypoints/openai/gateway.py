@@ -179,9 +179,14 @@ class GatewayMiddleware:
             key, owner = self.keys.identify(authorization)
             if owner is not None:  # whose the stored responses are (only the key that made one reads it)
                 scope.setdefault("state", {})[KEY_OWNER] = owner
+            # a 503 while the engine loads spends none of the client's rate: it would arrive at
+            # readiness with its bucket emptied by its own polling
+            unavailable = self.unavailable() if versioned else None
+            if unavailable is not None:
+                return unavailable
             if api and self.limiter is not None:
                 client = scope.get("client")
                 self.limiter.acquire(key or (client[0] if client else "anonymous"))
         except APIError as exc:
             return exc
-        return self.unavailable() if versioned else None
+        return None
