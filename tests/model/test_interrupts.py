@@ -10,16 +10,21 @@ from heron import LLM, SamplingParams
 from tests.model.conftest import load_reference, random_prompts, reference_greedy
 
 
-@pytest.mark.parametrize("budget", [16, 64])  # the prompt in chunks, or whole
-def test_an_interrupted_prefill_leaves_no_unwritten_blocks_cached(tiny_model_dir, monkeypatch, budget):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("budget, interrupt_at", [(16, 2), (16, 3), (64, 1)])
+def test_an_interrupted_prefill_leaves_no_unwritten_blocks_cached(tiny_model_dir, monkeypatch, budget, interrupt_at,
+                                                                  async_scheduling):
+    """Interrupted mid-prompt (the first chunk computed), in the step that
+    completes it, or in its only prefill step. With async scheduling the step
+    that completes a prompt gives the request an output placeholder, and the
+    undo skipped such requests: the prompt's blocks stayed cached unwritten."""
     directory = tiny_model_dir("llama")
     [prompt] = random_prompts([40], seed=21)
     expected = reference_greedy(load_reference(directory), prompt, 8)
     llm = LLM(directory, dtype="float32", max_model_len=96, block_size=8, num_kv_blocks=32,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, async_scheduling=async_scheduling)
     runner = llm.engine.engine_core.model_runner
     execute_model, calls = runner.execute_model, []
-    interrupt_at = 2 if budget == 16 else 1  # mid-prompt (the first chunk computed), or its only prefill step
 
     def interrupted(*args, **kwargs):
         calls.append(1)

@@ -124,6 +124,7 @@ class Scheduler(SchedulerKVMixin):
         self._init_kv_connector(cache_config, kv_transfer)
         # forgotten by the runner at the next step
         self._finished_req_ids: set[str] = set()
+        self._sampling_in_last_step: set[str] = set()  # async: requests the last scheduled step gave a placeholder
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingCounters()
         self._failed_requests: list[Request] = []  # grammar or KV-load failures, reported at the next output
@@ -357,6 +358,7 @@ class Scheduler(SchedulerKVMixin):
             kv_transfers=self.kv_cache_manager.take_transfers(),
         )
         self._finished_req_ids = set()
+        self._sampling_in_last_step = set()
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
@@ -365,6 +367,7 @@ class Scheduler(SchedulerKVMixin):
                 and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1  # this step samples its next token
+                self._sampling_in_last_step.add(request_id)
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
@@ -410,14 +413,22 @@ class Scheduler(SchedulerKVMixin):
         blocks were registered in the prefix cache, though their K/V was never
         written. Each of its requests gives the step back and is preempted: the
         blocks leave the prefix cache, and it is recomputed if it goes on. (The
-        same prompt answered garbage from the cached blocks after a Ctrl-C.) A
-        request with a token still in flight (async scheduling) is left as is."""
+        same prompt answered garbage from the cached blocks after a Ctrl-C.)
+        With async scheduling the step is the last one scheduled: the output
+        placeholder it gave a request goes too, and a request with an earlier
+        step's token still in flight is preempted all the same (that token is
+        appended when its step's output is processed, as after any preemption;
+        skipping such a request left the blocks of the step that completed a
+        prompt cached unwritten)."""
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
-            if request is None or request.num_output_placeholders or request not in self.running:
+            if request is None or request not in self.running:
                 continue
             request.num_computed_tokens -= num_new
+            if request_id in self._sampling_in_last_step:
+                request.num_output_placeholders -= 1
             self._preempt(request)
+        self._sampling_in_last_step = set()
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
