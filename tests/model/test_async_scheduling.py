@@ -57,6 +57,9 @@ def test_greedy_matches_transformers(llama, situation, monkeypatch):
     for output, tokens in zip(llm.generate(prompts, stops, use_tqdm=False), expected):
         assert output.outputs[0].token_ids == tokens[: tokens.index(tokens[3]) + 1]
         assert output.outputs[0].finish_reason == "stop"
+    # the step launched before the stops were seen is taken, not left until the next request (its buffers
+    # held, and the tiers' idle flush waiting for it)
+    assert not core.has_step_in_flight
     short = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in short] == [tokens[:1] for tokens in expected]
     manager = core.scheduler.kv_cache_manager

@@ -147,7 +147,13 @@ class EngineCore:
         return self.config.async_scheduling
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Work left: requests, or a step launched before its requests ended."""
+        return self.scheduler.has_unfinished_requests() or self.has_step_in_flight
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Async scheduling: a step launched whose output is not processed yet."""
+        return self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
         """Schedule and run one step; return the outputs of the step that finished
@@ -209,6 +215,11 @@ class EngineCore:
 
     def _run_step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
+            if self._in_flight is not None:
+                # launched before its requests ended (a stop seen a step late, an abort): taken now, so its
+                # buffers go and the idle flush writes the last blocks to the tiers, not the next request
+                stale, self._in_flight = self._in_flight, None
+                return self._process(*stale)
             return EngineCoreOutputs(outputs=self.scheduler.take_failure_outputs(),
                                      scheduler_stats=self.scheduler.make_stats())
         in_flight = self._in_flight

@@ -64,7 +64,8 @@ class LLMEngine:
         self.engine_core.abort_requests(sorted(engine_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        """Requests not finished, or (async scheduling) a step launched after the last one finished."""
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
