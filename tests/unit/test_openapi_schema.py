@@ -175,3 +175,29 @@ def test_tokenize_reports_the_error_of_the_body_shape_meant(app):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages" and "messages.0.role" in error["message"], error
+
+
+@pytest.mark.parametrize("messages, path", [
+    ([{"role": "user", "content": ["a string, not a part"]}], "messages.0.content"),
+    ([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"a": 1}}}]}],
+     "messages.0.tool_calls.0.function.arguments"),
+])
+def test_tokenize_reports_a_bad_conversation_as_such(app, messages, path):
+    """A conversation whose parts were the wrong type was reported as "prompt:
+    Field required": each member of the union was tried, and the prompt's error won."""
+    response = TestClient(app).post("/tokenize", json={"messages": messages})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages" and path in error["message"], error
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_a_chat_body_takes_one_ending(app, path):
+    """continue_final_message and add_generation_prompt both true: continuing
+    won silently (vLLM refuses it); /tokenize had no chat_template_kwargs, and
+    a string there was a 500."""
+    client = TestClient(app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}
+    response = client.post(path, json={**body, "add_generation_prompt": True})
+    assert response.status_code == 400 and "cannot both be true" in response.json()["error"]["message"]
+    response = client.post(path, json={**body, "add_generation_prompt": False, "chat_template_kwargs": "x"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs"

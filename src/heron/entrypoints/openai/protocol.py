@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, model_validator
 
 from heron.entrypoints.openai.limits import (
     MAX_BAD_WORDS,
@@ -224,36 +224,60 @@ class ChatMessage(OpenAIModel):
     tool_call_id: str | None = None  # a tool message: which call it answers
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatPromptFields(OpenAIModel):
+    """What a conversation is rendered into a prompt with: chat completions and
+    /tokenize take the same fields, checked the same way."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: MaxTokens | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
-    top_logprobs: TopLogprobs | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
     # vLLM extensions
-    echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> ChatPromptFields:
+        # both asked for: the final message was continued and the generation prompt silently dropped
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in (
+                self.model_fields_set):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: continue "
+                             "the last message, or start a new one after it")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields, ChatPromptFields):
+    max_tokens: MaxTokens | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    echo: bool = False  # a vLLM extension
 
 
 class TokenizeCompletionRequest(OpenAIModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIModel):
+class TokenizeChatRequest(ChatPromptFields):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
+    return_token_strs: bool = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    """Which /tokenize request a body is: a conversation when it has messages.
+    (Tried in turn, a bad conversation was reported as a missing prompt.)"""
+    return "Chat" if isinstance(body, dict) and "messages" in body else "Completion"
+
+
+TokenizeRequest = Annotated[  # the tags are capitalised: error paths leave them out as union members' names
+    Annotated[TokenizeCompletionRequest, Tag("Completion")] | Annotated[TokenizeChatRequest, Tag("Chat")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class DetokenizeRequest(OpenAIModel):

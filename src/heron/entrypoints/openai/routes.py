@@ -27,7 +27,7 @@ from heron.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from heron.entrypoints.openai.protocol_responses import ResponsesRequest
 from heron.entrypoints.openai.responses_store import UnknownItem, input_items_page
@@ -35,6 +35,7 @@ from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_compl
 from heron.entrypoints.openai.serving_common import ServingContext, invalid_input
 from heron.entrypoints.openai.serving_completion import create_completion
 from heron.entrypoints.openai.serving_responses import create_response
+from heron.entrypoints.openai.tools.choice import tool_choice_of
 
 logger = logging.getLogger(__name__)
 
@@ -194,29 +195,40 @@ def response_not_found(response_id: str) -> APIError:
 
 
 @router.post("/tokenize", responses=INVALID_BODY)
-async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, ctx: Serving,
-                   raw_request: Request) -> dict[str, Any]:
-    """A prompt (``{"prompt": ...}``) or a conversation (``{"messages": [...]}``)."""
+async def tokenize(body: TokenizeRequest, ctx: Serving, raw_request: Request) -> dict[str, Any]:
+    """A prompt (``{"prompt": ...}``) or a conversation (``{"messages": [...]}``),
+    checked as the completion or chat request it previews (tools included)."""
     _check_model(ctx, body.model)
 
     def token_ids_of() -> list[int]:
         if isinstance(body, TokenizeChatRequest):
+            try:
+                tool_choice_of(body.tools, None, None)
+            except InvalidRequestError as exc:
+                raise invalid_input(exc) from exc
             return chat_prompt(ctx, body).token_ids
         check_text(body.prompt, "prompt")  # a lone surrogate has no UTF-8 form: the tokenizer raised TypeError
         return ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
     token_ids = await prepare(raw_request, token_ids_of)
-    return {"tokens": token_ids, "count": len(token_ids), "max_model_len": ctx.max_model_len}
+    token_strs = ctx.engine.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+    return {"tokens": token_ids, "count": len(token_ids), "max_model_len": ctx.max_model_len,
+            "token_strs": token_strs}
 
 
 @router.post("/detokenize", responses=INVALID_BODY)
-async def detokenize(request: DetokenizeRequest, ctx: Serving) -> dict[str, Any]:
+async def detokenize(request: DetokenizeRequest, ctx: Serving, raw_request: Request) -> dict[str, Any]:
     _check_model(ctx, request.model)
     vocab_size = ctx.engine.config.model.vocab_size
-    bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"token ids outside the vocabulary (size {vocab_size}): {bad[:5]}", "tokens")
-    return {"prompt": ctx.engine.tokenizer.decode(request.tokens)}
+
+    def text_of() -> str:
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token ids outside the vocabulary (size {vocab_size}): {bad[:5]}", "tokens")
+        return ctx.engine.tokenizer.decode(request.tokens)
+
+    # a long list decodes for seconds: on a worker thread, as a long prompt is tokenized, not holding every stream
+    return {"prompt": await prepare(raw_request, text_of)}
 
 
 @router.get("/v1/kv_events")
