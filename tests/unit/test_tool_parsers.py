@@ -5,6 +5,7 @@ calls as the whole text, however the text is cut into tokens."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -226,6 +227,60 @@ def test_nan_arguments_are_not_a_call():
     assert PARSERS["hermes"]().parse(text).calls == []
     as_text = '<tool_call>{"name": "get_time", "arguments": "{\\"x\\": Infinity}"}</tool_call>'  # arguments as text
     assert PARSERS["hermes"]().parse(as_text).calls == []
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"x": 1e400}}</tool_call>'),
+    ("llama3_json", '{"name": "get_time", "parameters": {"x": -1e999}}'),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"x": 1e400}'),
+])
+def test_a_number_past_a_floats_range_is_not_a_call(name, text):
+    """1e400 parsed to inf, and the arguments went out as {"x": Infinity}, which is not JSON."""
+    assert PARSERS[name](FUNCTIONS).parse(text).calls == []
+    required = ToolChoice("required", FUNCTIONS)
+    assert required.calls_from_constrained('[{"name": "get_time", "parameters": {"x": 1e400}}]') is None
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+def test_an_answer_that_only_looks_like_a_call_keeps_its_leading_space(step):
+    """llama3_json: the whole answer kept it, the stream's content lost it."""
+    text = '\n{"answer": 42}'
+    tools = ChatTools(ToolChoice("auto", FUNCTIONS), PARSERS["llama3_json"](FUNCTIONS))
+    assert tools.calls(text) == (text, [])
+    assert stream_all(ToolChoice("auto", FUNCTIONS), "llama3_json", text, step) == (text, [], False)
+
+
+@pytest.mark.parametrize("mode", ["auto", "named", "required"])
+def test_mistral_call_ids_are_what_its_templates_take(mode):
+    """Mistral's templates refuse a tool call id that is not nine letters and
+    digits: heron's own answer, sent back in the history, was a 400."""
+    choice = ToolChoice(mode, FUNCTIONS, "get_time" if mode == "named" else None)
+    texts = {"auto": '[TOOL_CALLS]get_time[ARGS]{}', "named": "{}", "required": '[{"name": "get_time", '
+             '"parameters": {}}]'}
+    for name, form in (("mistral", r"[A-Za-z0-9]{9}"), ("hermes", r"call_[0-9a-f]{24}")):
+        parser = PARSERS[name](FUNCTIONS)
+        text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' if (name, mode) == (
+            "hermes", "auto") else texts[mode]
+        [call] = ChatTools(choice, parser).calls(text)[1]
+        stream = ToolCallStream(choice, parser)
+        [streamed] = stream.feed(text).calls + stream.finish().calls
+        assert re.fullmatch(form, call.id) and re.fullmatch(form, streamed["id"]), (call.id, streamed)
+
+
+def test_a_long_call_is_parsed_again_only_when_it_may_have_closed(monkeypatch):
+    """Every token of a streamed call parsed the whole text so far: a 40 KB
+    call's arguments took seconds of the event loop."""
+    arguments = json.dumps({"city": "x" * 4000})
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+    parser = PARSERS["hermes"](FUNCTIONS)
+    parses = []
+    parse = parser.parse
+    monkeypatch.setattr(parser, "parse", lambda *args, **kwargs: parses.append(1) or parse(*args, **kwargs))
+    stream = ToolCallStream(ToolChoice("auto", FUNCTIONS), parser)
+    calls = [call for i in range(0, len(text), 3) for call in stream.feed(text[i:i + 3]).calls]
+    assert [(call["function"]["name"], call["function"]["arguments"]) for call in calls] == [
+        ("get_weather", arguments)]
+    assert len(parses) < 10  # up to the marker, and the closing tag's pieces (was one per piece: 1,347)
 
 
 def tool(name: str, parameters: dict):

@@ -156,7 +156,8 @@ class _ChatBuilder:
             "index": completion.index,
             "message": message,
             "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
-            "finish_reason": finish_reason(completion.finish_reason, bool(calls)),
+            "finish_reason": finish_reason(completion.finish_reason, bool(calls),
+                                           self.tools.choice.mode if self.tools else "auto"),
             "stop_reason": completion.stop_reason,
         }
 
@@ -241,4 +242,4 @@ def tool_delta(stream: ToolCallStream, text: str, reason: str | None) -> tuple[d
         rest = stream.finish()
         out.content += rest.content
         out.calls += rest.calls
-    return out.delta(), finish_reason(reason, stream.called)
+    return out.delta(), finish_reason(reason, stream.called, stream.choice.mode)

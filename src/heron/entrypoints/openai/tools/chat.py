@@ -4,7 +4,7 @@ constrained to, and the calls read back from the output."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from heron.engine.tool_prompting import template_takes_tools
@@ -43,6 +43,12 @@ class ChatTools:
         return params
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output, each call with an id of the
+        parser's form (``_calls``)."""
+        content, calls = self._calls(text)
+        return content, [replace(call, id=self.parser.call_id()) for call in calls]
+
+    def _calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished output: what the stream of the same
         output sends (``ToolCallStream``), whole. A constrained output is never
         content: a named function's call carries the generated arguments as
@@ -65,6 +71,8 @@ class ChatTools:
         return None if self.choice.mode == "none" else ToolCallStream(self.choice, self.parser)
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's ``tool_calls`` for an answer that ended on its calls."""
-    return "tool_calls" if called and reason == "stop" else reason
+def finish_reason(reason: str | None, called: bool, mode: str = "auto") -> str | None:
+    """OpenAI's ``tool_calls`` for an answer that ended on its calls, but for
+    a named function's: the call was forced, and OpenAI (and vLLM) answer
+    ``stop`` for it."""
+    return "tool_calls" if called and reason == "stop" and mode != "named" else reason

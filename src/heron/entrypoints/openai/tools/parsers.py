@@ -16,6 +16,7 @@ sends each call as it closes, and the whole text agree."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Collection
@@ -72,7 +73,16 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity, which JSON.parse refuses
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+def _finite(text: str) -> float:
+    """A JSON number as a float, refused where it overflows (``1e400``: written
+    back, it was ``Infinity``, which is not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
 def json_values(text: str, separators: str) -> list[tuple[Any, int]]:
@@ -101,10 +111,16 @@ class ToolParser:
 
     name = ""
     markers: tuple[str, ...] = ()
+    # what ends a call: text with none of these adds no call to a stream already in its calls (None: any may)
+    closers: tuple[str, ...] | None = None
     skip_special_tokens = True
 
     def __init__(self, names: Collection[str] | None = None) -> None:
         self.names = names
+
+    def call_id(self) -> str:
+        """A new id for a call, in the form the format's chat templates take back."""
+        return new_call_id()
 
     def parse(self, text: str, final: bool = True) -> Parsed:
         start = self._first_marker(text)
@@ -130,6 +146,7 @@ class ToolParser:
 class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
+    closers = ("</tool_call>",)
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def _calls(self, text: str, final: bool) -> FoundCalls:
@@ -153,11 +170,16 @@ class Llama3JsonParser(ToolParser):
     markers = ("<|python_tag|>", "{")
     skip_special_tokens = False
 
+    closers = ("}",)
+
     def parse(self, text: str, final: bool = True) -> Parsed:
         stripped = text.lstrip()
         if not stripped.startswith(self.markers):  # a call is the whole answer, or none is
             return Parsed(text, [], False)
-        return super().parse(stripped, final)
+        parsed = super().parse(stripped, final)
+        if final and not parsed.calls:  # no call after all: the answer, as written (its leading space too)
+            return Parsed(text, [], False)
+        return parsed
 
     def _calls(self, text: str, final: bool) -> FoundCalls:
         body = text.removeprefix("<|python_tag|>")
@@ -174,8 +196,14 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+    closers = ("}", "]")
     skip_special_tokens = False
     _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)\[ARGS\]")
+
+    def call_id(self) -> str:
+        """Nine letters and digits: Mistral's chat templates refuse any other id
+        in the history (vLLM's mistral parser makes them so too)."""
+        return uuid.uuid4().hex[:9]
 
     def _calls(self, text: str, final: bool) -> FoundCalls:
         body = text.removeprefix("[TOOL_CALLS]").lstrip()

@@ -10,11 +10,11 @@ as the parse of the whole text (``ChatTools.calls``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from heron.entrypoints.openai.tools.choice import ToolChoice
-from heron.entrypoints.openai.tools.parsers import ToolCall, ToolParser, new_call_id
+from heron.entrypoints.openai.tools.parsers import ToolCall, ToolParser
 
 
 @dataclass
@@ -53,19 +53,28 @@ class ToolCallStream:
         self.text = ""
         self.content_sent = 0
         self.calls_sent = 0
-        self.named_id = new_call_id()
+        self.named_id = parser.call_id()
+        self.started = False  # a call's marker was seen: the content before it is final
 
     @property
     def called(self) -> bool:
         return self.calls_sent > 0
 
     def feed(self, delta: str) -> ToolDeltas:
+        fed = len(self.text)
         self.text += delta
         if self.choice.mode == "named":
             return self._named(delta)
+        # the text so far is parsed again only when this delta may have closed a call: parsed on every
+        # token, a long call's arguments cost time quadratic in their length, on the server's event loop
         if self.choice.mode == "required":
+            if not self._may_close(fed, ("}",)):
+                return ToolDeltas()
             return self._calls_out(self.choice.calls_from_constrained(self.text) or [])
+        if self.started and not self._may_close(fed, self.parser.closers):
+            return ToolDeltas()
         parsed = self.parser.parse(self.text, final=False)
+        self.started = parsed.started
         if not parsed.started:
             visible = len(self.text) - held_tail(self.text, self.parser.markers)
             return self._content_to(self.text[:visible], [])
@@ -80,6 +89,14 @@ class ToolCallStream:
         if calls and not parsed.content.strip():
             return self._calls_out(calls)
         return self._content_to(parsed.content, calls, final=True)
+
+    def _may_close(self, fed: int, closers: tuple[str, ...] | None) -> bool:
+        """Whether the text after its first ``fed`` characters holds (the end of) one of ``closers``."""
+        if closers is None:
+            return True
+        longest = max(len(closer) for closer in closers)
+        window = self.text[max(0, fed - longest + 1):]
+        return any(closer in window for closer in closers)
 
     def _limit(self, calls: list[ToolCall]) -> list[ToolCall]:
         return calls if self.choice.parallel else calls[:1]
@@ -102,6 +119,6 @@ class ToolCallStream:
     def _calls_out(self, calls: list[ToolCall], out: ToolDeltas | None = None) -> ToolDeltas:
         out = out or ToolDeltas()
         for index in range(self.calls_sent, len(calls)):
-            out.calls.append(call_delta(index, calls[index]))
+            out.calls.append(call_delta(index, replace(calls[index], id=self.parser.call_id())))
         self.calls_sent = max(self.calls_sent, len(calls))
         return out
