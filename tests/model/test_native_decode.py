@@ -132,6 +132,27 @@ def test_a_decode_path_that_is_off_says_why(tiny_model_dir, monkeypatch):
     assert llm.engine.engine_core.model_runner.compute_path["decode"] == "torch (HERON_DISABLE_NATIVE_DECODE is set)"
 
 
+def test_a_kv_cache_the_kernels_cannot_read_takes_the_torch_path_and_says_so(tiny_model_dir):
+    """--kv-cache-dtype bfloat16 on a low-bit model: the native decoder was
+    built anyway, and its first step raised (the engine died on the first
+    request); on a float32 model the log said "heron C paged decode" while
+    every decode attended in torch."""
+    prompt = random_prompts([12], seed=3)
+    for quantization, decode, attention in (
+            ("int4", "torch (a bfloat16 KV cache (the native path reads float32 or float16))", "torch"),
+            ("none", "torch", "torch")):
+        llm = LLM(tiny_model_dir("llama"), quantization=quantization, kv_cache_dtype="bfloat16", max_model_len=128,
+                  num_kv_blocks=64)
+        path = llm.engine.engine_core.model_runner.compute_path
+        assert (path["decode"], path["attention"]) == (decode, attention + ", bfloat16 KV cache"), path
+        [output] = llm.generate(prompt, PARAMS, use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == PARAMS.max_tokens
+        float16 = LLM(tiny_model_dir("llama"), quantization=quantization, kv_cache_dtype="float16",
+                      max_model_len=128, num_kv_blocks=64).engine.engine_core.model_runner.compute_path
+        assert float16["attention"] in ("heron C paged (every step), float16 KV cache",
+                                        "torch prefill, heron C paged decode, float16 KV cache"), float16
+
+
 def test_every_kernel_build_the_cpu_runs_gives_the_scalar_builds_tokens(tiny_model_dir, monkeypatch):
     """The whole engine (prefill, native decode steps) on each instruction-set build
     this CPU runs against the portable one: the same greedy tokens, logprobs within

@@ -104,17 +104,18 @@ class NativeLowBitDecoder:
         self._bound_caches: list[int] = []
 
     @staticmethod
-    def build(model: Any) -> NativeLowBitDecoder | None:
-        """The decoder for ``model``, or None where the native path does not cover it
+    def build(model: Any, kv_cache_dtype: torch.dtype | None = None) -> NativeLowBitDecoder | None:
+        """The decoder for ``model`` (its KV cache holding ``kv_cache_dtype``, None:
+        the model's dtype), or None where the native path does not cover it
         (``unsupported_reason`` says why)."""
-        if NativeLowBitDecoder.unsupported_reason(model) is not None:
+        if NativeLowBitDecoder.unsupported_reason(model, kv_cache_dtype) is not None:
             return None
         library = native_library()
         assert library is not None
         return NativeLowBitDecoder(model, library)
 
     @staticmethod
-    def unsupported_reason(model: Any) -> str | None:
+    def unsupported_reason(model: Any, kv_cache_dtype: torch.dtype | None = None) -> str | None:
         """Why the native path cannot run ``model``'s steps, or None when it can."""
         if envs.is_set(envs.HERON_DISABLE_NATIVE_DECODE):
             return "HERON_DISABLE_NATIVE_DECODE is set"
@@ -129,6 +130,9 @@ class NativeLowBitDecoder:
         ]
         if model.embed_tokens.weight.dtype != torch.float32 or any(w.dtype != torch.float32 for w in norms):
             return "the model is not float32"
+        if kv_cache_dtype not in (None, torch.float32, torch.float16):
+            # the kernels read float32 or float16 K/V: built anyway, its first step raised and the engine died
+            return f"a {str(kv_cache_dtype).removeprefix('torch.')} KV cache (the native path reads float32 or float16)"
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -36,8 +36,10 @@ def _skip_weight_init() -> Iterator[None]:
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
 
 
-def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
-    """Instantiate the model on ``device`` in ``model_config.dtype`` with its weights."""
+def build_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: torch.dtype | None = None,
+                ) -> CausalLM:
+    """Instantiate the model on ``device`` in ``model_config.dtype`` with its weights;
+    its KV cache will hold ``kv_cache_dtype`` (None: the model's dtype)."""
     from heron.models.quantization import quantize_model
 
     if select_implementation(model_config) == "transformers":
@@ -53,7 +55,7 @@ def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     if cache_path is not None and os.path.isfile(cache_path):
         if load_packed(model, cache_path):
             logger.info("low-bit layers loaded from %s", cache_path)
-            return _with_native_decoder(model.eval(), model_config.quantization)
+            return _with_native_decoder(model.eval(), model_config.quantization, kv_cache_dtype)
         model = _instantiate(model_config, device)  # a fresh one: loading may have replaced some layers
     try:
         model.load_weights(
@@ -65,7 +67,7 @@ def build_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     model = quantize_model(model.eval(), model_config.quantization, device)
     if cache_path is not None:
         save_packed(model, cache_path, model_config)
-    return _with_native_decoder(model, model_config.quantization)
+    return _with_native_decoder(model, model_config.quantization, kv_cache_dtype)
 
 
 def _instantiate(model_config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
@@ -85,18 +87,20 @@ def _instantiate(model_config: ModelConfig, device: torch.device) -> LlamaForCau
     return model
 
 
-def _with_native_decoder(model: LlamaForCausalLM, method: str) -> LlamaForCausalLM:
+def _with_native_decoder(model: LlamaForCausalLM, method: str, kv_cache_dtype: torch.dtype | None,
+                         ) -> LlamaForCausalLM:
     if method != "none" and isinstance(model, LlamaForCausalLM):
-        _attach_native_decoder(model, method)
+        _attach_native_decoder(model, method, kv_cache_dtype)
     return model
 
 
-def _attach_native_decoder(model: LlamaForCausalLM, method: str) -> None:
+def _attach_native_decoder(model: LlamaForCausalLM, method: str, kv_cache_dtype: torch.dtype | None) -> None:
     """Run a low-bit native model's decode steps in one C call where the native
     path covers it; say so (never silently) where it does not: the step is then
     several times slower."""
     from heron.models.native_decode import NativeLowBitDecoder
 
-    model.native_decoder = NativeLowBitDecoder.build(model)
+    model.native_decoder = NativeLowBitDecoder.build(model, kv_cache_dtype)
     if model.native_decoder is None:
-        logger.warning("%s decode steps take the torch path: %s", method, NativeLowBitDecoder.unsupported_reason(model))
+        logger.warning("%s decode steps take the torch path: %s", method,
+                       NativeLowBitDecoder.unsupported_reason(model, kv_cache_dtype))

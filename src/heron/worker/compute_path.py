@@ -27,7 +27,7 @@ def _linear_path(model: nn.Module, quantization: str) -> str:
     return f"torch fallback for {quantization} (no native kernels)"
 
 
-def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool) -> str:
+def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool, kv_cache_dtype: torch.dtype) -> str:
     if device.type == "cuda":
         return "cuda graphs" if use_cuda_graphs else "eager"
     if getattr(model, "native_decoder", None) is not None:
@@ -38,18 +38,22 @@ def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool) 
         return "torch (not a native Llama-family model)"
     from heron.models.native_decode import NativeLowBitDecoder
 
-    return f"torch ({NativeLowBitDecoder.unsupported_reason(model)})"
+    return f"torch ({NativeLowBitDecoder.unsupported_reason(model, kv_cache_dtype)})"
 
 
-def _attention_path(model: nn.Module, backend_name: str, device: torch.device, dtype: torch.dtype,
-                    num_heads: int) -> str:
+def _attention_path(model: CausalLM, backend_name: str, device: torch.device, dtype: torch.dtype,
+                    kv_cache_dtype: torch.dtype) -> str:
+    """What attends, by the test the torch backend makes each step (``can_run_paged_decode``)."""
     if device.type != "cpu" or backend_name != "torch":
         return backend_name
     if getattr(model, "native_decoder", None) is not None:
         return "heron C paged (every step)"
-    from heron.kernels.cpu.ops import supports_paged_decode
+    from heron.kernels.cpu.ops import supports_paged_decode, supports_paged_kv_cache
 
-    return "torch prefill, heron C paged decode" if supports_paged_decode(dtype, num_heads) else "torch"
+    spec = model.attention_layers()[0].spec
+    paged = (supports_paged_decode(dtype, spec.num_heads) and supports_paged_kv_cache(kv_cache_dtype)
+             and spec.logits_soft_cap is None)
+    return "torch prefill, heron C paged decode" if paged else "torch"
 
 
 def describe_compute_path(
@@ -71,11 +75,10 @@ def describe_compute_path(
         path["cpu_isa"] = native_isa() or "none"
         path["cpu"] = cpu_summary()
     path["linear"] = _linear_path(model, config.model.quantization)
-    num_heads = model.attention_layers()[0].spec.num_heads
-    path["attention"] = _attention_path(model, backend_name, device, config.model.dtype, num_heads)
+    path["attention"] = _attention_path(model, backend_name, device, config.model.dtype, config.kv_cache_dtype)
     if config.kv_cache_dtype != config.model.dtype:
         path["attention"] += f", {str(config.kv_cache_dtype).removeprefix('torch.')} KV cache"
-    path["decode"] = _decode_path(model, device, use_cuda_graphs)
+    path["decode"] = _decode_path(model, device, use_cuda_graphs, config.kv_cache_dtype)
     return {key: path[key] for key in COMPUTE_PATH_KEYS}
 
 

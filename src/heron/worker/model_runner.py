@@ -99,7 +99,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self._applied_transfers: KVTransfers | None = None  # the last step's tier copies, once made
         started = time.perf_counter()
-        self.model = build_model(config.model, self.device)
+        self.model = build_model(config.model, self.device, config.kv_cache_dtype)
         logger.info(
             "loaded %s (%s, %s) in %.1f s",
             config.model.served_model_name,

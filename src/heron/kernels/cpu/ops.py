@@ -24,10 +24,15 @@ def supports_paged_decode(dtype: torch.dtype, num_heads: int) -> bool:
     return dtype == torch.float32 and num_heads <= _MAX_HEADS and native_library() is not None
 
 
+def supports_paged_kv_cache(kv_cache_dtype: torch.dtype) -> bool:
+    """Whether the paged decode kernel reads a KV cache of this dtype."""
+    return kv_cache_dtype in (torch.float32, torch.float16)
+
+
 def can_run_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and kv_cache.dtype in (torch.float32, torch.float16)
+        and supports_paged_kv_cache(kv_cache.dtype)
         and supports_paged_decode(query.dtype, query.shape[1])
     )
 
