@@ -307,3 +307,41 @@ def test_cc_is_split_as_a_shell_would_and_a_missing_one_falls_back(compiler, wor
         library.native_library.cache_clear()
         library.load_library.cache_clear()
     assert "names no program" in caplog.text and "torch fallbacks" in caplog.text
+
+
+@pytest.mark.parametrize("failure, said", [
+    ("noexec", "cannot be built or loaded"),  # a cache on a noexec mount: the library does not map
+    ("unclosed quote", "cannot be read as a command"),  # CC='gcc "x': a ValueError naming no CC
+    ("silent compiler", "exited with status 1, saying nothing"),  # CC=false: the reason was empty
+])
+def test_a_kernel_library_that_cannot_be_had_falls_back_saying_why(failure, said, tmp_path, monkeypatch, caplog):
+    """Each was a traceback at start (or a warning with no reason), where the
+    torch fallbacks with a warning are promised."""
+    import shutil
+    import tempfile
+
+    from heron.kernels.cpu import library
+
+    if shutil.which("cc") is None:
+        pytest.skip("no cc here")
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the scratch build goes
+    if failure == "noexec":
+        def unmappable(path, *args, **kwargs):
+            raise OSError(f"{path}: failed to map segment from shared object")
+
+        monkeypatch.setattr(library.ctypes, "CDLL", unmappable)
+    else:
+        monkeypatch.setenv("CC", 'gcc "x' if failure == "unclosed quote" else "false")
+    library.native_library.cache_clear()
+    library.load_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="heron.kernels.cpu.library"):
+            assert library.native_library() is None
+    finally:
+        library.native_library.cache_clear()
+        library.load_library.cache_clear()
+    assert said in caplog.text and "torch fallbacks" in caplog.text, caplog.text
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("heron-kernels-")]  # the scratch build is gone
+    if failure == "noexec":
+        assert os.listdir(tmp_path / "cache" / "kernels")  # it was built, in the cache, before the load failed

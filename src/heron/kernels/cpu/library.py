@@ -1,6 +1,6 @@
 """Building and loading heron's CPU kernel library: the C files in ``csrc/``,
-compiled with the system C compiler on first use (about a second per
-instruction set), cached, and called through ctypes.
+compiled with the system C compiler on first use (seconds per instruction
+set: README, "Instruction sets"), cached, and called through ctypes.
 
 They need no torch headers: kernels take raw pointers to contiguous tensors.
 OpenMP threading shares torch's runtime (torch's CPU build loads ``libgomp.so.1``
@@ -21,9 +21,9 @@ import os
 import shlex
 import shutil
 import subprocess
-import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from heron import envs
 from heron.kernels.cpu.isa import CpuIsa, compile_flags, cpu_summary, selected_isa
@@ -52,7 +52,10 @@ def _compiler() -> list[str] | None:
     FileNotFoundError traceback)."""
     given = os.environ.get("CC")
     if given:
-        command = shlex.split(given)
+        try:
+            command = shlex.split(given)
+        except ValueError as exc:  # an unclosed quote: the message named no CC
+            raise RuntimeError(f"CC={given!r} cannot be read as a command: {exc}") from exc
         if not command or shutil.which(command[0]) is None:
             raise RuntimeError(f"CC={given!r} names no program on this machine")
         return command
@@ -77,28 +80,42 @@ def _build(compiler: list[str], flags: list[str], source_dir: str | None = None)
         with contextlib.suppress(OSError):
             os.utime(target_dir)  # in use: the newest are the ones pruning keeps
         return target
-    with tempfile.TemporaryDirectory() as scratch:
-        for file in files:
-            with open(os.path.join(scratch, file.name), "wb") as handle:
-                handle.write(file.read_bytes())
-        partial = os.path.join(scratch, "libheron_cpu.so")
-        sources = [os.path.join(scratch, name) for name in SOURCES]
-        try:
-            result = subprocess.run([*compiler, *flags, *sources, "-o", partial, "-lm"], capture_output=True,
-                                    text=True)
-        except OSError as exc:  # the compiler could not be run at all
-            raise KernelBuildError(f"{' '.join(compiler)}: {exc}") from exc
-        if result.returncode != 0:
-            raise KernelBuildError(result.stderr[-2000:])
-        try:
-            os.makedirs(target_dir, exist_ok=True)
-            _install(partial, target)
-            _prune(_cache_dir(), KEPT_BUILDS)
-        except OSError as exc:
-            target = os.path.join(_private_dir(), f"{digest.hexdigest()[:16]}.so")
-            _install(partial, target)
-            logger.warning("cannot write the kernel cache (%s); this build is kept in %s until the process exits "
-                           "(set HERON_CACHE_DIR to a writable directory to keep builds between starts)", exc, target)
+    # a private directory (not tempfile's): one a killed process leaves is swept by the next heron
+    scratch = make_private_dir("heron-kernels-")
+    logger.info("building the CPU kernels for this version and instruction set (once; seconds)")
+    try:
+        target = _compile_into(scratch, compiler, flags, files, target_dir, target, digest.hexdigest()[:16])
+    finally:
+        remove_private_dir(scratch)
+    return target
+
+
+def _compile_into(scratch: str, compiler: list[str], flags: list[str], files: list[Any], target_dir: str,
+                  target: str, name: str) -> str:
+    """Compile ``files`` in ``scratch`` and install the library at ``target``
+    (or, where the cache cannot be written, in this process's private directory)."""
+    for file in files:
+        with open(os.path.join(scratch, file.name), "wb") as handle:
+            handle.write(file.read_bytes())
+    partial = os.path.join(scratch, "libheron_cpu.so")
+    sources = [os.path.join(scratch, source) for source in SOURCES]
+    try:
+        result = subprocess.run([*compiler, *flags, *sources, "-o", partial, "-lm"], capture_output=True,
+                                text=True)
+    except OSError as exc:  # the compiler could not be run at all
+        raise KernelBuildError(f"{' '.join(compiler)}: {exc}") from exc
+    if result.returncode != 0:  # a compiler that says nothing (CC=false) is named with its status
+        raise KernelBuildError(result.stderr[-2000:].strip() or
+                               f"{' '.join(compiler)} exited with status {result.returncode}, saying nothing")
+    try:
+        os.makedirs(target_dir, exist_ok=True)
+        _install(partial, target)
+        _prune(_cache_dir(), KEPT_BUILDS)
+    except OSError as exc:
+        target = os.path.join(_private_dir(), f"{name}.so")
+        _install(partial, target)
+        logger.warning("cannot write the kernel cache (%s); this build is kept in %s until the process exits "
+                       "(set HERON_CACHE_DIR to a writable directory to keep builds between starts)", exc, target)
     return target
 
 
@@ -228,6 +245,10 @@ def native_library() -> ctypes.CDLL | None:
         return None
     except RuntimeError as exc:
         logger.warning("%s: native CPU kernels disabled (slower torch fallbacks)", exc)
+        return None
+    except OSError as exc:  # no room to build, or a cache on a noexec mount: the library does not map
+        logger.warning("the native CPU kernels cannot be built or loaded (%s): slower torch fallbacks (set "
+                       "HERON_CACHE_DIR to a writable directory that may hold programs)", exc)
         return None
     logger.info("CPU kernels: %s build on %s", isa, cpu_summary())
     return library
