@@ -50,6 +50,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
     "gemma": dict(model_type="gemma", head_dim=16, num_key_value_heads=1, hidden_activation="gelu_pytorch_tanh"),
     "phi3": dict(model_type="phi3", pad_token_id=0),
+    # heads that scale their logits (Cohere multiplies by logit_scale, Granite divides by logits_scaling): the
+    # fallback computed plain logits, off by up to 1 in logprob
+    "cohere": dict(model_type="cohere", logit_scale=0.5),
+    "granite": dict(model_type="granite", logits_scaling=4.0),
     # a native family with a RoPE type heron does not compute: transformers runs it under "auto"
     "llama-dynamic-rope": dict(model_type="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                                     "factor": 2.0}),

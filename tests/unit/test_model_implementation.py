@@ -30,3 +30,47 @@ def test_a_checkpoint_quantized_its_own_way_runs_through_transformers_or_is_refu
     assert select_implementation(described("auto", **fp8)) == "transformers"
     with pytest.raises(ValueError, match="quant_method 'fp8'"):
         select_implementation(described("native", **fp8))
+
+
+@pytest.mark.parametrize("model_type, settings, said", [
+    ("mamba", {}, "keep a state between tokens"),  # recurrent: each step saw only its new tokens
+    # hybrid, not flagged stateful by transformers: its layer types tell
+    ("lfm2", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, "(conv layers)"),
+    ("falcon", {}, "take no attention function from outside"),  # was a bare KeyError: 'heron_paged'
+    ("deepseek_v3", {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 8, "head_dim": 8},
+     "multi-head latent attention"),  # loaded, then its first step failed on a reshape
+])
+def test_the_transformers_fallback_refuses_what_paged_attention_cannot_run(model_type, settings, said):
+    from transformers import AutoConfig
+
+    from heron.models.hf_fallback import check_fallback_support
+
+    with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")) as info:
+        check_fallback_support(AutoConfig.for_model(model_type, **settings))
+    assert repr(model_type) in str(info.value)
+    check_fallback_support(AutoConfig.for_model("gemma2"))  # sliding and full attention layers: runs
+
+
+def test_rope_settings_are_read_as_transformers_merges_them():
+    """rope_parameters without rope_theta dropped its scaling (linear x4 became
+    plain RoPE), and YaRN without original_max_position_embeddings was a bare
+    KeyError where transformers scales from max_position_embeddings."""
+    from heron.loader.arch_config import rope_parameters_of
+
+    merged = arch_config_from_dict({**LLAMA, "rope_theta": 5e5, "rope_parameters": {"rope_type": "linear",
+                                                                                    "factor": 4.0}})
+    assert rope_parameters_of(merged) == {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}
+    legacy = arch_config_from_dict({**LLAMA, "max_position_embeddings": 512, "rope_scaling": {"type": "yarn",
+                                                                                              "factor": 4.0}})
+    assert rope_parameters_of(legacy) == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                          "original_max_position_embeddings": 512}
+
+
+def test_only_a_mistral_slides_on_its_config_key_alone():
+    """A Llama config carrying sliding_window (transformers' Llama ignores it)
+    attended over a window."""
+    from heron.loader.arch_config import sliding_window_of_layer
+
+    assert sliding_window_of_layer(arch_config_from_dict({**LLAMA, "sliding_window": 8}), 0) is None
+    mistral = arch_config_from_dict({**LLAMA, "model_type": "mistral", "sliding_window": 8})
+    assert sliding_window_of_layer(mistral, 1) == 8

@@ -67,12 +67,14 @@ def rope_type_of(values: dict[str, Any]) -> str:
 
 def sliding_window_of_layer(config: Any, layer_idx: int) -> int | None:
     """The attention window of one layer: per ``layer_types`` where the config has
-    them, else the config's ``sliding_window`` for every layer (Mistral)."""
+    them, else the config's ``sliding_window`` for every layer of a Mistral (a
+    Llama's config may carry the key too: transformers' Llama attends over
+    everything, and so does heron's)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return int(window) if window and layer_types[layer_idx] == "sliding_attention" else None
-    return int(window) if window else None
+    return int(window) if window and getattr(config, "model_type", "mistral") == "mistral" else None
 
 
 def arch_config_from_dict(values: dict[str, Any]) -> ArchConfig:
@@ -101,12 +103,25 @@ def arch_config_from_dict(values: dict[str, Any]) -> ArchConfig:
 
 
 def _rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
+    """One dict with ``rope_type`` and ``rope_theta``, from transformers 5's
+    ``rope_parameters`` or the older ``rope_theta`` plus ``rope_scaling``, as
+    transformers merges them: a ``rope_parameters`` without ``rope_theta`` takes
+    the top-level one (its scaling was dropped), and YaRN without
+    ``original_max_position_embeddings`` scales from ``max_position_embeddings``
+    (a bare KeyError)."""
     params = values.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        result = dict(params)
-    else:
-        result = dict(values.get("rope_scaling") or {})
-        result["rope_theta"] = float(values.get("rope_theta", 10000.0))
+    result = dict(params if isinstance(params, dict) else values.get("rope_scaling") or {})
+    if "rope_theta" not in result:
+        result["rope_theta"] = float(values.get("rope_theta") or 10000.0)
     result["rope_type"] = result.get("rope_type") or result.get("type") or "default"
     result.pop("type", None)
+    if result["rope_type"] == "yarn" and not result.get("original_max_position_embeddings") and values.get(
+            "max_position_embeddings"):
+        result["original_max_position_embeddings"] = int(values["max_position_embeddings"])
     return result
+
+
+def rope_parameters_of(config: Any) -> dict[str, Any]:
+    """``_rope_parameters`` of a config object (transformers' or ``ArchConfig``)."""
+    keys = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings")
+    return _rope_parameters({key: getattr(config, key, None) for key in keys})

@@ -7,7 +7,13 @@ import json
 import os
 from typing import Any
 
-from heron.loader.arch_config import NATIVE_ROPE_TYPES, arch_config_from_dict, is_native_family, rope_type_of
+from heron.loader.arch_config import (
+    NATIVE_ROPE_TYPES,
+    arch_config_from_dict,
+    is_native_family,
+    rope_parameters_of,
+    rope_type_of,
+)
 from heron.loader.model_source import ModelSource
 
 
@@ -42,16 +48,10 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """The RoPE settings as one dict with ``rope_type`` and ``rope_theta``.
 
     transformers >= 5 keeps them in ``rope_parameters``; older versions in
-    ``rope_theta`` plus an optional ``rope_scaling`` dict.
+    ``rope_theta`` plus an optional ``rope_scaling`` dict (``arch_config``'s
+    reading, one for both).
     """
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        result = dict(params)
-    else:
-        result = dict(getattr(hf_config, "rope_scaling", None) or {})
-        result["rope_theta"] = float(getattr(hf_config, "rope_theta", 10000.0))
-    result["rope_type"] = result.get("rope_type") or result.get("type") or "default"
-    return result
+    return rope_parameters_of(hf_config)
 
 
 def model_context_length(hf_config: Any) -> int:

@@ -23,6 +23,39 @@ from heron.models.base import CausalLM
 from heron.models.layers.attention import Attention
 
 ATTENTION_NAME = "heron_paged"
+# layer kinds whose only state between tokens is K/V (transformers' ``layer_types``)
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def check_fallback_support(hf_config: Any) -> None:
+    """A ValueError naming what heron's paged attention cannot run in a model
+    transformers implements (each ran, and answered wrong or failed at its
+    first step): state between tokens other than K/V (Mamba and other
+    recurrent or hybrid layers: a flat batch feeds only a step's new tokens),
+    an attention that takes no plugged-in function, value heads of another size
+    than query and key heads (DeepSeek's MLA)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(hf_config, "model_type", "")
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    others = sorted({kind for kind in getattr(text_config, "layer_types", None) or ()
+                     if kind not in ATTENTION_LAYER_TYPES})
+    if getattr(model_class, "_is_stateful", False) or others:
+        kinds = f" ({', '.join(map(str, others))} layers)" if others else ""
+        raise ValueError(f"{model_type!r} models keep a state between tokens besides attention's K/V{kinds}, "
+                         "which heron's paged KV cache does not hold: not supported")
+    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        raise ValueError(f"{model_type!r} models take no attention function from outside (transformers' "
+                         "AttentionInterface), where heron plugs in its paged attention: not supported")
+    head = head_dim_of(text_config)
+    nope, rope = getattr(text_config, "qk_nope_head_dim", None), getattr(text_config, "qk_rope_head_dim", None)
+    query_head = int(nope) + int(rope) if nope is not None and rope is not None else head
+    value_head = int(getattr(text_config, "v_head_dim", None) or query_head)
+    if not query_head == value_head == head:
+        raise ValueError(f"{model_type!r} models have query/key heads of {query_head} dimensions and value heads "
+                         f"of {value_head} (multi-head latent attention): not supported")
 
 
 def _register_with_transformers() -> None:
@@ -75,6 +108,7 @@ class TransformersCausalLM(CausalLM):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
+        check_fallback_support(model_config.hf_config)
         _register_with_transformers()
         loaded: Any = AutoModelForCausalLM.from_pretrained(
             model_config.model, dtype=model_config.dtype, attn_implementation=ATTENTION_NAME,
@@ -88,6 +122,9 @@ class TransformersCausalLM(CausalLM):
             raise ValueError(f"{model_config.model}: the checkpoint lacks {len(missing)} of the model's weights "
                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): an incomplete "
                              "download or export?")
+        if any(name.endswith("sinks") for name, _ in hf_model.named_parameters()):
+            raise ValueError(f"{model_config.model}: the model's attention has learned sinks (gpt-oss), which "
+                             "heron's attention does not add: not supported")
         self.hf_model = hf_model.to(device).eval()
         config = self.hf_model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -107,6 +144,9 @@ class TransformersCausalLM(CausalLM):
             for index in range(int(text_config.num_hidden_layers))
         ]
         self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
+        # the head's own scaling, as the model's forward applies it: Cohere multiplies, Granite divides
+        self.logit_multiplier = float(getattr(text_config, "logit_scale", None) or 1.0) / float(
+            getattr(text_config, "logits_scaling", None) or 1.0)
 
     def attention_layers(self) -> list[Attention]:
         return self.layers
@@ -127,6 +167,8 @@ class TransformersCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.hf_model.get_output_embeddings()(hidden).float()
+        if self.logit_multiplier != 1.0:
+            logits = logits * self.logit_multiplier
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap
