@@ -41,6 +41,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
                               rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "mistral-sliding-window": dict(model_type="mistral", sliding_window=16, head_dim=16),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),
+    # keys transformers' Qwen2 ignores (its biases are fixed): native layers expected weights never saved
+    "qwen2-stray-bias-keys": dict(model_type="qwen2", attention_bias=True, mlp_bias=True),
     "qwen3": dict(model_type="qwen3", head_dim=32),
     # Qwen's long-context setting; the original context below the prompts, so the ramp and attention factor show
     "qwen3-yarn-rope": dict(model_type="qwen3", head_dim=32, rope_parameters={

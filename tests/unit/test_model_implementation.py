@@ -74,3 +74,10 @@ def test_only_a_mistral_slides_on_its_config_key_alone():
     assert sliding_window_of_layer(arch_config_from_dict({**LLAMA, "sliding_window": 8}), 0) is None
     mistral = arch_config_from_dict({**LLAMA, "model_type": "mistral", "sliding_window": 8})
     assert sliding_window_of_layer(mistral, 1) == 8
+
+
+def test_a_native_family_with_another_activation_runs_through_transformers():
+    """hidden_act gelu under "auto" was refused by the native MLP, not run by transformers."""
+    assert select_implementation(described("auto", hidden_act="gelu")) == "transformers"
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported natively"):
+        select_implementation(described("native", hidden_act="gelu"))

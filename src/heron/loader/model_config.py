@@ -32,9 +32,10 @@ def load_hf_config(source: ModelSource, model_impl: str = "auto") -> Any:
             values = json.load(handle)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read the model config {config_path}: {exc}") from exc
-    native_rope = rope_type_of(values) in NATIVE_ROPE_TYPES
+    # what heron's native layers compute (models/implementation.py chooses by the same two)
+    native_layers = rope_type_of(values) in NATIVE_ROPE_TYPES and values.get("hidden_act", "silu") == "silu"
     if is_native_family(str(values.get("model_type"))) and (model_impl == "native" or
-                                                            (model_impl == "auto" and native_rope)):
+                                                            (model_impl == "auto" and native_layers)):
         return arch_config_from_dict(values)
     from transformers import AutoConfig
 

@@ -55,8 +55,12 @@ def select_implementation(model_config: ModelDescription) -> str:
     if model_config.model_impl == "native" and native is not None and quant_method is not None:
         raise ValueError(f"the checkpoint is quantized with quant_method {quant_method!r}, which heron's native "
                          "layers do not read; use model_impl='transformers' or 'auto'")
+    activation = getattr(model_config.hf_config, "hidden_act", "silu")
+    if model_config.model_impl == "native" and native is not None and activation != "silu":
+        raise ValueError(f"hidden_act {activation!r} is not supported natively (native: silu); use "
+                         "model_impl='transformers' or 'auto'")
     if (model_config.model_impl != "transformers" and native is not None and rope_type in NATIVE_ROPE_TYPES
-            and quant_method is None):
+            and quant_method is None and activation == "silu"):
         return "native"
     supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
     if model_config.model_impl == "native":

@@ -43,7 +43,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = int(config.hidden_size)
         model_type = getattr(config, "model_type", "llama")
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        # as transformers' families read it: Llama and Qwen3 take attention_bias, Mistral never has biases
+        # (a stray key refused the checkpoint as lacking weights it never had)
+        attention_bias = bool(getattr(config, "attention_bias", False)) and model_type in ("llama", "qwen3")
         # Qwen2 always has Q/K/V biases and never an output-projection bias.
         self.qkv_proj = nn.Linear(
             hidden, self.q_size + 2 * self.kv_size, bias=attention_bias or model_type == "qwen2"
@@ -75,7 +77,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden, intermediate = int(config.hidden_size), int(config.intermediate_size)
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = bool(getattr(config, "mlp_bias", False)) and getattr(config, "model_type", "llama") == "llama"
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
