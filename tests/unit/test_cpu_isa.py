@@ -284,6 +284,22 @@ def test_a_cached_library_cut_short_is_built_again(tmp_path, monkeypatch):
     assert library.heron_kernel_isa() == b"scalar"
 
 
+def fresh_native_library(caplog):
+    """``native_library()`` looked for again (its caches cleared before and
+    after: a library built already would not look for the compiler again), its
+    warnings in ``caplog``."""
+    from heron.kernels.cpu import library
+
+    library.native_library.cache_clear()
+    library.load_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="heron.kernels.cpu.library"):
+            return library.native_library()
+    finally:
+        library.native_library.cache_clear()
+        library.load_library.cache_clear()
+
+
 @pytest.mark.parametrize("compiler, works", [("/nonexistent/cc", False), ("cc -m64", True), ("", True)])
 def test_cc_is_split_as_a_shell_would_and_a_missing_one_falls_back(compiler, works, monkeypatch, caplog):
     """CC="gcc -m64" (or "ccache gcc") and a CC naming no program were
@@ -298,14 +314,7 @@ def test_cc_is_split_as_a_shell_would_and_a_missing_one_falls_back(compiler, wor
     if works:
         assert library._compiler() == (compiler.split() or [shutil.which("cc")])
         return
-    library.native_library.cache_clear()
-    library.load_library.cache_clear()  # built already: it would not look for the compiler again
-    try:
-        with caplog.at_level("WARNING", logger="heron.kernels.cpu.library"):
-            assert library.native_library() is None
-    finally:
-        library.native_library.cache_clear()
-        library.load_library.cache_clear()
+    assert fresh_native_library(caplog) is None
     assert "names no program" in caplog.text and "torch fallbacks" in caplog.text
 
 
@@ -333,14 +342,7 @@ def test_a_kernel_library_that_cannot_be_had_falls_back_saying_why(failure, said
         monkeypatch.setattr(library.ctypes, "CDLL", unmappable)
     else:
         monkeypatch.setenv("CC", 'gcc "x' if failure == "unclosed quote" else "false")
-    library.native_library.cache_clear()
-    library.load_library.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="heron.kernels.cpu.library"):
-            assert library.native_library() is None
-    finally:
-        library.native_library.cache_clear()
-        library.load_library.cache_clear()
+    assert fresh_native_library(caplog) is None
     assert said in caplog.text and "torch fallbacks" in caplog.text, caplog.text
     assert not [p for p in os.listdir(tmp_path) if p.startswith("heron-kernels-")]  # the scratch build is gone
     if failure == "noexec":
