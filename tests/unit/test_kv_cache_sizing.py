@@ -86,3 +86,44 @@ def test_the_host_tier_round_trips_blocks_on_the_cpu():
         assert torch.equal(cache[:, 5], original[:, 1]) and torch.equal(cache[:, 0], original[:, 4])
         assert torch.equal(cache[:, 2], original[:, 2])
         assert not cache[:, [1, 3, 4]].any()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_containers_memory_limit_bounds_what_is_available(tmp_path, version):
+    """The default pool was a share of the host's MemAvailable: in a 1.5 GiB
+    container on a 23 GiB host it reserved 5.6 GiB, and the OOM killer ended the
+    engine once requests filled it. The least room of the cgroup and its
+    parents counts (a limit set on a parent slice binds too)."""
+    from heron.worker.kv_cache_sizing import cgroup_memory_room
+
+    files = ({"memory.max": "memory.max", "memory.current": "memory.current"} if version == 2 else
+             {"memory.max": "memory.limit_in_bytes", "memory.current": "memory.usage_in_bytes"})
+    mount = tmp_path / "cgroup" if version == 2 else tmp_path / "cgroup" / "memory"
+    for directory, limit, usage in ((mount, "max" if version == 2 else str(2**63 - 4096), 10 << 30),
+                                    (mount / "kubepods", 3 << 30, 2 << 30),  # 1 GiB left on the parent
+                                    (mount / "kubepods" / "pod", 1536 << 20, 1 << 30)):  # 512 MiB here
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / files["memory.max"]).write_text(f"{limit}\n")
+        (directory / files["memory.current"]).write_text(f"{usage}\n")
+    stat_key = "inactive_file" if version == 2 else "total_inactive_file"
+    (mount / "kubepods" / "pod" / "memory.stat").write_text(f"active_file 5\n{stat_key} {256 << 20}\n")
+    proc = tmp_path / "cgroup-of-self"
+    proc.write_text("0::/kubepods/pod\n" if version == 2 else "12:memory:/kubepods/pod\n3:cpu,cpuacct:/x\n")
+    # 512 MiB here, with 256 MiB of inactive page cache that is reclaimed first
+    assert cgroup_memory_room(str(proc), str(tmp_path / "cgroup")) == 768 << 20
+    proc.write_text("0::/\n" if version == 2 else "12:memory:/\n")  # the root: no limit
+    assert cgroup_memory_room(str(proc), str(tmp_path / "cgroup")) is None
+
+
+def test_a_named_pool_larger_than_memory_is_refused_at_start(monkeypatch):
+    """--kv-cache-memory-bytes 100GiB on a 23 GiB host started healthy (the pool
+    is reserved untouched) and was killed once requests filled it."""
+    from heron.worker import kv_cache_sizing
+
+    monkeypatch.setattr(kv_cache_sizing, "available_memory_bytes", lambda device: 600 * BLOCK_BYTES)
+    assert blocks(CacheConfig(kv_cache_memory_bytes=500 * BLOCK_BYTES)) == 500
+    for cache, source in ((CacheConfig(kv_cache_memory_bytes=700 * BLOCK_BYTES), "kv_cache_memory_bytes="),
+                          (CacheConfig(num_kv_blocks=700), "num_kv_blocks")):
+        with pytest.raises(ValueError, match=f"from {source}.* is more than the memory available"):
+            blocks(cache)
+    assert blocks(CacheConfig(kv_cache_memory_fraction=1.0)) == 2 * 256 // 16  # the default takes its share

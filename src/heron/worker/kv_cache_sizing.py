@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -75,19 +76,84 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Memory the KV cache may draw from: free device memory on CUDA, the kernel's
-    MemAvailable estimate on CPU."""
+    """Memory the KV cache may draw from: free device memory on CUDA; on CPU the
+    kernel's MemAvailable estimate, or less where the process's cgroup (a
+    container's memory limit) leaves less: a pool sized from the host's memory
+    filled up while serving and the OOM killer ended the engine."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    available = 4 << 30  # no /proc (not Linux): assume a modest 4 GiB
     try:
         with open("/proc/meminfo", encoding="utf-8") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 4 << 30  # no /proc (not Linux): assume a modest 4 GiB
+    room = cgroup_memory_room()
+    return available if room is None else min(available, room)
+
+
+# a cgroup limit at or above this is "no limit" (v1 writes 2^63 rounded down to a page)
+_NO_LIMIT = 1 << 60
+
+
+def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """What the memory limits of this process's cgroup and its ancestors leave
+    (limit minus usage, the least of them), or None where none is set.
+    cgroup v2 (``memory.max``, ``memory.current``) or v1's memory controller
+    (``memory.limit_in_bytes``, ``memory.usage_in_bytes``)."""
+    try:
+        with open(proc_cgroup, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            return _least_room(os.path.join(root), path, "memory.max", "memory.current")
+        if "memory" in controllers.split(","):
+            return _least_room(os.path.join(root, "memory"), path, "memory.limit_in_bytes", "memory.usage_in_bytes")
+    return None
+
+
+def _least_room(mount: str, path: str, limit_file: str, usage_file: str) -> int | None:
+    """The least limit-minus-usage from ``mount/path`` up to ``mount`` (a path
+    the namespace hides reads as the mount itself)."""
+    rooms = []
+    parts = [part for part in path.strip("/").split("/") if part]
+    for depth in range(len(parts), -1, -1):
+        directory = os.path.join(mount, *parts[:depth])
+        limit, usage = _read_int(os.path.join(directory, limit_file)), _read_int(os.path.join(directory, usage_file))
+        if limit is not None and limit < _NO_LIMIT and usage is not None:
+            # usage counts the page cache; its inactive part is reclaimed before anything is killed
+            # (Kubernetes' "working set" is the same difference)
+            rooms.append(max(limit - usage + _inactive_file_bytes(directory), 0))
+    return min(rooms) if rooms else None
+
+
+def _inactive_file_bytes(directory: str) -> int:
+    """``inactive_file`` (v2) or ``total_inactive_file`` (v1) of a cgroup's memory.stat, 0 if unread."""
+    try:
+        with open(os.path.join(directory, "memory.stat"), encoding="utf-8") as handle:
+            for line in handle:
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
 
 
 _GIB = float(1 << 30)
@@ -153,6 +219,9 @@ def determine_num_kv_blocks(
             budget = int(available_memory_bytes(device) * cache_config.kv_cache_memory_fraction)
             num_blocks = min(budget // bytes_per_block, blocks_per_seq * max_num_seqs)
             budget_source = f"{cache_config.kv_cache_memory_fraction:.0%} of available memory"
+    named = cache_config.num_kv_blocks is not None or cache_config.kv_cache_memory_bytes is not None
+    if device.type == "cpu" and named:
+        _check_fits_in_memory(num_blocks * bytes_per_block, budget_source, device)
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV cache ({num_blocks} blocks of {block_size} tokens, from {budget_source}) "
@@ -171,3 +240,14 @@ def determine_num_kv_blocks(
         num_blocks / blocks_per_seq,
     )
     return num_blocks
+
+
+def _check_fits_in_memory(pool_bytes: int, budget_source: str, device: torch.device) -> None:
+    """A named CPU budget larger than the memory there is: refused at start. The
+    pool is reserved untouched, so it started, and the OOM killer ended the
+    engine once requests had filled it."""
+    available = available_memory_bytes(device)
+    if pool_bytes > available:
+        raise ValueError(f"the KV cache ({pool_bytes / _GIB:.2f} GiB, from {budget_source}) is more than the "
+                         f"memory available ({available / _GIB:.2f} GiB, within this process's memory limit): it "
+                         "would be killed once requests fill it; give it less")
