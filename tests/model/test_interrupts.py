@@ -43,6 +43,31 @@ def test_an_interrupted_prefill_leaves_no_unwritten_blocks_cached(tiny_model_dir
     assert manager.num_free_blocks == manager.num_blocks
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_interrupt_before_the_forward_pass_is_undone_too(tiny_model_dir, async_scheduling):
+    """Between schedule() and the forward pass (grammar masks, the idle waits)
+    an interrupt was outside the undo: the step's blocks stayed cached unwritten."""
+    directory = tiny_model_dir("llama")
+    [prompt] = random_prompts([40], seed=21)
+    expected = reference_greedy(load_reference(directory), prompt, 8)
+    llm = LLM(directory, dtype="float32", max_model_len=96, block_size=8, num_kv_blocks=32,
+              async_scheduling=async_scheduling)
+    scheduler = llm.engine.engine_core.scheduler
+    to_sample = scheduler.structured_requests_to_sample
+
+    def interrupted(*args):
+        scheduler.structured_requests_to_sample = to_sample  # once
+        raise KeyboardInterrupt
+
+    scheduler.structured_requests_to_sample = interrupted
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    [output] = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    assert output.outputs[0].token_ids == expected
+    scheduler.kv_cache_manager.check_integrity()
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 

@@ -188,6 +188,9 @@ def test_tokenize_reports_a_bad_conversation_as_such(app, messages, path):
     response = TestClient(app).post("/tokenize", json={"messages": messages})
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "messages" and path in error["message"], error
+    # a null conversation is none (null means the default): a prompt beside it is what is tokenized
+    response = TestClient(app).post("/tokenize", json={"prompt": 5, "messages": None})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
 
 
 @pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])

@@ -230,27 +230,13 @@ class EngineCore:
             self.profiler.before_step()
         with phase("schedule"):
             scheduler_output = self.scheduler.schedule()
-            structured_ids = self.scheduler.structured_requests_to_sample(scheduler_output)
-            grammar = (
-                StructuredStep(
-                    structured_ids,
-                    self.structured_output.bitmask(structured_ids, scheduler_output.scheduled_spec_decode_tokens),
-                    self.structured_output.apply,
-                )
-                if structured_ids
-                else None
-            )
-        if scheduler_output.is_empty and in_flight is None:
-            # only requests waiting for their grammars, KV loads or lookups: let those run
-            if self.scheduler.is_loading_kv:
-                self.model_runner.wait_for_kv_loads(timeout=0.02)
-            elif self.scheduler.is_looking_up_kv:
-                self.scheduler.wait_for_kv_lookups(timeout=0.02)
-            elif self.scheduler.has_kv_leases:
-                self.model_runner.wait_for_kv_release(timeout=0.02)
-            else:
-                self.structured_output.wait_for_compile(timeout=0.02)
+        # from here the step counts as computed: an interrupt anywhere before its forward pass has run (its
+        # grammar masks, the waits, the pass itself) is undone, or its blocks stay cached unwritten
         try:
+            with phase("schedule"):
+                grammar = self._grammar_step(scheduler_output)
+            if scheduler_output.is_empty and in_flight is None:
+                self._wait_for_background_work()
             runner_output = self.model_runner.execute_model(
                 scheduler_output, grammar, defer_output=self.scheduler.can_schedule_ahead()
             )
@@ -279,6 +265,26 @@ class EngineCore:
         if self.profiler is not None:
             self.profiler.after_step()
         return outputs
+
+    def _grammar_step(self, scheduler_output: SchedulerOutput) -> StructuredStep | None:
+        """The grammar masks of the step's structured requests that sample (None: none)."""
+        structured_ids = self.scheduler.structured_requests_to_sample(scheduler_output)
+        if not structured_ids:
+            return None
+        bitmask = self.structured_output.bitmask(structured_ids, scheduler_output.scheduled_spec_decode_tokens)
+        return StructuredStep(structured_ids, bitmask, self.structured_output.apply)
+
+    def _wait_for_background_work(self) -> None:
+        """Nothing to compute: only requests waiting for their grammars, KV loads,
+        lookups or lease releases. Let those run a little."""
+        if self.scheduler.is_loading_kv:
+            self.model_runner.wait_for_kv_loads(timeout=0.02)
+        elif self.scheduler.is_looking_up_kv:
+            self.scheduler.wait_for_kv_lookups(timeout=0.02)
+        elif self.scheduler.has_kv_leases:
+            self.model_runner.wait_for_kv_release(timeout=0.02)
+        else:
+            self.structured_output.wait_for_compile(timeout=0.02)
 
     def _process(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | PendingRunnerOutput

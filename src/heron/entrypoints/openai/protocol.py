@@ -269,9 +269,9 @@ class TokenizeChatRequest(ChatPromptFields):
 
 
 def _tokenize_kind(body: Any) -> str:
-    """Which /tokenize request a body is: a conversation when it has messages.
+    """Which /tokenize request a body is: a conversation when it has messages (null is none).
     (Tried in turn, a bad conversation was reported as a missing prompt.)"""
-    return "Chat" if isinstance(body, dict) and "messages" in body else "Completion"
+    return "Chat" if isinstance(body, dict) and body.get("messages") is not None else "Completion"
 
 
 TokenizeRequest = Annotated[  # the tags are capitalised: error paths leave them out as union members' names
