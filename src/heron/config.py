@@ -9,6 +9,7 @@ model and the machine), so the rest of the engine never re-validates them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -226,6 +227,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_peer(value: Any) -> bool:
+    """``host`` or ``host:port`` (a port of digits, at most 65535)."""
+    if not isinstance(value, str) or not value or "/" in value:
+        return False
+    host, colon, port = value.rpartition(":")
+    return not colon or "]" in port or (bool(host) and port.isdigit() and int(port) < 65536)
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """KV-cache events (core/kv_events.py), with vLLM's keys: published per engine
@@ -266,6 +275,15 @@ class KVEventsConfig:
 
     def __post_init__(self) -> None:
         check_choice("kv_events_config.publisher", self.publisher, KVEventsPublisher)
+        # each was an AttributeError in the engine core, or (a string "false") events switched on
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be true or false, got "
+                             f"{self.enable_kv_cache_events!r}")
+        for name, optional in (("endpoint", False), ("replay_endpoint", True), ("topic", False)):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (optional and value is None):
+                raise ValueError(f"kv_events_config.{name} must be a string{' or null' if optional else ''}, "
+                                 f"got {value!r}")
         for name, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -350,13 +368,15 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config.kv_connector: heron has 'tcp' (alias 'HeronConnector': "
                              f"blocks over TCP with ZMQ, between CPUs or GPUs), not {self.kv_connector!r}{later}")
         check_choice("kv_transfer_config.kv_role", self.kv_role, KVRole)
-        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+        if not _is_int(self.kv_port) or not 0 <= self.kv_port < 65536:
             raise ValueError("kv_transfer_config.kv_port must be a port number (0: any free one)")
         for name in ("kv_lease_seconds", "kv_timeout_seconds"):
-            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
-                raise ValueError(f"kv_transfer_config.{name} must be a positive number")
+            # NaN passed "<= 0" and made a deadline never reached: leases held, pulls never timed out
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"kv_transfer_config.{name} must be a positive number of seconds, got {value!r}")
         peers = self.kv_peers
-        if not isinstance(peers, (list, tuple)) or not all(isinstance(p, str) and p and "/" not in p for p in peers):
+        if not isinstance(peers, (list, tuple)) or not all(_is_peer(p) for p in peers):
             raise ValueError('kv_transfer_config.kv_peers must be a list of "host" or "host:port" strings')
         object.__setattr__(self, "kv_peers", tuple(peers))
 

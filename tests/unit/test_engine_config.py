@@ -184,6 +184,25 @@ def test_kv_transfer_config_takes_vllm_keys_and_refuses_what_heron_lacks():
         KVTransferConfig.from_dict({"kv_role": "prefill"})
     with pytest.raises(ValueError, match="kv_lease_seconds"):
         KVTransferConfig.from_dict({"kv_lease_seconds": 0})
+    # NaN made a deadline never reached (leases held, pulls never timing out); true was port 1
+    for bad, key in (({"kv_lease_seconds": float("nan")}, "kv_lease_seconds"),
+                     ({"kv_timeout_seconds": True}, "kv_timeout_seconds"), ({"kv_port": True}, "kv_port"),
+                     ({"kv_peers": ["host:abc"]}, "kv_peers")):
+        with pytest.raises(ValueError, match=f"kv_transfer_config.{key}"):
+            KVTransferConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("value, key", [
+    ({"enable_kv_cache_events": True, "endpoint": 5}, "endpoint"),  # an AttributeError traceback at start
+    ({"enable_kv_cache_events": True, "endpoint": None}, "endpoint"),  # the engine core died on it
+    ({"enable_kv_cache_events": True, "topic": 5}, "topic"),
+    ({"enable_kv_cache_events": "false"}, "enable_kv_cache_events"),  # switched events on
+])
+def test_kv_events_config_values_are_checked_by_type(value, key):
+    from heron.config import KVEventsConfig
+
+    with pytest.raises(ValueError, match=f"kv_events_config.{key} must be"):
+        KVEventsConfig.from_dict(value)
 
 
 def test_kv_peers_bound_where_a_consumer_pulls_from():
