@@ -293,3 +293,10 @@ def test_seed_none_is_a_random_seed_and_one_past_64_bits_is_named():
     assert EngineArgs(device="cpu", seed=7).create_engine_config().model.seed == 7
     with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\^63, 2\^64\)"):
         EngineArgs(device="cpu", seed=2**64).create_engine_config()
+
+
+@pytest.mark.parametrize("name", ["model", "tokenizer", "served_model_name", "profile_dir"])
+def test_an_empty_string_is_refused_not_read_as_the_default(name):
+    """heron serve --model "$MODEL" with MODEL unset served the embedded model without a word."""
+    with pytest.raises(ValueError, match=f"{name} is an empty string"):
+        EngineArgs(device="cpu", **{name: ""}).create_engine_config()

@@ -132,9 +132,9 @@ class EngineArgs:
     kv_offloading_size: float = _arg(0.0, "GiB of host memory for a KV offload tier: prefix blocks evicted from the "
                                           "pool are kept there and loaded back instead of recomputed (0: none)",
                                      metavar="GIB")
-    kv_offloading_dir: str | None = _arg(None, "directory of a local-disk KV offload tier: prefix blocks evicted from "
-                                               "the pool (or the host tier) are written there, survive a restart and "
-                                               "are shared by every replica pointed at the same directory",
+    kv_offloading_dir: str | None = _arg(None, "directory of a local-disk KV offload tier: every full prefix block is "
+                                               "written there once computed (write-through), survives a restart and "
+                                               "is shared by every replica pointed at the same directory",
                                          metavar="DIR")
     kv_offloading_dir_size: float = _arg(16.0, "GiB the disk tier may fill before it deletes its least recently "
                                                "used blocks", metavar="GIB")
@@ -212,6 +212,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve "auto" values against the model and the machine, validating all."""
+        for name in ("model", "tokenizer", "served_model_name", "profile_dir"):
+            if getattr(self, name, None) == "":  # an unset shell variable: the default served in silence
+                raise ValueError(f"{name} is an empty string (an unset variable?); leave it out for the default")
         for name, literal in (("attention_backend", AttentionBackendName), ("model_impl", ModelImpl),
                               ("usage", Usage), ("data_parallel_backend", DataParallelBackend)):
             check_choice(name, getattr(self, name), literal)

@@ -9,6 +9,7 @@ from heron import envs
 from heron.engine.args import positive_size
 from heron.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S
 from heron.entrypoints.arg_types import (
+    FINITE_POSITIVE_FLOAT,
     NON_NEGATIVE_FLOAT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
@@ -27,7 +28,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=port, default=8000)
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
-    group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats log lines")
+    group.add_argument("--log-stats-interval", type=FINITE_POSITIVE_FLOAT, default=10.0,
+                       help="seconds between engine stats log lines")
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's prompt and sampling parameters, and its output text when it finishes "
                             "(INFO); without it no prompt or output is logged")
