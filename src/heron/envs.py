@@ -6,6 +6,7 @@ between engines. The names are public: README lists them.
 
 from __future__ import annotations
 
+import math
 import os
 
 HERON_API_KEY = "HERON_API_KEY"  # accepted API keys, comma separated (heron serve)
@@ -29,6 +30,22 @@ def is_set(name: str) -> bool:
 
 def get(name: str, default: str = "") -> str:
     return os.environ.get(name, default)
+
+
+def positive_number(name: str, default: float) -> float:
+    """A variable holding a finite number above 0 (``default`` when unset or
+    empty); anything else is a ValueError naming the variable (one was reported
+    as the network failing)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name}={text!r}: expected a finite number above 0")
+    return value
 
 
 def cache_dir(kind: str) -> str:

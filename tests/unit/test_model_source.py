@@ -89,3 +89,14 @@ def test_a_sharded_hub_checkpoint_fetches_only_the_shards_its_index_names(monkey
     files.remove("model.safetensors.index.json")
     asked.clear()
     assert "*.safetensors" in model_source._download_from_hub("org/single")  # noqa: SLF001
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
+def test_a_bad_hub_timeout_is_named_not_reported_as_the_network(monkeypatch, value):
+    """HERON_HUB_TIMEOUT_S=abc said the Hub could not be reached ("could not
+    convert string to float"); 0, -1 and nan were taken."""
+    from heron.loader import model_source
+
+    monkeypatch.setenv("HERON_HUB_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"HERON_HUB_TIMEOUT_S={value!r}: expected a finite number above 0"):
+        model_source._download_from_hub("someorg/somemodel")

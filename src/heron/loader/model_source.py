@@ -164,10 +164,11 @@ def _download_from_hub(repo_id: str, patterns: list[str] | None = None) -> str:
         raise ModelNotFoundError(
             f"{repo_id!r} is not a local path and huggingface_hub is not installed"
         ) from exc
+    timeout = envs.positive_number(envs.HERON_HUB_TIMEOUT_S, 30.0)  # a bad value is no network failure
     try:
         # asked first with a bound: snapshot_download asks the same with none, and a proxy or a
         # half-open connection that never answered held `heron serve --model org/name` for good
-        info = model_info(repo_id, timeout=float(envs.get(envs.HERON_HUB_TIMEOUT_S, "30")))
+        info = model_info(repo_id, timeout=timeout)
         if patterns is None:
             patterns = _MODEL_FILES
             if _SHARD_INDEX in {sibling.rfilename for sibling in info.siblings or []}:
