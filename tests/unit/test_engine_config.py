@@ -300,3 +300,17 @@ def test_an_empty_string_is_refused_not_read_as_the_default(name):
     """heron serve --model "$MODEL" with MODEL unset served the embedded model without a word."""
     with pytest.raises(ValueError, match=f"{name} is an empty string"):
         EngineArgs(device="cpu", **{name: ""}).create_engine_config()
+
+
+def test_the_cli_takes_every_dtype_spelling_llm_takes():
+    """--dtype half (vLLM's) was an argparse refusal, though LLM(dtype="half") ran."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    for spelling, name in (("half", "float16"), ("float", "float32"), ("bf16", "bfloat16"), ("auto", "auto")):
+        args = EngineArgs.from_cli_args(parser.parse_args(["--dtype", spelling, "--kv-cache-dtype", spelling]))
+        assert (args.dtype, args.kv_cache_dtype) == (name, name)
+        assert EngineArgs.from_kwargs("LLM()", dtype=spelling).dtype == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "fp64"])

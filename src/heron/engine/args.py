@@ -42,6 +42,7 @@ from heron.config import (
 from heron.engine.resolve import (
     architecture_of,
     draft_model_config,
+    dtype_flag,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -119,8 +120,9 @@ class EngineArgs:
                                    "SmolLM2-135M-Instruct)")
     tokenizer: str | None = _arg(None, "tokenizer to use instead of the model's own")
     served_model_name: str | None = _arg(None, "model name reported by the API (default: the model's)")
-    dtype: DType = _arg("auto", "activation and weight dtype; auto: float32 on CPUs without native bf16 "
-                                "and for low-bit weights, bfloat16 on CUDA and bf16 CPUs")
+    dtype: DType = _arg("auto", "activation and weight dtype (float32/float/fp32, bfloat16/bf16, float16/half/fp16); "
+                                "auto: float32 on CPUs without native bf16 and for low-bit weights, bfloat16 on "
+                                "CUDA and bf16 CPUs", parse=dtype_flag, metavar="DTYPE")
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_num_seqs: int | None = _arg(None, "running sequences per step (default: 256 on CUDA, 64 on CPU)")
     max_num_batched_tokens: int | None = _arg(
@@ -141,8 +143,9 @@ class EngineArgs:
     kv_load_failure_policy: Literal["recompute", "fail"] = _arg(
         "recompute", "a prefix block an offload tier cannot deliver (deleted, corrupt): compute it again, or fail "
                      "the request")
-    kv_cache_dtype: DType = _arg("auto", "what the KV cache holds; auto: float16 for the CPU's low-bit modes (half the "
-                                         "bytes decode attention reads), else the model's dtype")
+    kv_cache_dtype: DType = _arg("auto", "what the KV cache holds (the dtype spellings); auto: float16 for the CPU's "
+                                         "low-bit modes (half the bytes decode attention reads), else the model's "
+                                         "dtype", parse=dtype_flag, metavar="DTYPE")
     kv_cache_memory_fraction: float = _arg(0.25, "CPU: share of the memory left after the weights for the KV cache")
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks (overrides the memory budgets)")
     scheduling_policy: SchedulingPolicy = _arg("fcfs", "admission order: first come first served, or by "

@@ -8,6 +8,7 @@ here reads files or the CPU, which is why it is not in the ``config`` leaf.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from dataclasses import replace
@@ -41,6 +42,16 @@ _DTYPE_NAMES: dict[str, ResolvedDType] = {
     "fp16": "float16",
     "half": "float16",
 }
+
+def dtype_flag(text: str) -> str:
+    """A ``--dtype`` / ``--kv-cache-dtype`` value in any spelling heron takes
+    (vLLM's ``half`` and ``float`` too: the CLI refused what ``LLM()`` took), as
+    its canonical name; an argparse error otherwise."""
+    name = "auto" if text == "auto" else _DTYPE_NAMES.get(text)
+    if name is None:
+        raise argparse.ArgumentTypeError(f"expected auto or one of {', '.join(_DTYPE_NAMES)}, got {text!r}")
+    return name
+
 
 # device nodes of a GPU that torch may drive (NVIDIA, AMD ROCm, WSL)
 _GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
