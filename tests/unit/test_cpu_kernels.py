@@ -218,3 +218,16 @@ def test_int4_holds_gguf_4bit_blocks_exactly(qtype):
     for packed in (cpu_kernels.pack_q4_tiles(weight), quantize_q4_tiles_torch(weight)):
         q, scale, low = _from_column_tiles(*packed)
         assert torch.equal((q.float() * scale[..., None] + low[..., None]).reshape(24, 256), weight)
+
+
+def test_keys_of_another_shape_than_the_cache_are_refused():
+    """A config whose num_key_value_heads disagreed with the model's real heads
+    (a GPT-2 config given the key) had its keys viewed into the cache by their
+    own shape: prefill matched transformers, decode read scrambled K/V."""
+    from heron.attention.backend import AttentionBackend
+
+    cache = torch.zeros(AttentionBackend.kv_cache_shape(4, 8, 2, 16))
+    slots = torch.tensor([0, 1])
+    AttentionBackend.store_kv(cache, torch.ones(2, 2, 16), torch.ones(2, 2, 16), slots)
+    with pytest.raises(ValueError, match=r"keys of \(4, 16\) .* KV cache of \(2, 16\)"):
+        AttentionBackend.store_kv(cache, torch.ones(2, 4, 16), torch.ones(2, 4, 16), slots)

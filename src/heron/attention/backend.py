@@ -120,6 +120,9 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's keys and values (``[num_tokens, num_kv_heads,
         head_dim]``) into their slots of a ``kv_cache_shape`` cache."""
+        if key.shape[1:] != kv_cache.shape[3:]:  # a view by the key's shape scrambled the cache: wrong tokens
+            raise ValueError(f"keys of {tuple(key.shape[1:])} (heads, dimensions) for a KV cache of "
+                             f"{tuple(kv_cache.shape[3:])}: the model's config does not describe its attention")
         flat = kv_cache.view(2, -1, key.shape[1], key.shape[2])
         flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))  # (a no-op unless the cache has its own dtype)
         flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
