@@ -228,11 +228,28 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_peer(value: Any) -> bool:
-    """``host`` or ``host:port`` (a port of digits, at most 65535)."""
+    """``host``, ``host:port`` (a port of digits, at most 65535), an IPv6
+    address in brackets (``[::1]``, ``[::1]:5000``); a bare IPv6 address is
+    ambiguous and refused."""
     if not isinstance(value, str) or not value or "/" in value:
         return False
-    host, colon, port = value.rpartition(":")
-    return not colon or "]" in port or (bool(host) and port.isdigit() and int(port) < 65536)
+    if value.startswith("["):
+        address, bracket, rest = value[1:].partition("]")
+        return bool(address and bracket) and (not rest or (rest[0] == ":" and _is_port(rest[1:])))
+    host, colon, port = value.partition(":")
+    return bool(host) and (not colon or _is_port(port))
+
+
+def _is_port(text: str) -> bool:
+    return text.isdigit() and int(text) < 65536
+
+
+def _flag(value: Any) -> Any:
+    """true/false as JSON, Python, 1/0 or their strings (any case), as a bool; anything else as it is."""
+    if isinstance(value, bool):
+        return value
+    spelled = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    return {"true": True, "1": True, "false": False, "0": False}.get(spelled, value) if spelled is not None else value
 
 
 @dataclass(frozen=True)
@@ -270,7 +287,10 @@ class KVEventsConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
-        merged = {"publisher": "zmq" if value.get("enable_kv_cache_events") else "null", **value}
+        merged = {**value}
+        if "enable_kv_cache_events" in value:  # vLLM's config takes "true" and 1 as well: a bool, or refused
+            merged["enable_kv_cache_events"] = _flag(value["enable_kv_cache_events"])
+        merged = {"publisher": "zmq" if merged.get("enable_kv_cache_events") else "null", **merged}
         return KVEventsConfig(**merged)
 
     def __post_init__(self) -> None:
@@ -377,7 +397,8 @@ class KVTransferConfig:
                 raise ValueError(f"kv_transfer_config.{name} must be a positive number of seconds, got {value!r}")
         peers = self.kv_peers
         if not isinstance(peers, (list, tuple)) or not all(_is_peer(p) for p in peers):
-            raise ValueError('kv_transfer_config.kv_peers must be a list of "host" or "host:port" strings')
+            raise ValueError('kv_transfer_config.kv_peers must be a list of "host" or "host:port" strings (IPv6 in '
+                             'brackets: "[::1]:5000")')
         object.__setattr__(self, "kv_peers", tuple(peers))
 
 

@@ -32,10 +32,10 @@ def get(name: str, default: str = "") -> str:
     return os.environ.get(name, default)
 
 
-def positive_number(name: str, default: float) -> float:
-    """A variable holding a finite number above 0 (``default`` when unset or
-    empty); anything else is a ValueError naming the variable (one was reported
-    as the network failing)."""
+def positive_number(name: str, default: float, zero: bool = False) -> float:
+    """A variable holding a finite number above 0 (or 0 too, with ``zero``;
+    ``default`` when unset or empty); anything else is a ValueError naming the
+    variable (one was reported as the network failing)."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
@@ -43,8 +43,8 @@ def positive_number(name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise ValueError(f"{name}={text!r}: expected a finite number above 0")
+    if not (0 <= value if zero else 0 < value) or value == math.inf:
+        raise ValueError(f"{name}={text!r}: expected a finite number {'>= 0' if zero else 'above 0'}")
     return value
 
 

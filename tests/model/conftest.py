@@ -56,6 +56,7 @@ FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
     # fallback computed plain logits, off by up to 1 in logprob
     "cohere": dict(model_type="cohere", logit_scale=0.5),
     "granite": dict(model_type="granite", logits_scaling=4.0),
+    "hyperclovax": dict(model_type="hyperclovax", logits_scaling=4.0),  # the same key, multiplied
     # a native family with a RoPE type heron does not compute: transformers runs it under "auto"
     "llama-dynamic-rope": dict(model_type="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                                     "factor": 2.0}),

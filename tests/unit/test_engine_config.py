@@ -187,16 +187,17 @@ def test_kv_transfer_config_takes_vllm_keys_and_refuses_what_heron_lacks():
     # NaN made a deadline never reached (leases held, pulls never timing out); true was port 1
     for bad, key in (({"kv_lease_seconds": float("nan")}, "kv_lease_seconds"),
                      ({"kv_timeout_seconds": True}, "kv_timeout_seconds"), ({"kv_port": True}, "kv_port"),
-                     ({"kv_peers": ["host:abc"]}, "kv_peers")):
+                     ({"kv_peers": ["host:abc"]}, "kv_peers"), ({"kv_peers": ["2001:db8::1"]}, "kv_peers")):
         with pytest.raises(ValueError, match=f"kv_transfer_config.{key}"):
             KVTransferConfig.from_dict(bad)
+    assert KVTransferConfig.from_dict({"kv_role": "kv_consumer", "kv_peers": ["[::1]:5000", "h:1", "h"]}) is not None
 
 
 @pytest.mark.parametrize("value, key", [
     ({"enable_kv_cache_events": True, "endpoint": 5}, "endpoint"),  # an AttributeError traceback at start
     ({"enable_kv_cache_events": True, "endpoint": None}, "endpoint"),  # the engine core died on it
     ({"enable_kv_cache_events": True, "topic": 5}, "topic"),
-    ({"enable_kv_cache_events": "false"}, "enable_kv_cache_events"),  # switched events on
+    ({"enable_kv_cache_events": "no"}, "enable_kv_cache_events"),  # a string switched events on
 ])
 def test_kv_events_config_values_are_checked_by_type(value, key):
     from heron.config import KVEventsConfig
@@ -314,3 +315,10 @@ def test_the_cli_takes_every_dtype_spelling_llm_takes():
         assert EngineArgs.from_kwargs("LLM()", dtype=spelling).dtype == name
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "fp64"])
+
+
+def test_kv_events_take_vllms_spellings_of_true_and_false():
+    from heron.config import KVEventsConfig
+
+    for value, publishes in (("true", True), (1, True), ("False", False), (0, False), (True, True)):
+        assert KVEventsConfig.from_dict({"enable_kv_cache_events": value}).publishes is publishes

@@ -211,7 +211,7 @@ def start_ray_engine_cores(engine: EngineConfig | EngineArgs, log_level: str = "
 def _bundle(engine: EngineConfig | EngineArgs, ray: Any) -> dict[str, float]:
     """What one engine core reserves: a GPU when the engine runs on CUDA (or
     ``auto`` on a cluster that has a GPU per engine), and CPUs."""
-    cpus = envs.positive_number(envs.HERON_RAY_CPUS_PER_ENGINE, 1.0)
+    cpus = envs.positive_number(envs.HERON_RAY_CPUS_PER_ENGINE, 1.0, zero=True)  # 0: only a GPU, as Ray allows
     device = engine.device_name if isinstance(engine, EngineConfig) else engine.device
     gpus = ray.cluster_resources().get("GPU", 0)
     if device == "cuda" or (device == "auto" and gpus >= engine.data_parallel_size):

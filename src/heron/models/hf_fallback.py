@@ -55,7 +55,22 @@ def check_fallback_support(hf_config: Any) -> None:
     value_head = int(getattr(text_config, "v_head_dim", None) or query_head)
     if not query_head == value_head == head:
         raise ValueError(f"{model_type!r} models have query/key heads of {query_head} dimensions and value heads "
-                         f"of {value_head} (multi-head latent attention): not supported")
+                         f"of {value_head}, where heron's KV cache would hold heads of {head} (multi-head latent "
+                         "attention): not supported")
+
+
+def logit_multiplier(text_config: Any) -> float:
+    """The scale a model's own head applies to its logits, by family (the same
+    key means opposite things): Cohere multiplies by ``logit_scale``, Granite
+    divides by ``logits_scaling``, HyperCLOVA X multiplies by it."""
+    model_type = str(getattr(text_config, "model_type", ""))
+    multiplier = float(getattr(text_config, "logit_scale", None) or 1.0) if model_type.startswith("cohere") else 1.0
+    scaling = float(getattr(text_config, "logits_scaling", None) or 1.0)
+    if model_type.startswith("granite"):
+        multiplier /= scaling
+    elif model_type.startswith("hyperclovax"):
+        multiplier *= scaling
+    return multiplier
 
 
 def _register_with_transformers() -> None:
@@ -144,9 +159,7 @@ class TransformersCausalLM(CausalLM):
             for index in range(int(text_config.num_hidden_layers))
         ]
         self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
-        # the head's own scaling, as the model's forward applies it: Cohere multiplies, Granite divides
-        self.logit_multiplier = float(getattr(text_config, "logit_scale", None) or 1.0) / float(
-            getattr(text_config, "logits_scaling", None) or 1.0)
+        self.logit_multiplier = logit_multiplier(text_config)
 
     def attention_layers(self) -> list[Attention]:
         return self.layers

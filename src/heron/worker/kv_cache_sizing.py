@@ -135,16 +135,19 @@ def _least_room(mount: str, path: str, limit_file: str, usage_file: str) -> int 
 
 
 def _inactive_file_bytes(directory: str) -> int:
-    """``inactive_file`` (v2) or ``total_inactive_file`` (v1) of a cgroup's memory.stat, 0 if unread."""
+    """The inactive page cache of a cgroup and its children: v1's
+    ``total_inactive_file`` (its ``inactive_file`` is the cgroup's own pages
+    alone, while usage counts the subtree), else v2's ``inactive_file``; 0 if unread."""
+    stats: dict[str, int] = {}
     try:
         with open(os.path.join(directory, "memory.stat"), encoding="utf-8") as handle:
             for line in handle:
                 key, _, value = line.partition(" ")
-                if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
-                    return int(value)
+                if value.strip().isdigit():
+                    stats[key] = int(value)
     except OSError:
         pass
-    return 0
+    return stats.get("total_inactive_file", stats.get("inactive_file", 0))
 
 
 def _read_int(path: str) -> int | None:
