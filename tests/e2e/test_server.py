@@ -66,6 +66,19 @@ def test_usage_counts_equal_the_tokenizer(server, client, embedded_tokenizer):
     assert chat.usage.prompt_tokens == chat_tokens["count"]
     detok = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokenized["tokens"]}).json()
     assert detok["prompt"] == prompt
+    strs = httpx.post(f"{server.base_url}/tokenize", json={"prompt": prompt, "return_token_strs": True}).json()
+    assert strs["token_strs"] == embedded_tokenizer.convert_ids_to_tokens(strs["tokens"])  # vLLM's field
+
+
+def test_continuing_and_a_generation_prompt_both_asked_for_is_a_400(server):
+    """Both true: the final message was continued and the generation prompt
+    dropped without a word (vLLM refuses it); chat and /tokenize alike."""
+    body = {"model": MODEL, "messages": QUESTION, "continue_final_message": True, "add_generation_prompt": True}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        response = httpx.post(f"{server.base_url}{path}", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
+    del body["add_generation_prompt"]  # continuing alone (add_generation_prompt's default true gives way)
+    assert httpx.post(f"{server.base_url}/tokenize", json=body).status_code == 200
 
 
 def test_streamed_text_equals_non_streamed_for_the_same_seed(client):

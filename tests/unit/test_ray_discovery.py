@@ -16,7 +16,9 @@ CHILD = """
 import json, pathlib, sys, time
 runs = pathlib.Path(sys.argv[1])
 run = int(runs.read_text()) + 1 if runs.exists() else 1
-runs.write_text(str(run))
+written = runs.with_suffix(".new")
+written.write_text(str(run))
+written.replace(runs)  # whole: the test read it between write_text's truncation and its write
 if run == 1:
     print(json.dumps({"replicas": ["http://10.0.0.1:8000"]}), flush=True)
     time.sleep(0.3)

@@ -236,14 +236,12 @@ class ChatPromptFields(OpenAIModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _one_ending(self) -> ChatPromptFields:
-        # both asked for: the final message was continued and the generation prompt silently dropped
-        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in (
-                self.model_fields_set):
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: continue "
-                             "the last message, or start a new one after it")
-        return self
+    def both_endings(self) -> bool:
+        """Both asked for (an explicit add_generation_prompt with
+        continue_final_message): the final message was continued and the
+        generation prompt silently dropped; vLLM refuses it."""
+        return self.continue_final_message and self.add_generation_prompt and (
+            "add_generation_prompt" in self.model_fields_set)
 
 
 class ChatCompletionRequest(SamplingFields, ChatPromptFields):

@@ -57,6 +57,9 @@ def chat_template_of(ctx: ServingContext, request: Any) -> str | None:
 def chat_prompt(ctx: ServingContext, request: Any) -> ProcessedPrompt:
     """Apply the chat template to ``request.messages`` and its tools (chat and
     /tokenize; the request model has checked the roles)."""
+    if request.both_endings():  # a 400 naming the field (a model validator's names none)
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: continue the "
+                          "last message, or start a new one after it", "continue_final_message")
     template = chat_template_of(ctx, request)
     messages = [message.model_dump(exclude_none=True) for message in request.messages]
     tools = [tool.model_dump(exclude_none=True) for tool in getattr(request, "tools", None) or []]
