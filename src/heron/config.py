@@ -315,7 +315,7 @@ class KVEventsConfig:
                 raise ValueError(f"kv_events_config.{name} must be a ZMQ address such as tcp://*:5557 or "
                                  f"ipc:///tmp/kv-events, got {address!r}")
             port = address.rsplit(":", 1)[-1] if address is not None and address.startswith("tcp://") else "*"
-            if port != "*" and not (port.isdigit() and int(port) <= 65535):
+            if port != "*" and not _is_port(port):
                 raise ValueError(f"kv_events_config.{name}: the port of {address!r} must be * or 0-65535")
 
 

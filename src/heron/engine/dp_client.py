@@ -252,10 +252,6 @@ class DataParallelClient:
 
         task.add_done_callback(restart)
 
-    @property
-    def exit_code(self) -> int | None:
-        return next((e.client.exit_code for e in self.engines if not e.client.is_alive()), None)
-
     def exit_reason(self) -> str:
         """Which engine core is gone, and how (one gone takes the server down)."""
         gone = next((e for e in self.engines if not e.client.is_alive()), self.engines[0])

@@ -56,6 +56,13 @@ class ArchConfig(SimpleNamespace):
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def computed_natively(rope_type: str, hidden_act: str) -> bool:
+    """Whether heron's native layers compute a native family's configuration:
+    a RoPE type of ``NATIVE_ROPE_TYPES`` and SiLU MLPs (any other runs through
+    transformers under model_impl "auto")."""
+    return rope_type in NATIVE_ROPE_TYPES and hidden_act == "silu"
+
+
 def is_native_family(model_type: str) -> bool:
     return model_type in FAMILY_DEFAULTS
 

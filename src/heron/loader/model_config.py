@@ -8,8 +8,8 @@ import os
 from typing import Any
 
 from heron.loader.arch_config import (
-    NATIVE_ROPE_TYPES,
     arch_config_from_dict,
+    computed_natively,
     is_native_family,
     rope_parameters_of,
     rope_type_of,
@@ -32,8 +32,7 @@ def load_hf_config(source: ModelSource, model_impl: str = "auto") -> Any:
             values = json.load(handle)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read the model config {config_path}: {exc}") from exc
-    # what heron's native layers compute (models/implementation.py chooses by the same two)
-    native_layers = rope_type_of(values) in NATIVE_ROPE_TYPES and values.get("hidden_act", "silu") == "silu"
+    native_layers = computed_natively(rope_type_of(values), values.get("hidden_act", "silu"))
     if is_native_family(str(values.get("model_type"))) and (model_impl == "native" or
                                                             (model_impl == "auto" and native_layers)):
         return arch_config_from_dict(values)

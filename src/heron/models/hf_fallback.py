@@ -39,7 +39,7 @@ def check_fallback_support(hf_config: Any) -> None:
 
     model_type = getattr(hf_config, "model_type", "")
     model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
-    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text_config = _text_config(hf_config)
     others = sorted({kind for kind in getattr(text_config, "layer_types", None) or ()
                      if kind not in ATTENTION_LAYER_TYPES})
     if getattr(model_class, "_is_stateful", False) or others:
@@ -57,6 +57,11 @@ def check_fallback_support(hf_config: Any) -> None:
         raise ValueError(f"{model_type!r} models have query/key heads of {query_head} dimensions and value heads "
                          f"of {value_head}, where heron's KV cache would hold heads of {head} (multi-head latent "
                          "attention): not supported")
+
+
+def _text_config(config: Any) -> Any:
+    """The language model's part of a config (a multimodal one nests it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def logit_multiplier(text_config: Any) -> float:
@@ -142,7 +147,7 @@ class TransformersCausalLM(CausalLM):
                              "heron's attention does not add: not supported")
         self.hf_model = hf_model.to(device).eval()
         config = self.hf_model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text_config = _text_config(config)
         num_heads = int(text_config.num_attention_heads)
         head_dim = head_dim_of(text_config)
         num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or num_heads)

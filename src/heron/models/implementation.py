@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from heron.loader.arch_config import NATIVE_ROPE_TYPES
+from heron.loader.arch_config import NATIVE_ROPE_TYPES, computed_natively
 from heron.loader.model_config import rope_parameters
 
 
@@ -59,8 +59,8 @@ def select_implementation(model_config: ModelDescription) -> str:
     if model_config.model_impl == "native" and native is not None and activation != "silu":
         raise ValueError(f"hidden_act {activation!r} is not supported natively (native: silu); use "
                          "model_impl='transformers' or 'auto'")
-    if (model_config.model_impl != "transformers" and native is not None and rope_type in NATIVE_ROPE_TYPES
-            and quant_method is None and activation == "silu"):
+    if (model_config.model_impl != "transformers" and native is not None and quant_method is None
+            and computed_natively(rope_type, activation)):
         return "native"
     supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
     if model_config.model_impl == "native":

@@ -24,6 +24,7 @@ from heron import envs
 from heron.attention.backend import AttentionMetadata
 from heron.attention.torch_backend import TorchAttentionMetadata
 from heron.kernels.cpu.library import native_library
+from heron.kernels.cpu.ops import supports_paged_kv_cache
 from heron.models.quantization import TILE_COLUMNS, Int4WeightOnlyLinear, Int8WeightInt8InputLinear
 
 
@@ -130,7 +131,7 @@ class NativeLowBitDecoder:
         ]
         if model.embed_tokens.weight.dtype != torch.float32 or any(w.dtype != torch.float32 for w in norms):
             return "the model is not float32"
-        if kv_cache_dtype not in (None, torch.float32, torch.float16):
+        if kv_cache_dtype is not None and not supports_paged_kv_cache(kv_cache_dtype):
             # the kernels read float32 or float16 K/V: built anyway, its first step raised and the engine died
             return f"a {str(kv_cache_dtype).removeprefix('torch.')} KV cache (the native path reads float32 or float16)"
         for layer in model.layers:
@@ -160,7 +161,7 @@ class NativeLowBitDecoder:
         pointers = [cache.data_ptr() for cache in caches]
         if pointers != self._bound_caches:
             for entry, cache in zip(self.layers, caches):
-                if cache.dtype not in (torch.float32, torch.float16) or not cache.is_contiguous():
+                if not supports_paged_kv_cache(cache.dtype) or not cache.is_contiguous():
                     raise ValueError("the native forward pass needs a contiguous float32 or float16 KV cache")
                 entry.kv_cache = cache.data_ptr()
             self.shape.kv_half = int(caches[0].dtype == torch.float16)

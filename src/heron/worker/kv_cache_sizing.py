@@ -113,7 +113,7 @@ def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
     for line in lines:
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hierarchy == "0" and controllers == "":
-            return _least_room(os.path.join(root), path, "memory.max", "memory.current")
+            return _least_room(root, path, "memory.max", "memory.current")
         if "memory" in controllers.split(","):
             return _least_room(os.path.join(root, "memory"), path, "memory.limit_in_bytes", "memory.usage_in_bytes")
     return None

@@ -168,9 +168,8 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     markers = ("<|python_tag|>", "{")
-    skip_special_tokens = False
-
     closers = ("}",)
+    skip_special_tokens = False
 
     def parse(self, text: str, final: bool = True) -> Parsed:
         stripped = text.lstrip()
