@@ -48,7 +48,7 @@ class ModelConfig:
     (from config.json or built from GGUF metadata)."""
 
     model: str  # resolved local path: an HF directory or a .gguf file
-    served_model_name: str
+    served_model_name: str  # the name answers report
     source_format: Literal["hf", "gguf"]
     hf_config: Any = field(repr=False)
     dtype_name: ResolvedDType  # a name: the API server never imports torch
@@ -58,6 +58,7 @@ class ModelConfig:
     quantization: ResolvedQuantization = "none"  # low-bit: CPU only, int8 inputs
     seed: int = 0
     tokenizer: str | None = None  # override; defaults to the model's own
+    served_model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name a b)
 
     def __post_init__(self) -> None:
         # torch's generator takes [-2^63, 2^64); past it the engine core died at start on an "Overflow when

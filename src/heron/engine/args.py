@@ -102,11 +102,12 @@ def parse_json_object(text: str) -> dict[str, Any]:
 
 
 def _arg(default: Any, help: str, *, flags: tuple[str, ...] = (), parse: Any = None, cli: bool = True,
-         metavar: str | None = None) -> Any:
+         metavar: str | None = None, nargs: str | None = None) -> Any:
     """A field of ``EngineArgs`` with its command-line spelling. ``flags``: the
     option strings (default ``--field-name``); ``parse``: the argparse type when
-    the field's type does not say it."""
-    metadata = {"help": help, "flags": flags, "parse": parse, "cli": cli, "metavar": metavar}
+    the field's type does not say it; ``nargs``: argparse's, for a flag that
+    takes several values."""
+    metadata = {"help": help, "flags": flags, "parse": parse, "cli": cli, "metavar": metavar, "nargs": nargs}
     return field(default=default, metadata=metadata)
 
 
@@ -119,7 +120,9 @@ class EngineArgs:
     model: str | None = _arg(None, "HF directory, .gguf file or hub id (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
     tokenizer: str | None = _arg(None, "tokenizer to use instead of the model's own")
-    served_model_name: str | None = _arg(None, "model name reported by the API (default: the model's)")
+    served_model_name: str | list[str] | None = _arg(
+        None, "the model's name in the API (default: the model's); several names are aliases a request may "
+              "use, the first is the one answers report", parse=str, nargs="+", metavar="NAME")
     dtype: DType = _arg("auto", "activation and weight dtype (float32/float/fp32, bfloat16/bf16, float16/half/fp16); "
                                 "auto: float32 on CPUs without native bf16 and for low-bit weights, bfloat16 on "
                                 "CUDA and bf16 CPUs", parse=dtype_flag, metavar="DTYPE")
@@ -215,7 +218,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve "auto" values against the model and the machine, validating all."""
-        for name in ("model", "tokenizer", "served_model_name", "profile_dir"):
+        for name in ("model", "tokenizer", "profile_dir"):
             if getattr(self, name, None) == "":  # an unset shell variable: the default served in silence
                 raise ValueError(f"{name} is an empty string (an unset variable?); leave it out for the default")
         for name, literal in (("attention_backend", AttentionBackendName), ("model_impl", ModelImpl),
@@ -289,9 +292,11 @@ class EngineArgs:
         source = resolve_model_source(self.model)
         quantization = resolve_quantization(self.quantization, self.dtype, device, source)
         hf_config = load_hf_config(source, self.model_impl)
+        names = served_model_names(self.served_model_name) or (source.name,)
         model_config = ModelConfig(
             model=source.path,
-            served_model_name=self.served_model_name or source.name,
+            served_model_name=names[0],
+            served_model_aliases=names[1:],
             source_format=source.format,
             hf_config=hf_config,
             dtype_name=resolve_dtype(self.dtype, device, quantization),
@@ -333,12 +338,39 @@ class EngineArgs:
         )
 
 
+def served_model_names(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """--served-model-name's names, in order, or () for the model's own: each a
+    non-empty string (an unset shell variable served the default in silence),
+    none twice."""
+    if value is None:
+        return ()
+    if not isinstance(value, (str, list, tuple)):
+        raise TypeError(f"served_model_name must be a string or a list of strings, got {type(value).__name__} "
+                        f"{value!r}")
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not names:
+        raise ValueError("served_model_name is an empty list; leave it out for the model's own name")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"served_model_name must be a string or a list of strings, got {type(name).__name__} "
+                            f"{name!r}")
+        if not name:
+            raise ValueError("served_model_name is an empty string (an unset variable?); leave it out for the "
+                             "model's own name")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"served_model_name names {repeated} more than once")
+    return names
+
+
 def _argparse_options(hint: Any, metadata: Any) -> dict[str, Any]:
     """argparse keywords for a field of type ``hint``: booleans get --x/--no-x,
     ``Literal`` types their values as choices."""
     options: dict[str, Any] = {"help": metadata["help"]}
     if metadata["metavar"]:
         options["metavar"] = metadata["metavar"]
+    if metadata["nargs"]:
+        options["nargs"] = metadata["nargs"]
     base = _without_none(hint)
     if base is bool:
         options["action"] = argparse.BooleanOptionalAction

@@ -19,7 +19,7 @@ from heron import __version__
 from heron.core.hashing import BLOCK_HASH_SCHEME
 from heron.engine.input_processor import InvalidRequestError, check_text
 from heron.engine.kv_events_publisher import connectable
-from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body, model_not_found
+from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body
 from heron.entrypoints.openai.gateway import key_owner
 from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import (
@@ -32,7 +32,7 @@ from heron.entrypoints.openai.protocol import (
 from heron.entrypoints.openai.protocol_responses import ResponsesRequest
 from heron.entrypoints.openai.responses_store import UnknownItem, input_items_page
 from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
-from heron.entrypoints.openai.serving_common import ServingContext, invalid_input
+from heron.entrypoints.openai.serving_common import ServingContext, check_model_name, invalid_input
 from heron.entrypoints.openai.serving_completion import create_completion
 from heron.entrypoints.openai.serving_responses import create_response
 from heron.entrypoints.openai.tools.choice import tool_choice_of
@@ -83,9 +83,9 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-def model_card(ctx: ServingContext, raw_request: Request) -> dict[str, Any]:
+def model_card(ctx: ServingContext, raw_request: Request, name: str) -> dict[str, Any]:
     return {
-        "id": ctx.served_model_name,
+        "id": name,
         "object": "model",
         "created": raw_request.app.state.created,
         "owned_by": "heron",
@@ -96,15 +96,14 @@ def model_card(ctx: ServingContext, raw_request: Request) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def models(ctx: Serving, raw_request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(ctx, raw_request)]}
+    return {"object": "list", "data": [model_card(ctx, raw_request, name) for name in ctx.served_model_names]}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, ctx: Serving, raw_request: Request) -> dict[str, Any]:
     """OpenAI's model retrieval (``client.models.retrieve``): the served model, else 404."""
-    if model != ctx.served_model_name:
-        raise model_not_found(model)
-    return model_card(ctx, raw_request)
+    check_model_name(ctx, model)
+    return model_card(ctx, raw_request, model)
 
 
 @router.post("/v1/completions", responses=INVALID_BODY)
@@ -198,7 +197,7 @@ def response_not_found(response_id: str) -> APIError:
 async def tokenize(body: TokenizeRequest, ctx: Serving, raw_request: Request) -> dict[str, Any]:
     """A prompt (``{"prompt": ...}``) or a conversation (``{"messages": [...]}``),
     checked as the completion or chat request it previews (tools included)."""
-    _check_model(ctx, body.model)
+    check_model_name(ctx, body.model)
 
     def token_ids_of() -> list[int]:
         if isinstance(body, TokenizeChatRequest):
@@ -218,7 +217,7 @@ async def tokenize(body: TokenizeRequest, ctx: Serving, raw_request: Request) ->
 
 @router.post("/detokenize", responses=INVALID_BODY)
 async def detokenize(request: DetokenizeRequest, ctx: Serving, raw_request: Request) -> dict[str, Any]:
-    _check_model(ctx, request.model)
+    check_model_name(ctx, request.model)
     vocab_size = ctx.engine.config.model.vocab_size
 
     def text_of() -> str:
@@ -263,11 +262,6 @@ async def metrics(ctx: Serving, raw_request: Request) -> Response:
     ctx.engine.refresh_engine_metrics()
     names = raw_request.query_params.getlist("name[]")
     return Response(ctx.engine.metrics.render(names), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _check_model(ctx: ServingContext, name: str | None) -> None:
-    if name is not None and name != ctx.served_model_name:
-        raise model_not_found(name)
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -101,6 +101,7 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     app.state.serving = ServingContext(
         engine=engine,
         served_model_name=model.served_model_name,
+        served_model_aliases=model.served_model_aliases,
         max_model_len=model.max_model_len,
         max_waiting_requests=settings.max_waiting_requests,
         request_timeout_s=settings.request_timeout_s,

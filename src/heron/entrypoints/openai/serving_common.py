@@ -49,7 +49,7 @@ T = TypeVar("T")
 @dataclass
 class ServingContext:
     engine: AsyncLLM
-    served_model_name: str
+    served_model_name: str  # the name answers report
     max_model_len: int
     max_waiting_requests: int | None = None
     request_timeout_s: float | None = None
@@ -69,6 +69,12 @@ class ServingContext:
     shared: SharedGatewayState | None = None
     # more of /health's answer when ready (which of several API servers answered)
     health_extra: dict[str, Any] = field(default_factory=dict)
+    # more names a request may give for the model (--served-model-name a b: "b" here)
+    served_model_aliases: tuple[str, ...] = ()
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
 
     @contextmanager
     def admitting(self) -> Iterator[int]:
@@ -116,11 +122,16 @@ def check_request(ctx: ServingContext, request: OpenAIModel, model: str | None) 
     """Model name and unknown fields (engine health: the gateway answered 503
     before this ran, and generate raises if the engine dies since; the queue's
     bound is checked where requests are added, by ``start_generation``)."""
-    if model is not None and model != ctx.served_model_name:
-        raise model_not_found(model)
+    check_model_name(ctx, model)
     unknown = request.unknown_fields()
     if unknown:
         logger.warning("ignoring unknown request fields: %s", loggable_names(unknown))
+
+
+def check_model_name(ctx: ServingContext, model: str | None) -> None:
+    """A 404 for a model name the server does not answer to (None: any)."""
+    if model is not None and model not in ctx.served_model_names:
+        raise model_not_found(model)
 
 
 def loggable_names(names: Sequence[str], most: int = 5, longest: int = 64) -> str:
