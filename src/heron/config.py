@@ -403,6 +403,18 @@ class KVTransferConfig:
         object.__setattr__(self, "kv_peers", tuple(peers))
 
 
+def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len: int, budget_source: str) -> None:
+    """A KV pool that could not hold one request of ``max_model_len`` tokens is
+    refused: such a request would wait for blocks for ever."""
+    blocks_per_request = -(-max_model_len // block_size)
+    if num_blocks < blocks_per_request:
+        raise ValueError(
+            f"the KV cache ({num_blocks} blocks of {block_size} tokens, from {budget_source}) "
+            f"cannot hold one request of max_model_len={max_model_len} tokens "
+            f"({blocks_per_request} blocks); give it more memory or lower max_model_len"
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -423,6 +435,11 @@ class EngineConfig:
     data_parallel_size: int = 1
     # where they run: processes on this host (mp), or Ray actors on a Ray cluster
     data_parallel_backend: DataParallelBackend = "mp"
+
+    def __post_init__(self) -> None:
+        if self.cache.num_kv_blocks is not None:  # known before the model loads: refused before it does
+            check_pool_holds_one_request(self.cache.num_kv_blocks, self.cache.block_size, self.model.max_model_len,
+                                         "num_kv_blocks")
 
     @property
     def device(self) -> torch.device:

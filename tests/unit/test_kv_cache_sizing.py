@@ -44,6 +44,16 @@ def test_num_kv_blocks_wins_and_a_pool_too_small_is_refused():
         blocks(CacheConfig(), gpu_budget=15 * BLOCK_BYTES)
 
 
+def test_num_kv_blocks_too_small_is_refused_before_the_model_loads():
+    """It was refused only in the engine core, after the weights had loaded
+    (seconds to minutes of a model's load for a mistake in a flag)."""
+    from heron.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"3 blocks of 16 tokens, from num_kv_blocks.*max_model_len=2048"):
+        EngineArgs(device="cpu", num_kv_blocks=3, max_model_len=2048).create_engine_config()
+    assert EngineArgs(device="cpu", num_kv_blocks=128, max_model_len=2048).create_engine_config().cache.num_kv_blocks
+
+
 def test_a_cpu_pool_is_zeroed_writable_memory_in_small_pages():
     cache = zeroed((2, 64, 16, 8, 64), torch.float16, CPU)  # 16 MiB, K then V
     assert cache.shape == (2, 64, 16, 8, 64) and cache.dtype == torch.float16 and not cache.any()

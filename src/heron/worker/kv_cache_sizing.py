@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from heron.config import CacheConfig
+from heron.config import CacheConfig, check_pool_holds_one_request
 from heron.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -225,12 +225,7 @@ def determine_num_kv_blocks(
     named = cache_config.num_kv_blocks is not None or cache_config.kv_cache_memory_bytes is not None
     if device.type == "cpu" and named:
         _check_fits_in_memory(num_blocks * bytes_per_block, budget_source, device)
-    if num_blocks < blocks_per_seq:
-        raise ValueError(
-            f"the KV cache ({num_blocks} blocks of {block_size} tokens, from {budget_source}) "
-            f"cannot hold one request of max_model_len={max_model_len} tokens "
-            f"({blocks_per_seq} blocks); give it more memory or lower max_model_len"
-        )
+    check_pool_holds_one_request(num_blocks, block_size, max_model_len, budget_source)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s); "
         "maximum concurrency at %d tokens per request: %.1fx",
