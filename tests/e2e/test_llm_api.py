@@ -54,8 +54,20 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
+def test_reset_prefix_cache_forgets_the_cached_prompts(llm):
+    """vLLM's LLM.reset_prefix_cache (heron's engine had it, the API did not)."""
+    prompt = PROMPT + " " + PROMPT
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    [first] = llm.generate(prompt, greedy, use_tqdm=False)
+    [cached] = llm.generate(prompt, greedy, use_tqdm=False)
+    assert cached.num_cached_tokens >= 16 and cached.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache() is True
+    [fresh] = llm.generate(prompt, greedy, use_tqdm=False)
+    assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_n_samples_share_the_prompt_blocks(llm):
-    llm.engine.engine_core.reset_prefix_cache()
+    assert llm.reset_prefix_cache()
     before = llm.engine.engine_core.scheduler.make_stats().prefix_cache_hits
     prompt = PROMPT + " " + PROMPT  # > 2 blocks
     [out] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),

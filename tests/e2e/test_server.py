@@ -292,6 +292,28 @@ def test_streaming_client_disconnect_frees_blocks(server):
     assert aborted_count(server) == aborted_before + 1
 
 
+def test_reset_prefix_cache_forgets_cached_prompts_and_refuses_while_requests_run(server):
+    def cached_tokens() -> int:
+        body = {"model": MODEL, "prompt": "Reset me, please. " * 10, "max_tokens": 2, "temperature": 0}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached_tokens()
+    assert cached_tokens() >= 32
+    reset = httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=30)
+    assert (reset.status_code, reset.json()) == (200, {"reset": True})
+    assert cached_tokens() == 0
+    body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        busy = httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=30)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "prefix_cache_in_use"
+    wait_idle(server, timeout=5.0)
+    assert cached_tokens() > 0  # the refused reset forgot nothing
+
+
 def test_non_streaming_client_disconnect_frees_blocks(server):
     body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     aborted_before = aborted_count(server)

@@ -343,6 +343,11 @@ class AsyncLLM:
         self._record_stats(None, stats)
         return engine_ids
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every engine core's cached prefixes (``EngineCore.reset_prefix_cache``);
+        False when any refused, requests holding blocks there."""
+        return bool(await self.call_utility("reset_prefix_cache"))
+
     async def call_utility(self, method: str, *args: Any) -> Any:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)

@@ -54,6 +54,13 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, the pool's and the offload tiers' (a disk
+        tier's files too), as vLLM's ``LLM.reset_prefix_cache``: to measure
+        without a warm cache. False, and nothing forgotten, while a request
+        holds blocks (only from another thread: ``generate`` returns idle)."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -63,6 +63,10 @@ class LLMEngine:
                           [child_request_id(request_id, index) for index in range(num_samples)])
         self.engine_core.abort_requests(sorted(engine_ids))
 
+    def reset_prefix_cache(self) -> bool:
+        """``EngineCore.reset_prefix_cache``: False (nothing forgotten) while a request holds blocks."""
+        return self.engine_core.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or (async scheduling) a step launched after the last one finished."""
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight

@@ -120,9 +120,9 @@ class TokenBucketLimiter:
         return 0.0
 
 
-# routes outside /v1 that serve the API (they read client text and cost CPU):
+# routes outside /v1 that serve the API (they read client text, cost CPU, or empty the cache):
 # behind the key whenever keys are set, like /v1
-KEYED_PATHS = ("/tokenize", "/detokenize")
+KEYED_PATHS = ("/tokenize", "/detokenize", "/reset_prefix_cache")
 # open even under ``protect_all``: the chat page holds nothing secret and asks for the key itself (behind the
 # key, a browser could never load it, nor its key field)
 OPEN_PATHS = ("/",)

@@ -32,7 +32,7 @@ from heron.entrypoints.openai.protocol import (
 from heron.entrypoints.openai.protocol_responses import ResponsesRequest
 from heron.entrypoints.openai.responses_store import UnknownItem, input_items_page
 from heron.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
-from heron.entrypoints.openai.serving_common import ServingContext, check_model_name, invalid_input
+from heron.entrypoints.openai.serving_common import ServingContext, check_model_name, engine_unavailable, invalid_input
 from heron.entrypoints.openai.serving_completion import create_completion
 from heron.entrypoints.openai.serving_responses import create_response
 from heron.entrypoints.openai.tools.choice import tool_choice_of
@@ -254,6 +254,21 @@ def _dialled(info: dict[str, Any], host: str) -> dict[str, Any]:
     return {"endpoint": connectable(info["endpoint"], host),
             "replay_endpoint": connectable(info["replay_endpoint"], host), "topic": info["topic"],
             "epoch": info.get("epoch")}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(ctx: Serving) -> dict[str, bool]:
+    """Forget every cached prefix, the pool's and the offload tiers', in every
+    engine core, as vLLM's development endpoint does: for measuring without a
+    warm cache. A 409 while requests hold blocks (nothing is forgotten where
+    they run; engines already idle have forgotten theirs)."""
+    unavailable = engine_unavailable(ctx.engine)
+    if unavailable is not None:
+        raise unavailable
+    if not await ctx.engine.reset_prefix_cache():
+        raise APIError(409, "The prefix cache was not reset: requests are running; retry when the server is idle.",
+                       "invalid_request_error", None, "prefix_cache_in_use")
+    return {"reset": True}
 
 
 @router.get("/metrics")
