@@ -147,7 +147,7 @@ def test_the_bound_evicts_least_recently_used_unpinned_blocks(layout):
     assert ops.deletes == [block_hash(1), block_hash(2)] and [load.request_id for load in ops.loads] == ["r"]
     index.write_through(3, block_hash(12))  # block 0 is pinned: the newest unwritten one goes instead
     assert dropped[-1] == block_hash(10)
-    index.finish_load([block_hash(0)], failed=[block_hash(0)])
+    index.finish_load([block_hash(0)], failed=[block_hash(0)], num_used=0)
     assert not index.holds(block_hash(0)) and index.stats.load_failures == 1
 
 
@@ -213,7 +213,7 @@ def test_a_run_longer_than_a_full_tier_loads_what_is_left(layout):
     ops = index.take_ops()
     assert ops.deletes == [block_hash(0)] and [load.blocks for load in ops.loads] == [[(block_hash(0), 3),
                                                                                        (block_hash(1), 4)]]
-    index.finish_load(run, failed=[block_hash(0)])
+    index.finish_load(run, failed=[block_hash(0)], num_used=0)
     assert index.holds(block_hash(1)) and not index.holds(block_hash(0))
 
 

@@ -130,6 +130,34 @@ def test_a_disk_block_that_fails_to_load_is_reported_removed(tmp_path):
     assert not index.blocks & set(found.offloaded)
 
 
+@pytest.mark.parametrize("failed_at", [0, 1, None])
+def test_disk_blocks_count_loaded_only_when_the_request_keeps_them(tmp_path, failed_at):
+    """Blocks after a failed one are computed again: they counted as loaded
+    (heron:kv_offload_loaded_blocks_total) though they were thrown away."""
+    layout = DiskTierLayout.create(tmp_path, b"f" * 16, 64)
+    manager = KVCacheManager(num_blocks=4, block_size=4, enable_kv_events=True, disk_layout=layout,
+                             disk_max_bytes=1 << 20)
+    first = make_request(13, token_offset=0)  # three full blocks
+    manager.allocate_slots(first, 13)
+    first.num_computed_tokens = 13
+    manager.free(first)
+    manager.take_transfers()
+    other = make_request(13, token_offset=100)  # pushes them out of the pool
+    manager.get_computed_blocks(other)
+    manager.allocate_slots(other, 13)
+    other.num_computed_tokens = 13
+    manager.free(other)
+    again = make_request(13, token_offset=0)
+    found, _ = manager.get_computed_blocks(again)
+    assert len(found.offloaded) == 3 and manager.start_load(again, found)
+    failed = [] if failed_at is None else [found.offloaded[failed_at]]
+    kept_tokens = manager.finish_load(again, failed)
+    assert manager.disk is not None
+    assert manager.disk.stats.loaded == (3 if failed_at is None else failed_at) == kept_tokens // 4
+    assert manager.disk.stats.load_failures == len(failed)
+    manager.free(again)
+
+
 def test_events_round_trip_the_wire_format():
     batch = KVEventBatch(
         12.5,

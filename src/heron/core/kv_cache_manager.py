@@ -316,12 +316,12 @@ class KVCacheManager:
         could not). Registers the blocks before the first failure and returns
         how many of the request's tokens they hold."""
         load = self.loading.pop(request.request_id)
+        failed_set = set(failed)
+        num_good = next((i for i, h in enumerate(load.block_hashes) if h in failed_set), len(load.block_hashes))
         if not load.remote:
             assert self.disk is not None
             self.disk.finish_load([h for h, on_disk in zip(load.block_hashes, load.on_disk, strict=True) if on_disk],
-                                  failed)
-        failed_set = set(failed)
-        num_good = next((i for i, h in enumerate(load.block_hashes) if h in failed_set), len(load.block_hashes))
+                                  failed, num_used=sum(load.on_disk[:num_good]))
         num_blocks = load.first_block + num_good
         self._register(request, num_blocks)
         return num_blocks * self.block_size

@@ -209,11 +209,12 @@ class DiskIndex:
                 self._held.move_to_end(block_hash)
         self._ops.loads.append(DiskLoad(request_id, blocks))
 
-    def finish_load(self, blocks: Sequence[BlockHash], failed: Iterable[BlockHash]) -> None:
+    def finish_load(self, blocks: Sequence[BlockHash], failed: Iterable[BlockHash], num_used: int) -> None:
         """The worker is done with a load: unpin its blocks and forget the failed
         ones (``on_drop`` told of each, so that KV events report it removed where
         no one else holds it: the loader has deleted its file, or another replica
-        had)."""
+        had). ``num_used``: the blocks read that the request keeps (those before
+        the first failure; the rest are computed again, so not counted loaded)."""
         for block_hash in blocks:
             count = self._pins.pop(block_hash)
             if count > 1:
@@ -226,7 +227,7 @@ class DiskIndex:
             if self.on_drop is not None:
                 self.on_drop(block_hash)
         self.stats.load_failures += len(failed)
-        self.stats.loaded += len(blocks) - len(failed)
+        self.stats.loaded += num_used
 
     def take_ops(self, idle: bool = False) -> DiskOps:
         """The worker's work for the step being emitted: the writes of the step
