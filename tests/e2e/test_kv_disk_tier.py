@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import openai
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, wait_for
 
 PROMPT = "The heron waded through the reeds at first light, " * 24  # ~270 tokens: 16 blocks
 
@@ -16,6 +16,13 @@ def ask(server: ServerProcess):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
     return client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8,
                                      temperature=0)
+
+
+def disk_blocks_shown(server: ServerProcess) -> float | None:
+    try:
+        return server.metric("heron:kv_offload_blocks", tier="disk")
+    except AssertionError:  # no series
+        return None
 
 
 def test_a_restarted_server_answers_from_the_disk_tier(tmp_path):
@@ -30,6 +37,9 @@ def test_a_restarted_server_answers_from_the_disk_tier(tmp_path):
     assert len(files) >= 16
     second = ServerProcess("--kv-offloading-dir", str(tmp_path))
     try:
+        # before its first request, the restarted server shows what its tier holds (no series at all, before)
+        wait_for(lambda: disk_blocks_shown(second) == len(files), timeout=10, what="the disk tier's blocks")
+        assert second.metric("heron:prompt_tokens_total") == 0
         after = ask(second)
         assert after.choices[0].text == before.choices[0].text
         num_prompt_blocks = (before.usage.prompt_tokens - 1) // 16

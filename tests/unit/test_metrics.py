@@ -171,3 +171,14 @@ def test_render_keeps_only_the_samples_asked_for():
     samples = {sample.name: sample.value for family in families for sample in family.samples}
     assert samples == {"heron:num_requests_waiting": 3, "heron:time_to_first_token_seconds_count": 1}
     assert sample_names(logger) > set(samples)  # no names: everything
+
+
+def test_an_idle_server_shows_its_series_at_zero():
+    """A server that had served nothing showed no sample of its counters and
+    histograms: a dashboard's rate, or an alert on one, found no series."""
+    text = PrometheusStatLogger("m").render().decode()
+    for line in ('heron:prompt_tokens_total{model_name="m"} 0.0', 'heron:num_preemptions_total{model_name="m"} 0.0',
+                 'heron:prefix_cache_hits_total{model_name="m"} 0.0',
+                 'heron:time_to_first_token_seconds_count{model_name="m"} 0.0',
+                 'heron:e2e_request_latency_seconds_count{model_name="m"} 0.0'):
+        assert line in text.splitlines(), line

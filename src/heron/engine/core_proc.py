@@ -123,6 +123,9 @@ class EngineCoreProc:
                     "block_size": engine.config.cache.block_size,
                 },
         ))
+        # the figures of an engine that has run no step yet (a disk tier's blocks found at start): an idle
+        # server's /metrics showed none until its first request
+        self._send(EngineCoreOutputs(outputs=[], scheduler_stats=engine.scheduler.make_stats()))
 
     def _put_input(self, client: int, kind: MessageKind, payload: Any) -> None:
         self.input_queue.put((client, kind, payload))
