@@ -241,6 +241,16 @@ def test_unusable_files_fail_the_request_when_asked(llama, tmp_path):
     check(llm, with_prefix[2:], expected)  # the damaged blocks are forgotten: recomputed, not failed again
 
 
+def test_files_another_replica_deleted_are_misses_even_under_fail(llama, tmp_path):
+    """Replicas sharing a directory each evict within their own bound, deleting
+    files the others still list: routine, not a fault. Under "fail" such a
+    request ended in an error (a 500); a missing file is a cache miss."""
+    llm, with_prefix, expected = _written_then_damaged(llama, tmp_path, Path.unlink, kv_load_failure_policy="fail")
+    check(llm, with_prefix[1:], expected)
+    assert disk_stats(llm).load_failures >= 1
+    settle(llm)
+
+
 def test_an_abort_while_loading_frees_everything(llama, tmp_path):
     directory, with_prefix, _, expected = llama
     first = LLM(directory, kv_offloading_dir=str(tmp_path), **POOL)

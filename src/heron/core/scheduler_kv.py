@@ -90,9 +90,12 @@ class SchedulerKVMixin:
     # ---- loading -------------------------------------------------------------
 
     def update_kv_loads(self, finished: list[tuple[str, list[BlockHash]]],
-                        errors: dict[str, str] | None = None) -> None:
+                        errors: dict[str, str] | None = None, misses: set[str] | None = None) -> None:
         """The worker is done loading these requests' blocks (with the hashes it
-        could not load; ``errors``: why, by request id, for a failed request to tell)."""
+        could not load; ``errors``: why, by request id, for a failed request to
+        tell; ``misses``: requests whose first failed block was simply not there,
+        a block file another replica sharing the disk tier deleted: a cache miss,
+        computed again under either policy, as if the lookup had missed)."""
         for request_id, failed in finished:
             request = self.loading[request_id]
             num_computed = self.kv_cache_manager.finish_load(request, failed)
@@ -101,10 +104,15 @@ class SchedulerKVMixin:
                 self.kv_cache_manager.free(request)
                 continue
             request.status = RequestStatus.WAITING
-            if failed:
+            missed = request_id in (misses or ())
+            if failed and missed:
+                logger.info("%s: %d prefix blocks were gone from the disk tier (deleted by a replica sharing it): "
+                            "computed again", request_id, len(failed))
+            elif failed:
                 logger.warning("%s: %d prefix blocks could not be loaded (%s)",
                                request_id, len(failed), self.kv_load_failure_policy)
-                if self.kv_load_failure_policy == "fail":
+            if failed:
+                if self.kv_load_failure_policy == "fail" and not missed:
                     self.kv_cache_manager.free(request)  # the blocks before the failure stay cached
                     request.num_cached_tokens = -1
                     why = (errors or {}).get(request_id)

@@ -51,6 +51,7 @@ from heron.worker.kv_load_reports import LoadReports
 logger = logging.getLogger(__name__)
 
 _STOP = None
+_READ, _MISSING, _UNUSABLE = "read", "missing", "unusable"  # what reading a block file found
 _LOAD_BATCH_BLOCKS = 64  # blocks read into one buffer before they are copied into the pool
 # blocks captured together for writing: a row of a batch keeps the whole batch's
 # buffer alive, so at most this many blocks' bytes sit beyond the bound unseen
@@ -205,29 +206,39 @@ class DiskKVStore:
         """Read the blocks into one buffer per batch, then copy each batch into the
         pool with a copy per layer (few Python calls: the step loop keeps the GIL)."""
         failed: list[BlockHash] = []
+        first_failure_missed = False
         try:
             for start in range(0, len(load.blocks), _LOAD_BATCH_BLOCKS):
                 batch = load.blocks[start:start + _LOAD_BATCH_BLOCKS]
                 rows = torch.empty((len(batch), self.codec.block_bytes), dtype=torch.uint8)
-                good = [row for row, (block_hash, _) in enumerate(batch) if self._read_block(block_hash, rows[row])]
-                read = set(good)
-                failed += [block_hash for row, (block_hash, _) in enumerate(batch) if row not in read]
+                good = []
+                for row, (block_hash, _) in enumerate(batch):
+                    state = self._read_block(block_hash, rows[row])
+                    if state == _READ:
+                        good.append(row)
+                        continue
+                    if not failed:
+                        first_failure_missed = state == _MISSING
+                    failed.append(block_hash)
                 if good:
                     self.codec.restore(rows if len(good) == len(batch) else rows[good],
                                        [batch[row][1] for row in good])
         except Exception:  # a bug must not leave the request waiting: every block failed (recomputed)
             logger.exception("disk KV tier: loading %s failed", load.request_id)
             failed = [block_hash for block_hash, _ in load.blocks]
-        self.reports.finished(load.request_id, failed)
+            first_failure_missed = False
+        self.reports.finished(load.request_id, failed, missed=first_failure_missed)
 
-    def _read_block(self, block_hash: BlockHash, row: torch.Tensor) -> bool:
+    def _read_block(self, block_hash: BlockHash, row: torch.Tensor) -> str:
         """Fill ``row`` with the block's bytes (from the writer's queue when not
-        written yet, else from its file, checked); False when it cannot be had."""
+        written yet, else from its file, checked): ``_READ``, or ``_MISSING`` (no
+        file: deleted by another replica sharing the directory), or ``_UNUSABLE``
+        (a file that cannot be read or fails its checks: removed)."""
         with self._lock:
             buffered = self._buffered.get(block_hash)
         if buffered is not None:
             row.copy_(buffered)
-            return True
+            return _READ
         path = self.layout.path_for(block_hash)
         payload = row.numpy().data
         try:
@@ -238,12 +249,12 @@ class DiskKVStore:
                     raise CorruptBlockFile(f"not {self.layout.file_bytes} bytes long")
             self.layout.check_parts(block_hash, header, payload)
         except FileNotFoundError:
-            return False  # deleted by another replica sharing the directory
+            return _MISSING
         except (OSError, CorruptBlockFile) as error:
             logger.warning("disk KV tier: %s unusable (%s); removed", path, error)
             path.unlink(missing_ok=True)
-            return False
-        return True
+            return _UNUSABLE
+        return _READ
 
 
 def _serve(store_ref: weakref.ref[DiskKVStore], items: queue.Queue[Any], handle: Callable[[DiskKVStore, Any], None],

@@ -223,9 +223,9 @@ class ModelRunner:
     def take_failed_disk_writes(self) -> list[BlockHash]:
         return self.disk_store.take_failed_writes() if self.disk_store is not None else []
 
-    def take_finished_kv_loads(self) -> tuple[list[tuple[str, list[BlockHash]]], dict[str, str]]:
-        """Background KV loads done since the last call: (request id, hashes that failed), and
-        why the failed ones did, by request id."""
+    def take_finished_kv_loads(self) -> tuple[list[tuple[str, list[BlockHash]]], dict[str, str], set[str]]:
+        """Background KV loads done since the last call: (request id, hashes that failed), why
+        the failed ones did, by request id, and the ids of those that only missed (``LoadReports``)."""
         return self.kv_load_reports.take_with_errors()
 
     def wait_for_kv_loads(self, timeout: float) -> None:
