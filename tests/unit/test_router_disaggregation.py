@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -32,6 +33,7 @@ class RecordingReplica:
         self.health = health or {"status": "ok"}
         self.hold: asyncio.Event | None = None  # set: every answer waits for it (a hung host)
         self.params: dict[str, Any] | None = _PARAMS  # None: answers with nothing to transfer (a short prompt)
+        self.status = 200  # what it answers generation requests with
         self.seen: list[tuple[str, dict[str, Any]]] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -60,7 +62,8 @@ class RecordingReplica:
         self.seen.append((request.path, await request.json()))
         if self.hold is not None:
             await self.hold.wait()
-        return web.json_response({"id": "resp_1", **({"kv_transfer_params": self.params} if self.params else {})})
+        return web.json_response({"id": "resp_1", **({"kv_transfer_params": self.params} if self.params else {})},
+                                 status=self.status)
 
 
 def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -334,3 +337,31 @@ def test_a_prefilled_request_goes_to_a_decode_replica_that_can_pull_it():
     run_disaggregated(mixed, RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 16}),
                       RecordingReplica({"status": "ok", "kv_role": "kv_consumer", "block_size": 32}),
                       with_router=True, prefill_health=prefill_health)
+
+
+@pytest.mark.parametrize(("failure", "second_gets_handle"), [("500", False), ("503", True), ("stopped", True)])
+def test_a_retry_passes_the_prefill_handle_on_only_where_no_replica_may_have_used_it(failure, second_gets_handle):
+    """A decode replica that pulled the prompt's KV (the prefill replica frees
+    its copy then) and failed before answering: the retry went to the next one
+    with the same handle, whose pull found nothing (under kv_load_failure_policy
+    "fail", a 500 for a failure the client never saw). After a failure where
+    the request never began (no connection, a 503 at the door) the handle is
+    still good."""
+    body = {"prompt": "a heron", "max_tokens": 4}
+    consumer = {"status": "ok", "kv_role": "kv_consumer", "block_size": 16}
+
+    async def retried(client: httpx.AsyncClient, prefill: RecordingReplica, first: RecordingReplica,
+                      second: RecordingReplica) -> None:
+        if failure == "stopped":
+            await first.stop()  # its breaker still closed: the router finds it gone by connecting
+        else:
+            first.status = int(failure)
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        prefilled = {**body, "kv_transfer_params": _PARAMS}
+        assert first.seen == ([] if failure == "stopped" else [("/v1/completions", prefilled)])
+        assert second.seen == [("/v1/completions", prefilled if second_gets_handle else body)]
+        if failure == "stopped":
+            await first.start()  # for the harness to stop
+
+    run_disaggregated(retried, RecordingReplica(consumer), RecordingReplica(consumer),
+                      prefill_health={"status": "ok", "kv_role": "kv_producer", "block_size": 16})

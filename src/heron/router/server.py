@@ -320,6 +320,10 @@ class RouterServer:
         tried: list[Replica] = []
         refusals: list[_Refusal] = []  # the replicas' own failure answers (a 503 and its Retry-After)
         headers = _passed_headers(request)
+        # a replica that failed after the prefilled body reached it may have pulled the KV, which frees the prefill
+        # replica's copy: another one given the same handle could pull nothing (under kv_load_failure_policy
+        # "fail", a 500 for a failure the client never saw), so later attempts compute the prompt themselves
+        prefill_spent = False
         for attempt in range(self.max_attempts):
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
                 self._timed_out(writer)  # spent (in the prefill stage, or on replicas that failed)
@@ -328,7 +332,7 @@ class RouterServer:
             if not candidates:
                 break
             candidates = [r for r in candidates if r.url == pinned] or candidates
-            if prefilled is not None:  # the prefill replica holds the prompt's KV for one that pulls it
+            if prefilled is not None and not prefill_spent:  # the prefill replica holds the prompt's KV
                 candidates = [r for r in candidates if _pulls(r, prefilled_block_size)] or candidates
             decision = self.router.choose(candidates, hashes, session)
             replica = decision.replica
@@ -342,10 +346,13 @@ class RouterServer:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.matched_blocks.inc(decision.matched_blocks)
             replica.index.expect(hashes)
-            payload = prefilled if prefilled is not None and _pulls(replica, prefilled_block_size) else raw
-            if await self._send(request, writer, replica, payload, headers, hashes, decision.uncached_blocks,
-                                deadline, refusals):
+            pulls = prefilled is not None and not prefill_spent and _pulls(replica, prefilled_block_size)
+            payload = prefilled if pulls and prefilled is not None else raw
+            attempt_result = await self._send(request, writer, replica, payload, headers, hashes,
+                                              decision.uncached_blocks, deadline, refusals)
+            if attempt_result is _Attempt.ANSWERED:
                 return
+            prefill_spent = prefill_spent or (pulls and attempt_result is _Attempt.BEGUN)
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         self.metrics.failed.inc()
         if refusals:  # the last replica's own answer (its 503's reason and Retry-After), not a generic one
@@ -360,12 +367,12 @@ class RouterServer:
 
     async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
                     headers: list[tuple[str, str]], hashes: list[bytes], uncached_blocks: int,
-                    deadline: float | None, refusals: list[_Refusal]) -> bool:
-        """Passes the replica's answer through; False when it failed before its
-        first byte (the caller retries elsewhere). Past ``deadline`` the client
-        is answered 504 and True returned: the request is not tried again, and
-        the replica is not blamed. The replica's load carries the request (and
-        its prefill work) until it ends."""
+                    deadline: float | None, refusals: list[_Refusal]) -> _Attempt:
+        """Passes the replica's answer through (ANSWERED), or says how it failed
+        before its first byte (the caller retries elsewhere). Past ``deadline``
+        the client is answered 504 and ANSWERED returned: the request is not
+        tried again, and the replica is not blamed. The replica's load carries
+        the request (and its prefill work) until it ends."""
         replica.load.dispatch(uncached_blocks)
         replica.num_requests += 1
         connection: UpstreamConnection | None = None
@@ -380,14 +387,14 @@ class RouterServer:
                     raise
                 replica.breaker.release_trial()  # no verdict on the replica: a half-open one is tried again
                 self._timed_out(writer)
-                return True
+                return _Attempt.ANSWERED
             except asyncio.CancelledError:  # the client left before the answer began: no verdict either
                 replica.breaker.release_trial()
                 raise
             except (UpstreamFailed, TakenOut) as exc:
                 logger.warning("replica %s failed before answering: %s", replica.url, exc)
                 self.replicas.record(replica, None)
-                return False
+                return _Attempt.BEGUN if getattr(exc, "delivered", True) else _Attempt.NOT_BEGUN
             status, upstream_headers = connection.head.result()
             request_failure = is_request_failure(upstream_headers)
             self.replicas.record(replica, 200 if request_failure else status)  # the replica serves on
@@ -398,9 +405,10 @@ class RouterServer:
                 connection.stream_to(lambda chunk: body.extend(chunk[:_KEPT_REFUSAL_BYTES - len(body)]))
                 if await _until(connection.done, deadline) is _Outcome.DONE:
                     refusals.append(_Refusal(status, upstream_headers, bytes(body)))
-                return False
+                # a 503 is a refusal at the door (loading, its queue full): the request was not begun
+                return _Attempt.NOT_BEGUN if status == 503 else _Attempt.BEGUN
             await self._relay(request, writer, replica, connection, status, upstream_headers, deadline)
-            return True
+            return _Attempt.ANSWERED
         finally:
             replica.load.release(uncached_blocks)
             if connection is not None:
@@ -490,6 +498,14 @@ class _Refusal:
 
 
 _KEPT_REFUSAL_BYTES = 64 << 10  # of a failure answer's body (an error object is far smaller)
+
+
+class _Attempt(enum.Enum):
+    """How one replica's try at a request went."""
+
+    ANSWERED = "answered"  # the client has its answer (or a 504): not tried again
+    NOT_BEGUN = "not begun"  # failed, the request never begun there (no connection, a 503 at the door)
+    BEGUN = "begun"  # failed after the replica may have begun it (closed or taken out before answering, a 500)
 
 
 class _Outcome(enum.Enum):

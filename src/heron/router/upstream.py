@@ -27,7 +27,12 @@ Flush = Callable[[], None]
 
 
 class UpstreamFailed(Exception):
-    """The replica gave no answer (no connection, or closed before a status line)."""
+    """The replica gave no answer (no connection, or closed before a status line).
+    ``delivered``: the request was sent, so the replica may have begun it."""
+
+    def __init__(self, message: str, delivered: bool = True) -> None:
+        super().__init__(message)
+        self.delivered = delivered
 
 
 class UpstreamCut(Exception):
@@ -261,5 +266,6 @@ class UpstreamPool:
                 _, connection = await loop.create_connection(UpstreamConnection, host, port,
                                                              ssl=self._ssl if tls else None)
         except (OSError, TimeoutError) as exc:
-            raise UpstreamFailed(f"no connection to {host}:{port}: {exc or type(exc).__name__}") from exc
+            raise UpstreamFailed(f"no connection to {host}:{port}: {exc or type(exc).__name__}",
+                                 delivered=False) from exc
         return connection
