@@ -125,18 +125,23 @@ class PrometheusStatLogger:
         self.compute_path: Gauge | None = None
         self.model_name = model_name
         self._last_cumulative = SchedulerStats()
-        for metric in (self.running, self.waiting, self.kv_usage):
-            metric.labels(model_name).set(0)
-        # every series without another label shows, at 0, from the start (a dashboard or an alert on a rate
-        # found no series on a server that had served nothing yet)
+        self._show_series_at_zero()
+
+    def _show_series_at_zero(self) -> None:
+        """Every series without a further label (and the abort reasons') shows, at 0,
+        from the start: a dashboard or an alert on a rate found no series on a
+        server that had served nothing yet."""
+        name = self.model_name
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            gauge.labels(name).set(0)
+        for reason in REQUEST_ABORT_REASONS:
+            self.request_aborts.labels(name, reason)
         for series in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
                        self.prefix_hits, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens,
                        self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
                        self.iteration_tokens):
-            series.labels(model_name)
-        for reason in REQUEST_ABORT_REASONS:  # every series shows, at 0, from the start
-            self.request_aborts.labels(model_name, reason)
+            series.labels(name)
 
     def count_request_abort(self, reason: str) -> None:
         """One HTTP request the server ended early (``REQUEST_ABORT_REASONS``)."""
