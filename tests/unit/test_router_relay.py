@@ -24,8 +24,9 @@ class FakeReplica:
     """A replica whose /v1/completions does what the request's ``mode`` says."""
 
     def __init__(self, fail_with: int | None = None, silent: bool = False,
-                 fail_headers: dict[str, str] | None = None) -> None:
+                 fail_headers: dict[str, str] | None = None, cut_early: bool = False) -> None:
         self.fail_with = fail_with
+        self.cut_early = cut_early  # a stream's head, then the replica dies (during a long prefill, say)
         self.fail_headers = fail_headers
         self.silent = silent
         self.release = asyncio.Event()
@@ -77,6 +78,10 @@ class FakeReplica:
                                      headers={"Access-Control-Allow-Origin": request.headers.get("Origin", "")})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.cut_early:
+            assert request.transport is not None
+            request.transport.abort()
+            return response
         try:
             if mode == "sse":  # one event, then the next only once the test says so
                 await response.write(b"data: first\n\n")
@@ -259,6 +264,33 @@ def test_a_stream_cut_by_its_replica_ends_with_an_error_event():
         assert server.replicas.replicas[0].breaker.consecutive_failures == 1
 
     run_with_router(test)
+
+
+@pytest.mark.parametrize("then", ["served", "cut", "refused"])
+def test_a_stream_cut_before_its_first_byte_goes_on_from_another_replica(then):
+    """A replica sends a stream's head at once and the router passes it on: one
+    killed during the prompt's prefill (the likeliest moment) left the client an
+    error event, though another replica could have served the request. Behind
+    the head already sent, the next replica's stream goes on; one that answers
+    an error instead ends it with that error."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        fakes[1].release.set()
+        async with httpx.AsyncClient(base_url=url) as client, \
+                client.stream("POST", "/v1/completions", json={"mode": "late"}) as response:
+            assert response.status_code == 200
+            lines = [line async for line in response.aiter_lines() if line]
+        assert fakes[0].requests == 1 and fakes[1].requests == 1
+        assert server.replicas.replicas[0].breaker.consecutive_failures == 1
+        assert server.metrics.retries._value.get() == 1  # noqa: SLF001 (the counter's value)
+        if then == "served":
+            assert lines == ["data: first", "data: [DONE]"]
+            return
+        assert lines[-1] == "data: [DONE]" and len(lines) == 2, lines
+        error = json.loads(lines[0].removeprefix("data: "))["error"]
+        assert error["code"] == "replica_failed" if then == "cut" else "answered 400" in error["message"]
+
+    second = {"served": FakeReplica(), "cut": FakeReplica(cut_early=True), "refused": FakeReplica(fail_with=400)}
+    run_with_router(test, [FakeReplica(cut_early=True), second[then]])
 
 
 def test_a_client_that_leaves_takes_its_replica_request_with_it():

@@ -65,8 +65,7 @@ class ResponseWriter:
     def start(self, status: int, headers: list[tuple[str, str]], content_length: int | None) -> None:
         assert not self.started, "a response is started once"
         self.started = True
-        self.event_stream = any(name.lower() == "content-type" and value.startswith("text/event-stream")
-                                for name, value in headers)
+        self.event_stream = is_event_stream(headers)
         reason = _reason(status)
         lines = [f"HTTP/1.1 {status} {reason}"]
         lines += [f"{name}: {value}" for name, value in headers]
@@ -127,6 +126,11 @@ class ResponseWriter:
             self.end()
         else:
             self.abort()
+
+
+def is_event_stream(headers: list[tuple[str, str]]) -> bool:
+    """Whether an answer's headers name an event stream (SSE)."""
+    return any(name.lower() == "content-type" and value.startswith("text/event-stream") for name, value in headers)
 
 
 def _event_boundary(tail: bytes) -> bytes:

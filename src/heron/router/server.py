@@ -4,9 +4,11 @@ arrives, over the raw HTTP/1.1 front (``http_front.py``) and kept-alive replica
 connections (``upstream.py``).
 
 A request that fails before its first byte (no connection, a 5xx) is retried
-on another replica, up to ``max_attempts``; a stream cut by a dying replica
-ends with an error event and ``[DONE]`` (after the cut event is terminated, so
-that the error is an event of its own), so a client never hangs; a
+on another replica, up to ``max_attempts``, and so is a stream cut before its
+first byte (its head, sent at once, already went out: the next replica's
+events follow it); a stream cut later by a dying replica ends with an error
+event and ``[DONE]`` (after the cut event is terminated, so that the error is
+an event of its own), so a client never hangs; a
 client that leaves takes its replica request with it (the connection to the
 replica is closed, which aborts the request there). Every outcome feeds the
 replica's circuit breaker; 4xx answers are passed through and never count
@@ -28,25 +30,25 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import aiohttp
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from heron.gc_freeze import freeze_startup_objects
 from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds
+from heron.router.answer_waits import STALL_S, Outcome, Refusal, read_kept, until_or_stalled
 from heron.router.disaggregation import CLIENT_KV_TRANSFER, PrefillStage, block_sizes_match, prefills_first
 from heron.router.http_front import FrontConnection, HttpRequest, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
-from heron.router.response_writer import ResponseWriter, error_body
-from heron.router.upstream import UpstreamConnection, UpstreamCut, UpstreamFailed, UpstreamPool
-from heron.routing.health import BreakerState, is_replica_failure, is_request_failure
+from heron.router.response_writer import ResponseWriter, error_body, is_event_stream
+from heron.router.router_metrics import RouterMetrics
+from heron.router.upstream import UpstreamConnection, UpstreamFailed, UpstreamPool
+from heron.routing.health import is_replica_failure, is_request_failure
 from heron.routing.policies import Router
 
 logger = logging.getLogger(__name__)
@@ -68,32 +70,6 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 def chat_page() -> bytes:
     """``heron serve``'s chat page, served by the router too (read once)."""
     return (resources.files("heron.entrypoints.openai") / "static" / "chat.html").read_bytes()
-
-
-class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("heron_router_requests", "Requests sent to a replica", ["replica", "reason"],
-                                registry=self.registry)
-        self.retries = Counter("heron_router_retries", "Requests retried on another replica before their first byte",
-                               registry=self.registry)
-        self.failed = Counter("heron_router_failed_requests", "Requests no replica could serve", registry=self.registry)
-        self.cut_streams = Counter(
-            "heron_router_cut_streams", "Streams cut by a failing replica", registry=self.registry
-        )
-        self.timeouts = Counter("heron_router_timeouts", "Requests that ran past --request-timeout",
-                                registry=self.registry)
-        self.matched_blocks = Counter(
-            "heron_router_matched_blocks", "Prompt blocks found cached on the chosen replica", registry=self.registry
-        )
-        self.prompt_blocks = Counter("heron_router_prompt_blocks", "Prompt blocks routed", registry=self.registry)
-        self.decision_seconds = Histogram("heron_router_decision_seconds", "Hashing and choosing a replica",
-                                          buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
-                                          registry=self.registry)
-        self.in_flight = Gauge("heron_router_in_flight", "Requests under way per replica", ["replica"],
-                               registry=self.registry)
-        self.usable = Gauge("heron_router_replica_usable", "1 while a replica's circuit is not open", ["replica"],
-                            registry=self.registry)
 
 
 class RouterServer:
@@ -318,7 +294,7 @@ class RouterServer:
         keeps blocks of another size, gets ``raw`` when no other is usable (it
         could not pull them, and would warn on every request)."""
         tried: list[Replica] = []
-        refusals: list[_Refusal] = []  # the replicas' own failure answers (a 503 and its Retry-After)
+        refusals: list[Refusal] = []  # the replicas' own failure answers (a 503 and its Retry-After)
         headers = _passed_headers(request)
         # a replica that failed after the prefilled body reached it may have pulled the KV, which frees the prefill
         # replica's copy: another one given the same handle could pull nothing (under kv_load_failure_policy
@@ -355,6 +331,10 @@ class RouterServer:
             prefill_spent = prefill_spent or (pulls and attempt_result is _Attempt.BEGUN)
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         self.metrics.failed.inc()
+        if writer.started:  # a stream's head went out for a replica that failed before the stream's first byte
+            self.metrics.cut_streams.inc()
+            writer.fail(502, error_body(502, "the replicas serving this stream failed", "replica_failed"))
+            return
         if refusals:  # the last replica's own answer (its 503's reason and Retry-After), not a generic one
             refusal = refusals[-1]
             kept = [(name, value) for name, value in refusal.headers
@@ -367,7 +347,7 @@ class RouterServer:
 
     async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
                     headers: list[tuple[str, str]], hashes: list[bytes], uncached_blocks: int,
-                    deadline: float | None, refusals: list[_Refusal]) -> _Attempt:
+                    deadline: float | None, refusals: list[Refusal]) -> _Attempt:
         """Passes the replica's answer through (ANSWERED), or says how it failed
         before its first byte (the caller retries elsewhere). Past ``deadline``
         the client is answered 504 and ANSWERED returned: the request is not
@@ -401,22 +381,23 @@ class RouterServer:
             if 400 <= status < 500 or request_failure:  # refused or failed: nothing of it is cached there
                 replica.index.forget_expected(hashes)
             if is_replica_failure(status) and not request_failure:  # nothing sent yet: another may serve it
-                body = bytearray()
-                connection.stream_to(lambda chunk: body.extend(chunk[:_KEPT_REFUSAL_BYTES - len(body)]))
-                if await _until(connection.done, deadline) is _Outcome.DONE:
-                    refusals.append(_Refusal(status, upstream_headers, bytes(body)))
+                outcome, body = await read_kept(connection, deadline)
+                if outcome is Outcome.DONE:
+                    refusals.append(Refusal(status, upstream_headers, body))
                 # a 503 is a refusal at the door (loading, its queue full): the request was not begun
                 return _Attempt.NOT_BEGUN if status == 503 else _Attempt.BEGUN
-            await self._relay(request, writer, replica, connection, status, upstream_headers, deadline)
-            return _Attempt.ANSWERED
+            if await self._relay(request, writer, replica, connection, status, upstream_headers, deadline):
+                return _Attempt.ANSWERED
+            return _Attempt.BEGUN  # its stream was cut before its first byte: another replica may serve it
         finally:
             replica.load.release(uncached_blocks)
             if connection is not None:
                 self.upstream.release(replica.url, connection)  # closed unless its answer ended cleanly
 
     def _timed_out(self, writer: ResponseWriter) -> None:
-        """The deadline passed before the answer's head: 504."""
-        writer.send_json(504, self._timeout_error())
+        """The deadline passed before the answer began: 504 (as a stream's last
+        event where a failed replica's stream head went out)."""
+        writer.fail(504, self._timeout_error())
 
     def _timeout_error(self) -> dict[str, Any]:
         """A request past ``request_timeout``: the body of its 504 or the stream's last event (counted)."""
@@ -426,10 +407,21 @@ class RouterServer:
 
     async def _relay(self, request: HttpRequest, writer: ResponseWriter, replica: Replica,
                      connection: UpstreamConnection, status: int, upstream_headers: list[tuple[str, str]],
-                     deadline: float | None) -> None:
+                     deadline: float | None) -> bool:
+        """Passes the answer on; False when it was an event stream the replica cut
+        (or stalled out) before its first byte: nothing but its head reached the
+        client, so the caller tries another replica, whose stream goes on behind
+        that head (a replica killed during a long prefill, the likeliest moment,
+        left the client an error where a healthy replica could have answered)."""
         headers = [(name, value) for name, value in upstream_headers if name.lower() not in _HOP_HEADERS]
-        length = next((value for name, value in upstream_headers if name.lower() == "content-length"), None)
-        writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
+        if writer.started:  # an earlier replica's stream head is out: this answer must continue it
+            if status != 200 or not is_event_stream(headers):
+                await self._fail_stream_with(writer, connection, status, deadline)
+                return True
+        else:
+            length = next((value for name, value in upstream_headers if name.lower() == "content-length"), None)
+            writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
+        relayed = False  # a body byte has gone to the client
         scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and status == 200 else None
         loop = asyncio.get_running_loop()
         last_byte_at = loop.time()
@@ -442,8 +434,9 @@ class RouterServer:
             return loop.time() - last_byte_at
 
         def forward(chunk: bytes) -> None:
-            nonlocal last_byte_at
+            nonlocal last_byte_at, relayed
             last_byte_at = loop.time()
+            relayed = relayed or bool(chunk)
             if scanner is not None and scanner.found is None:
                 scanner.feed(chunk)
                 if scanner.found is not None:
@@ -463,41 +456,42 @@ class RouterServer:
             # an httpx client's time to first token, measured through the router)
             writer.flush()
         try:
-            outcome = await _until_or_stalled(replica, connection.done, deadline, idle_s)
+            outcome = await until_or_stalled(replica, connection.done, deadline, idle_s)
         finally:
             # the connection may go back to the pool: it must read again, and pause nobody's relay
             writer.on_pause = writer.on_resume = None
             connection.transport.resume_reading()
-        if outcome is _Outcome.DONE:
+        if outcome is Outcome.DONE:
             writer.end()
-            return
-        if outcome is _Outcome.DEADLINE:
+            return True
+        if outcome is Outcome.DEADLINE:
             # a long answer or a client reading too slowly: not the replica's failure
             logger.warning("an answer from %s ran past the request timeout (%g s)", replica.url,
                            self.request_timeout)
             error = self._timeout_error()
         else:
-            if outcome is _Outcome.STALLED:
+            if outcome is Outcome.STALLED:
                 logger.warning("replica %s was taken out and its answer has stalled for %g s: ending it",
                                replica.url, STALL_S)
             else:
                 logger.warning("replica %s cut a response", replica.url)
                 self.replicas.record(replica, None)
+            if writer.event_stream and not relayed:
+                return False  # nothing of it reached the client: tried elsewhere
             self.metrics.cut_streams.inc()
             error = error_body(502, "the replica serving this stream failed", "replica_failed")
         writer.fail(502, error)  # an error event in a stream; any other answer is aborted, the client sees the cut
+        return True
 
-
-@dataclass(frozen=True, slots=True)
-class _Refusal:
-    """A replica's failure answer (500/502/503), read whole: the client's if no replica serves."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-
-_KEPT_REFUSAL_BYTES = 64 << 10  # of a failure answer's body (an error object is far smaller)
+    async def _fail_stream_with(self, writer: ResponseWriter, connection: UpstreamConnection, status: int,
+                                deadline: float | None) -> None:
+        """Ends a stream whose head went out for a failed replica with the error
+        another replica answered instead of a stream (a 4xx, say), as its last event."""
+        _, body = await read_kept(connection, deadline)
+        answered = _json_object(body)
+        error = answered if answered is not None and isinstance(answered.get("error"), dict) else \
+            error_body(status, f"the replica answered {status} instead of a stream")
+        writer.fail(status, error)
 
 
 class _Attempt(enum.Enum):
@@ -506,56 +500,6 @@ class _Attempt(enum.Enum):
     ANSWERED = "answered"  # the client has its answer (or a 504): not tried again
     NOT_BEGUN = "not begun"  # failed, the request never begun there (no connection, a 503 at the door)
     BEGUN = "begun"  # failed after the replica may have begun it (closed or taken out before answering, a 500)
-
-
-class _Outcome(enum.Enum):
-    DONE = "done"
-    CUT = "cut"  # the replica's answer stopped before its end
-    DEADLINE = "deadline"  # the request's deadline passed first
-    STALLED = "stalled"  # its replica was taken out, and it had no byte for STALL_S
-
-
-# an answer whose replica the router took out ends once it has had no byte for this long
-STALL_S = 2.0
-_OUT_CHECK_S = 0.25  # how often a relay whose replica is out looks whether it is back
-
-
-async def _until(done: asyncio.Future[None], deadline: float | None) -> _Outcome:
-    """Waits for an answer's end, its cut, or the deadline (None: none)."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            await done
-    except UpstreamCut:
-        return _Outcome.CUT
-    except TimeoutError:
-        return _Outcome.DEADLINE
-    return _Outcome.DONE
-
-
-async def _until_or_stalled(replica: Replica, done: asyncio.Future[None], deadline: float | None,
-                            idle_s: Callable[[], float]) -> _Outcome:
-    """``_until``, except that while ``replica`` is taken out (its breaker open)
-    the answer ends as STALLED once it has had no byte for ``STALL_S``
-    (``idle_s``: how long it has had none). A stopped replica's stream never
-    ended, though the router had taken the replica out; one still sending goes
-    on, and once the replica is back in use (its breaker no longer open) a pause
-    is no stall again."""
-    ending = asyncio.ensure_future(_until(done, deadline))
-    try:
-        while True:
-            try:
-                return await unless_taken_out(replica, asyncio.shield(ending))
-            except TakenOut:
-                pass
-            while replica.breaker.state is BreakerState.OPEN:
-                idle = idle_s()
-                if idle >= STALL_S:
-                    return _Outcome.STALLED
-                finished, _ = await asyncio.wait({ending}, timeout=min(STALL_S - idle, _OUT_CHECK_S))
-                if finished:
-                    return ending.result()
-    finally:
-        ending.cancel()
 
 
 def _pulls(replica: Replica, block_size: int | None) -> bool:
