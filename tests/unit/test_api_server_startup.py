@@ -4,9 +4,12 @@ importing torch (the engine core, started first, loads the model meanwhile)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 from heron.engine.args import EngineArgs
 from heron.engine.async_llm import _resolution_mismatch
@@ -53,3 +56,22 @@ def test_bad_flags_fail_fast_and_leave_no_engine_core(tmp_path):
     assert "missing.gguf" in result.stderr
     assert time.monotonic() - started < 60
     assert engine_cores() <= before  # (an orphan would linger a second before its watchdog ends it)
+
+
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_a_port_in_use_fails_before_any_engine_core_starts(api_servers):
+    """The port was taken only once the model had loaded (uvicorn's bare errno,
+    exit 3, after the engine core's whole start); a second pool on the port
+    joined the first (found by the lifecycle review)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", str(port),
+             "--api-server-count", api_servers, "--log-level", "DEBUG"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 2, result.stderr
+    assert f"heron: error: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "engine core" not in result.stderr.lower()  # none was started

@@ -96,14 +96,22 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, _terminate)
             from heron.engine.dp_client import start_engine_cores
             from heron.entrypoints.openai.cli_args import check_serve_args
+            from heron.entrypoints.openai.listen_socket import open_listener
 
             check_serve_args(args)
-            # first: the engine cores load the model while this process starts the server
-            started = start_engine_cores(EngineArgs.from_cli_args(args, usage="serve"), args.log_level,
-                                         num_clients=args.api_server_count)
+            # the port before the model: one in use fails at once, not once the model has loaded
+            listener = open_listener(args.host, args.port, args.api_server_count)
+            args.port = listener.getsockname()[1]  # --port 0: the port it got
+            try:
+                # first: the engine cores load the model while this process starts the server
+                started = start_engine_cores(EngineArgs.from_cli_args(args, usage="serve"), args.log_level,
+                                             num_clients=args.api_server_count)
+            except BaseException:
+                listener.close()
+                raise
             from heron.entrypoints.openai.server import run_server
 
-            return run_server(args, started)
+            return run_server(args, started, listener)
         if args.command == "convert":
             from heron.entrypoints.convert import check_output_directory, export_hf_directory
 

@@ -11,8 +11,14 @@ They share:
 * their metrics, through prometheus_client's multiprocess directory, so any
   process's /metrics answers for the server.
 
-The launcher holds the port bound (not listening) from start to end: no other
-user can take it, and ``--port 0`` resolves to one port for all. It stops
+The launcher reserves the port before anything starts: it checks that no one
+holds it (a bind without ``SO_REUSEPORT``: a second server on the port, heron
+or not, fails at once instead of sharing its connections), then binds and
+listens on it from start to end, so no other socket can take it while the API
+servers start, and ``--port 0`` resolves to one port for all. That socket is
+the first API server's (handed to it as an inherited descriptor); the others
+bind their own beside it. A connection arriving before an API server accepts
+waits in the socket's queue rather than being refused. It stops
 everything when told to (SIGINT or SIGTERM, passed on to the API servers,
 which finish their requests) or when an API server or an engine core dies
 (exit code 1: a supervisor such as systemd or Kubernetes starts it again).
@@ -34,6 +40,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from heron.engine.core_client import OwnedEngineCore
+from heron.entrypoints.openai.listen_socket import reserve_port
 from heron.entrypoints.openai.shared_gateway import create_shared_gateway_file
 from heron.tempdirs import make_private_dir, remove_private_dir
 
@@ -44,20 +51,6 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 ENGINE_GONE_SIGNAL = signal.SIGUSR1
 
 
-def bind_shared_port(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT`` (not listening)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:  # in use, or not this host's address: a sentence, not a traceback
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    return sock
-
-
 class _Stop(Exception):
     pass
 
@@ -66,20 +59,19 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
-def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) -> int:
+def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore],
+                    port_holder: socket.socket | None = None) -> int:
     """Start the API servers over the engine cores (``started`` with
-    ``args.api_server_count`` connections each), and supervise."""
+    ``args.api_server_count`` connections each), and supervise.
+    ``port_holder``: the port, reserved already (``reserve_port``)."""
     count = args.api_server_count
-    if not hasattr(socket, "SO_REUSEPORT"):
-        raise ValueError("--api-server-count > 1 needs SO_REUSEPORT (Linux, macOS or BSD)")
     workdir = make_private_dir("heron-api-")
     servers: list[subprocess.Popen[bytes]] = []
     # both signals stop it, also where SIGINT came in ignored (a background job of a
     # script, `nohup`): Python then leaves it ignored, and `kill -INT` did nothing
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    port_holder: socket.socket | None = None
     try:
-        port_holder = bind_shared_port(args.host, args.port)
+        port_holder = port_holder or reserve_port(args.host, args.port)
         port = port_holder.getsockname()[1]
         metrics_dir = os.path.join(workdir, "metrics")
         os.mkdir(metrics_dir)
@@ -92,11 +84,13 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore]) ->
         try:
             for index in range(count):
                 start_path = os.path.join(workdir, f"api-server-{index}.pickle")
+                inherited = (port_holder.fileno(),) if index == 0 else ()  # the first serves the reserved socket
                 with open(start_path, "wb") as start_file:
-                    pickle.dump((args, port, index, [p.endpoint(index) for p in started], shared_path), start_file)
+                    pickle.dump((args, port, index, [p.endpoint(index) for p in started], shared_path,
+                                 inherited[0] if inherited else None), start_file)
                 servers.append(subprocess.Popen(
                     [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path, str(os.getpid())],
-                    env=env))
+                    env=env, pass_fds=inherited))
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
         logger.info("%d API servers on port %d (pids %s) over %d engine core(s)",

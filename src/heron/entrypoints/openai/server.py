@@ -34,6 +34,7 @@ from heron.entrypoints.openai.cors import CorsSettings, add_cors, cors_settings_
 from heron.entrypoints.openai.gateway import APIKeyChecker, GatewayMiddleware, TokenBucketLimiter
 from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware, bounded_http_protocol, head_limit
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
+from heron.entrypoints.openai.listen_socket import open_listener
 from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
 from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
@@ -70,7 +71,6 @@ class APIServerRole:
 
     index: int
     count: int
-    listen_socket: socket.socket  # bound with SO_REUSEPORT; uvicorn listens on it
     shared: SharedGatewayState
 
 
@@ -147,30 +147,37 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
-def run_server(args: argparse.Namespace, started: list[OwnedEngineCore] | None = None) -> int:
+def run_server(args: argparse.Namespace, started: list[OwnedEngineCore] | None = None,
+               listener: socket.socket | None = None) -> int:
     """Serve. ``started``: the engine cores (one per data-parallel rank), already
     started on the same flags (``heron serve`` starts them before importing the
     web stack or torch: they resolve the flags themselves and load the model
-    while this process resolves them too and loads the tokenizer)."""
+    while this process resolves them too and loads the tokenizer). ``listener``:
+    the socket to answer on, taken before they started (``listen_socket.py``)."""
     engine_args = EngineArgs.from_cli_args(args, usage="serve")
+    if listener is None:
+        listener = open_listener(args.host, args.port, args.api_server_count)
+        args.port = listener.getsockname()[1]
     started = started or start_engine_cores(engine_args, args.log_level, num_clients=args.api_server_count)
     # on Ray, routers on the cluster find this server by a name it holds while it runs
     registration = _register_on_ray(args) if engine_args.data_parallel_backend == "ray" else None
     if args.api_server_count > 1:
         from heron.entrypoints.openai.api_server_pool import run_api_servers
 
-        return run_api_servers(args, started)
+        return run_api_servers(args, started, listener)
     try:
         config = engine_args.create_engine_config()
     except BaseException:
+        listener.close()
         for process in started:
             process.kill()
         raise
     settings = gateway_settings_from_args(args)
     logger.info("starting heron %s (loading %s)", __version__, config.model.served_model_name)
     try:
-        return asyncio.run(serve_api(args, config, settings, started))
+        return asyncio.run(serve_api(args, config, settings, started, listener=listener))
     finally:
+        listener.close()
         del registration
 
 
@@ -224,9 +231,9 @@ def uvicorn_config(app: Any, args: argparse.Namespace, settings: GatewaySettings
 async def serve_api(
     args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings,
     started: Sequence[StartedEngineCore] | None = None, role: APIServerRole | None = None,
-) -> int:
-    """Run one API server until it is told to stop."""
-    import uvicorn
+    listener: socket.socket | None = None) -> int:
+    """Run one API server on ``listener`` until it is told to stop."""
+    from heron.entrypoints.openai.uvicorn_server import Server
 
     # created inside the event loop (its ZMQ sockets belong to it); each of several API servers counts the
     # tokens of its own requests: its periodic line says whose
@@ -234,7 +241,7 @@ async def serve_api(
     engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started,
                       record_engine_stats=role is None or role.index == 0, stats_scope=scope,
                       heartbeat_timeout_s=args.engine_heartbeat_timeout, step_timeout_s=args.engine_step_timeout)
-    server = uvicorn.Server(uvicorn_config(build_app(engine, settings, role), args, settings))
+    server = Server(uvicorn_config(build_app(engine, settings, role), args, settings))
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # IPv6 in brackets
     name = config.model.served_model_name
@@ -289,7 +296,7 @@ async def serve_api(
     if hears_the_launcher := role is not None and main_thread:  # one of several: told when an engine core ends
         _listen_to_the_launcher(engine, listen=True)
     try:
-        await server.serve(sockets=[role.listen_socket] if role else None)
+        await server.serve(sockets=[listener] if listener is not None else None)
     finally:
         if hears_the_launcher:
             _listen_to_the_launcher(engine, listen=False)
