@@ -198,7 +198,8 @@ class RouterServer:
         elif (response_id := stored_response_id(path)) is not None:
             # GET or DELETE of a stored response, or its input items: to the replica that holds it
             pinned = self.responses.replica_of(response_id)
-            await self._proxy(request, writer, request.body, [], None, pinned, self._deadline())
+            await self._proxy(request, writer, request.body, [], None, pinned, self._deadline(),
+                              seek=pinned is None)
         elif path == "/" and request.method in ("GET", "HEAD"):
             # the chat page: its requests (v1/models, v1/chat/completions) are relative, so they come here too
             writer.send(200, chat_page(), "text/html; charset=utf-8")
@@ -245,7 +246,7 @@ class RouterServer:
         previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
         pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
         await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned,
-                          deadline, prefilled, prefilled_block_size)
+                          deadline, prefilled, prefilled_block_size, seek=isinstance(previous, str) and not pinned)
 
     async def _block_hashes(self, path: str, body: dict[str, Any], body_bytes: int) -> list[Any]:
         """The prompt's block hashes: on the loop for a small body (fast), on the
@@ -283,9 +284,13 @@ class RouterServer:
 
     async def _proxy(self, request: HttpRequest, writer: ResponseWriter, raw: bytes, hashes: list[bytes],
                      session: str | None, pinned: str | None = None, deadline: float | None = None,
-                     prefilled: bytes | None = None, prefilled_block_size: int | None = None) -> None:
+                     prefilled: bytes | None = None, prefilled_block_size: int | None = None,
+                     seek: bool = False) -> None:
         """``pinned``: the replica holding the stored response the request names
         (tried first while usable; elsewhere it answers that it has no such response).
+        ``seek``: the request names a stored response no replica is known to hold
+        (the router restarted, or forgot it for newer ones): a replica answering
+        that it has none is asked no more, and the next is, until one has it.
         ``deadline``: the loop's time by which the answer must have ended.
         ``prefilled``: the body with the prefill stage's ``kv_transfer_params``,
         for a replica that pulls KV in blocks of ``prefilled_block_size`` tokens:
@@ -300,7 +305,7 @@ class RouterServer:
         # replica's copy: another one given the same handle could pull nothing (under kv_load_failure_policy
         # "fail", a 500 for a failure the client never saw), so later attempts compute the prompt themselves
         prefill_spent = False
-        for attempt in range(self.max_attempts):
+        for attempt in range(max(self.max_attempts, len(self.replicas.replicas)) if seek else self.max_attempts):
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
                 self._timed_out(writer)  # spent (in the prefill stage, or on replicas that failed)
                 return
@@ -325,29 +330,30 @@ class RouterServer:
             pulls = prefilled is not None and not prefill_spent and _pulls(replica, prefilled_block_size)
             payload = prefilled if pulls and prefilled is not None else raw
             attempt_result = await self._send(request, writer, replica, payload, headers, hashes,
-                                              decision.uncached_blocks, deadline, refusals)
+                                              decision.uncached_blocks, deadline, refusals, seek)
             if attempt_result is _Attempt.ANSWERED:
                 return
             prefill_spent = prefill_spent or (pulls and attempt_result is _Attempt.BEGUN)
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
-        self.metrics.failed.inc()
         if writer.started:  # a stream's head went out for a replica that failed before the stream's first byte
+            self.metrics.failed.inc()
             self.metrics.cut_streams.inc()
             writer.fail(502, error_body(502, "the replicas serving this stream failed", "replica_failed"))
             return
-        if refusals:  # the last replica's own answer (its 503's reason and Retry-After), not a generic one
-            refusal = refusals[-1]
-            kept = [(name, value) for name, value in refusal.headers
-                    if name.lower() not in _HOP_HEADERS and name.lower() != "content-type"]
-            content_type = next((value for name, value in refusal.headers if name.lower() == "content-type"),
-                                "application/json")
-            writer.send(refusal.status, refusal.body, content_type, kept)
+        if refusals:
+            # a replica's own answer (a 503's reason and Retry-After), not a generic one: one that failed rather
+            # than one that had no stored response (the response may live on the one that failed)
+            refusal = next((r for r in reversed(refusals) if r.status >= 500), refusals[-1])
+            if refusal.status >= 500:
+                self.metrics.failed.inc()
+            _pass_on(writer, refusal.status, refusal.headers, refusal.body)
             return
+        self.metrics.failed.inc()
         writer.send_json(503, error_body(503, "no replica could serve the request", "service_unavailable"))
 
     async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
                     headers: list[tuple[str, str]], hashes: list[bytes], uncached_blocks: int,
-                    deadline: float | None, refusals: list[Refusal]) -> _Attempt:
+                    deadline: float | None, refusals: list[Refusal], seek: bool = False) -> _Attempt:
         """Passes the replica's answer through (ANSWERED), or says how it failed
         before its first byte (the caller retries elsewhere). Past ``deadline``
         the client is answered 504 and ANSWERED returned: the request is not
@@ -386,6 +392,9 @@ class RouterServer:
                     refusals.append(Refusal(status, upstream_headers, body))
                 # a 503 is a refusal at the door (loading, its queue full): the request was not begun
                 return _Attempt.NOT_BEGUN if status == 503 else _Attempt.BEGUN
+            if seek and status in (400, 404) and not request_failure:
+                return await self._answer_or_seek_on(writer, connection, status, upstream_headers, deadline,
+                                                     refusals)
             if await self._relay(request, writer, replica, connection, status, upstream_headers, deadline):
                 return _Attempt.ANSWERED
             return _Attempt.BEGUN  # its stream was cut before its first byte: another replica may serve it
@@ -393,6 +402,26 @@ class RouterServer:
             replica.load.release(uncached_blocks)
             if connection is not None:
                 self.upstream.release(replica.url, connection)  # closed unless its answer ended cleanly
+
+    async def _answer_or_seek_on(self, writer: ResponseWriter, connection: UpstreamConnection, status: int,
+                                 upstream_headers: list[tuple[str, str]], deadline: float | None,
+                                 refusals: list[Refusal]) -> _Attempt:
+        """A replica's 400 or 404 to a request naming a stored response: that it
+        has no such response (another may: NOT_BEGUN, kept as the answer if none
+        has), or the request's own answer, passed on."""
+        outcome, body = await read_kept(connection, deadline)
+        if outcome is Outcome.DEADLINE:
+            self._timed_out(writer)
+            return _Attempt.ANSWERED
+        answered = _json_object(body)
+        error = answered.get("error") if answered is not None else None
+        if outcome is Outcome.DONE and isinstance(error, dict) and error.get("code") in _NOT_STORED_HERE:
+            refusals.append(Refusal(status, upstream_headers, body))
+            return _Attempt.NOT_BEGUN
+        if outcome is Outcome.CUT:
+            return _Attempt.BEGUN  # nothing reached the client: another replica may answer
+        _pass_on(writer, status, upstream_headers, body)
+        return _Attempt.ANSWERED
 
     def _timed_out(self, writer: ResponseWriter) -> None:
         """The deadline passed before the answer began: 504 (as a stream's last
@@ -500,6 +529,18 @@ class _Attempt(enum.Enum):
     ANSWERED = "answered"  # the client has its answer (or a 504): not tried again
     NOT_BEGUN = "not begun"  # failed, the request never begun there (no connection, a 503 at the door)
     BEGUN = "begun"  # failed after the replica may have begun it (closed or taken out before answering, a 500)
+
+
+# what a replica answers for a stored response it does not hold
+_NOT_STORED_HERE = ("response_not_found", "previous_response_not_found")
+
+
+def _pass_on(writer: ResponseWriter, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+    """A replica's answer read whole, passed to the client as it was."""
+    kept = [(name, value) for name, value in headers
+            if name.lower() not in _HOP_HEADERS and name.lower() != "content-type"]
+    content_type = next((value for name, value in headers if name.lower() == "content-type"), "application/json")
+    writer.send(status, body, content_type, kept)
 
 
 def _pulls(replica: Replica, block_size: int | None) -> bool:
