@@ -6,6 +6,7 @@ running out of sockets. Every job is reported exactly once."""
 from __future__ import annotations
 
 import errno
+import socket
 import threading
 import time
 
@@ -197,3 +198,29 @@ def test_a_stalled_engine_holds_only_its_share_of_the_pulls(context, monkeypatch
         loader.close()
         silent.close()
         good.close()
+
+
+def test_a_prefill_engine_that_is_gone_fails_its_pulls_at_once(context):
+    """Nothing listening at its address (it died), or its connection closed
+    while a pull waited: the pull waited out the whole timeout (30 s by
+    default), holding every request that engine had prefilled, though its
+    leases had died with it (found by the router review)."""
+    with socket.socket() as probe:  # a port where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        nowhere = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    closing = ScriptedPeer(context, lambda message: [])
+    reports = LoadReports()
+    loader = RemoteKVLoader([pool()], FINGERPRINT, reports, timeout_s=30)
+    try:
+        started = time.monotonic()
+        loader.load([job(nowhere, "refused", [1])])
+        assert wait_reports(reports, 1) == [("refused", [bytes([1]) * 32])]
+        loader.load([job(closing.address, "closed", [2])])
+        deadline = time.monotonic() + 5
+        while not closing.pulls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        closing.close()  # the engine dies with the pull under way
+        assert wait_reports(reports, 1) == [("closed", [bytes([2]) * 32])]
+        assert time.monotonic() - started < 10
+    finally:
+        loader.close()

@@ -10,7 +10,10 @@ turn, and a job whose engine is at its share lets later jobs for other engines
 start first). A pull asks for at most
 ``chunk_bytes`` of blocks at a time (the next run once the last one is
 written), and gives up when a prefill engine does not answer one run within
-the timeout. Every job is reported exactly once (``LoadReports``): its blocks
+the timeout, or at once when its connection is refused or closed (a socket
+monitor says so: a dead prefill engine held every request it had prefilled
+for the whole timeout, 30 s by default, though its leases died with it).
+Every job is reported exactly once (``LoadReports``): its blocks
 loaded, or all of them failed, whatever a peer answers, so no request waits
 for ever; the scheduler's load-failure policy decides what a failure costs.
 """
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from heron.core.kv_remote import RemoteLoad
 from heron.worker.kv_block_codec import BlockCodec
@@ -42,6 +46,9 @@ MAX_PULLS = 128  # under way at once, each on its own socket; the rest wait thei
 # under way at once from one prefill engine: one that stalls holds no more places than this (it held all of
 # them, and a pull from a healthy engine waited out the stalled ones' timeout)
 MAX_PULLS_PER_PEER = 32
+# a pull's connection events that end it at once: nothing listens there (refused, retried), or the peer closed it
+_GONE: dict[int, str] = {zmq.EVENT_CONNECT_RETRIED: "its connection was refused (is it running?)",
+         zmq.EVENT_DISCONNECTED: "it closed the connection"}
 
 
 @dataclass(slots=True)
@@ -50,6 +57,7 @@ class _Pull:
 
     job: RemoteLoad
     socket: zmq.Socket
+    monitor: zmq.Socket  # the socket's connection events (``_GONE``)
     done: int = 0
     asked: int = 0
     deadline: float = 0.0
@@ -157,15 +165,17 @@ class RemoteKVLoader:
         for socket, pull in list(pulls.items()):
             if socket in ready:
                 error = self._receive(pull)  # whatever a peer sent fails this job only
+                if error is None and pull.done < len(pull.job.blocks):
+                    error = self._ask(pull)
+                if error is None and pull.done < len(pull.job.blocks):
+                    continue
+            elif pull.monitor in ready and (gone := _gone(pull.monitor)) is not None:
+                error = f"the prefill engine is gone: {gone}"
             elif now >= pull.deadline:
                 error = f"no answer in {self.timeout_s:g} s"
             else:
                 continue
-            if error is None and pull.done < len(pull.job.blocks):
-                error = self._ask(pull)
-                if error is None:
-                    continue
-            poller.unregister(socket)
+            _unregister(poller, pull)
             del pulls[socket]
             self._finish(pull, error)
 
@@ -186,19 +196,19 @@ class RemoteKVLoader:
         except zmq.ZMQError as error:  # out of sockets, a bad address: this job fails, the next may not
             self._report(job, f"cannot connect: {error}")
             return
-        pull = _Pull(job, socket)
+        pull = _Pull(job, socket, socket.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED))
         refused = self._ask(pull)
         if refused is not None:
             self._finish(pull, refused)
             return
         poller.register(socket, zmq.POLLIN)
+        poller.register(pull.monitor, zmq.POLLIN)
         pulls[socket] = pull
 
     def _fail_all(self, poller: zmq.Poller, pulls: dict[zmq.Socket, _Pull], waiting: deque[RemoteLoad],
                   reason: str) -> None:
-        for socket, pull in pulls.items():
-            with contextlib.suppress(KeyError):
-                poller.unregister(socket)
+        for pull in pulls.values():
+            _unregister(poller, pull)
             self._finish(pull, reason)
         pulls.clear()
         while waiting:
@@ -244,6 +254,9 @@ class RemoteKVLoader:
 
     def _finish(self, pull: _Pull, error: str | None) -> None:
         """Report the job (loaded, or every block failed) and release the prefill engine's lease."""
+        with contextlib.suppress(zmq.ZMQError):
+            pull.socket.disable_monitor()
+        pull.monitor.close(0)
         if error is None:
             _send_release(pull.socket, pull.job)
             pull.socket.close()  # lingers until the release is out
@@ -271,6 +284,23 @@ class RemoteKVLoader:
             return
         _send_release(socket, job)
         socket.close()
+
+
+def _unregister(poller: zmq.Poller, pull: _Pull) -> None:
+    for socket in (pull.socket, pull.monitor):
+        with contextlib.suppress(KeyError):
+            poller.unregister(socket)
+
+
+def _gone(monitor: zmq.Socket) -> str | None:
+    """Why the monitored connection is gone (``_GONE``), from the events waiting on ``monitor``; None if not."""
+    reason = None
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return reason
+        reason = reason or _GONE.get(event["event"])
 
 
 def _wait_ms(pulls: Iterable[_Pull]) -> int | None:
