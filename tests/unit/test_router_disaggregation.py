@@ -365,3 +365,17 @@ def test_a_retry_passes_the_prefill_handle_on_only_where_no_replica_may_have_use
 
     run_disaggregated(retried, RecordingReplica(consumer), RecordingReplica(consumer),
                       prefill_health={"status": "ok", "kv_role": "kv_producer", "block_size": 16})
+
+
+def test_prefill_replicas_show_in_the_routers_health_and_metrics():
+    """Only the decode replicas did: a dead prefill server showed only in
+    heron_router_prefills_total (found by the router review)."""
+    async def shown(client: httpx.AsyncClient, prefill: RecordingReplica, decode: RecordingReplica) -> None:
+        health = (await client.get("/health")).json()
+        assert [r["url"] for r in health["prefill_replicas"]] == [prefill.url]
+        assert [r["url"] for r in health["replicas"]] == [decode.url]
+        metrics = (await client.get("/metrics")).text
+        assert f'heron_router_replica_usable{{replica="{prefill.url}"}} 1.0' in metrics
+        assert f'heron_router_in_flight{{replica="{prefill.url}"}} 0.0' in metrics
+
+    run_disaggregated(shown)

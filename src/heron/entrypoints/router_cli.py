@@ -78,7 +78,8 @@ def run_router(args: argparse.Namespace) -> int:
         _check_replica_url(url)
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
     replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval,
-                          discover=_ray_discovery(args.ray_address, args.probe_interval) if args.ray_address else None)
+                          discover=_ray_discovery(args.ray_address, args.probe_interval) if args.ray_address else None,
+                          decodes=bool(args.prefill))
     from heron.entrypoints.openai.cli_args import read_chat_template
 
     chat_template = read_chat_template(args.chat_template)

@@ -155,8 +155,9 @@ class ReplicaSet:
     def __init__(self, urls: Sequence[str], headers: dict[str, str], probe_interval: float = 1.0,
                  probe_timeout: float = 2.0, discover: Callable[[], Awaitable[list[str]]] | None = None,
                  decodes: bool = True) -> None:
-        """``decodes``: these replicas answer the clients' requests (whether each pulls
-        prefilled KV matters, and is logged); False for ``--prefill`` replicas."""
+        """``decodes``: these replicas decode what ``--prefill`` replicas prefilled
+        (whether each pulls prefilled KV matters, and is logged: a plain router
+        logged for every replica that it pulled none)."""
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
         self.decodes = decodes
         self.fixed = {replica.url for replica in self.replicas}

@@ -208,7 +208,7 @@ class RouterServer:
             # ok for the first probes to a replica where nothing listens
             usable = [replica for replica in self.replicas.usable() if replica.answered]
             writer.send_json(200 if usable else 503, {"status": "ok" if usable else "no replica available",
-                                                      "replicas": self._replica_states()})
+                                                      **self._describe()})
         elif path == "/metrics" and request.method in ("GET", "HEAD"):
             writer.send(200, self._prometheus(), CONTENT_TYPE_LATEST)
         elif path == "/router/replicas" and request.method in ("GET", "HEAD"):
@@ -258,12 +258,15 @@ class RouterServer:
             self._hash_executor, self.hasher.block_hashes, path, body, self.replicas.block_size)
 
     def _prometheus(self) -> bytes:
-        present = {replica.url for replica in self.replicas.replicas}
+        """The router's metrics, with each replica's gauges (the prefill replicas' too: a dead prefill
+        server showed only in heron_router_prefills_total)."""
+        replicas = self.replicas.replicas + (self.prefill.replicas.replicas if self.prefill is not None else [])
+        present = {replica.url for replica in replicas}
         for gone in self._gauged_replicas - present:  # discovery dropped it: its gauges said 1 for ever
             self.metrics.in_flight.remove(gone)
             self.metrics.usable.remove(gone)
         self._gauged_replicas = present
-        for replica in self.replicas.replicas:
+        for replica in replicas:
             self.metrics.in_flight.labels(replica.url).set(replica.load.in_flight)
             self.metrics.usable.labels(replica.url).set(1 if replica.breaker.usable else 0)
         return generate_latest(self.metrics.registry)
