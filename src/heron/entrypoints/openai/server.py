@@ -181,6 +181,20 @@ def run_server(args: argparse.Namespace, started: list[OwnedEngineCore] | None =
         del registration
 
 
+async def _exit_when_the_engine_dies(engine: AsyncLLM, server: Any, grace: float) -> None:
+    """Once the engine core is dead, answer 503 for ``grace`` s, then stop the
+    server (an engine that never served: at once, without the grace, its reason
+    logged where start-up waits for it; it said it answered 503 for 5 s)."""
+    while not engine.is_dead:
+        await asyncio.sleep(0.1)
+    if not engine.engine_info:
+        return
+    logger.error("the engine core is dead: answering 503 for %.1f s, then exiting with code 1 "
+                 "(a supervisor restarts heron)", grace)
+    await asyncio.sleep(grace)
+    server.should_exit = True
+
+
 def _register_on_ray(args: argparse.Namespace) -> object:
     from heron.engine.ray_engines import register_replica, this_node_ip
 
@@ -263,15 +277,6 @@ async def serve_api(
             base_url, name, base_url, auth, name,
         )
 
-    async def exit_when_the_engine_dies() -> None:
-        while not engine.is_dead:
-            await asyncio.sleep(0.1)
-        grace = args.dead_engine_grace
-        logger.error("the engine core is dead: answering 503 for %.1f s, then exiting with code 1 "
-                     "(a supervisor restarts heron)", grace)
-        await asyncio.sleep(grace)
-        server.should_exit = True
-
     async def end_requests_before_the_stop_deadline() -> None:
         # at --shutdown-timeout uvicorn cancels the handlers still running: a non-streamed request got its
         # plain-text 500, a stream was cut without an error event. heron ends them itself just before (a
@@ -287,7 +292,8 @@ async def serve_api(
             logger.warning("stopping: %d request(s) still running after %g s end with 503 / an error event",
                            ended, args.shutdown_timeout - _STOP_MARGIN_S)
 
-    watchers = [asyncio.create_task(announce_when_ready()), asyncio.create_task(exit_when_the_engine_dies()),
+    watchers = [asyncio.create_task(announce_when_ready()),
+                asyncio.create_task(_exit_when_the_engine_dies(engine, server, args.dead_engine_grace)),
                 asyncio.create_task(end_requests_before_the_stop_deadline())]
     main_thread = threading.current_thread() is threading.main_thread()
     # both stop it gracefully, and heron then exits 0 (Ctrl-C was a KeyboardInterrupt, code 130)
