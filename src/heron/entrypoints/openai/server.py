@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from heron import __version__
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
-from heron.engine.async_llm import AsyncLLM, StartedEngineCore
+from heron.engine.async_llm import AsyncLLM, EngineDeadError, StartedEngineCore
 from heron.engine.core_client import OwnedEngineCore
 from heron.engine.dp_client import start_engine_cores
 from heron.entrypoints.openai.api_server_pool import ENGINE_GONE_SIGNAL
@@ -265,7 +265,8 @@ async def serve_api(
         try:
             await engine.wait_until_ready()
         except Exception as exc:  # start-up failed: stop the server
-            logger.error("%s", exc)
+            if not isinstance(exc, EngineDeadError):  # a dead engine's reason was logged where it was found
+                logger.error("%s", exc)
             server.should_exit = True
             return
         if role is not None and role.index > 0:
