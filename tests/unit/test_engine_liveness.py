@@ -101,3 +101,23 @@ def test_a_step_that_never_ends_is_marked_dead_only_with_a_step_timeout(fake_eng
         assert reason is None
     else:
         assert reason is not None and "is stuck" in reason and "--engine-step-timeout 2" in reason
+
+
+def test_an_engine_core_ignores_sigint_from_its_first_instruction():
+    """A Ctrl-C while the engine core was still importing (before it set SIGINT
+    aside) printed a KeyboardInterrupt traceback from its imports (found by the
+    lifecycle review): it starts with SIGINT ignored, and this process's own
+    handler is back once it has started."""
+    import signal
+    import subprocess
+    import sys
+
+    from heron.engine.core_client import _sigint_ignored_by_children
+
+    before = signal.getsignal(signal.SIGINT)
+    with _sigint_ignored_by_children():
+        child = subprocess.run(
+            [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
+            capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == "True"
+    assert signal.getsignal(signal.SIGINT) is before

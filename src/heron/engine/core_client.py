@@ -9,12 +9,16 @@ what it resolved in its ready message so the two are checked to agree."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +39,22 @@ logger = logging.getLogger(__name__)
 
 # the exit code of an engine core another process started (an API server of several): it ended, how is unknown
 UNKNOWN_EXIT_CODE = -1
+
+
+@contextlib.contextmanager
+def _sigint_ignored_by_children() -> Iterator[None]:
+    """SIGINT ignored while a child starts: an ignored disposition survives exec,
+    so an engine core ignores a terminal's Ctrl-C from its first instruction (it
+    did so only once its imports were done: a Ctrl-C during start-up printed a
+    KeyboardInterrupt traceback from them). The API server decides when it stops."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 @dataclass(frozen=True)
@@ -90,8 +110,9 @@ class EngineCoreProcess:
         with open(start_path, "wb") as start_file:
             pickle.dump((engine, clients), start_file)
         # our PID: it exits when we are gone, also when we die before it has started watching
-        process = subprocess.Popen([sys.executable, "-m", "heron.engine.core_proc", start_path, log_level,
-                                    str(os.getpid())])
+        with _sigint_ignored_by_children():
+            process = subprocess.Popen([sys.executable, "-m", "heron.engine.core_proc", start_path, log_level,
+                                        str(os.getpid())])
         return EngineCoreProcess(process, socket_dir, clients)
 
     def endpoint(self, client: int) -> EngineCoreEndpoint:
