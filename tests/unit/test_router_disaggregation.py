@@ -34,6 +34,7 @@ class RecordingReplica:
         self.hold: asyncio.Event | None = None  # set: every answer waits for it (a hung host)
         self.params: dict[str, Any] | None = _PARAMS  # None: answers with nothing to transfer (a short prompt)
         self.status = 200  # what it answers generation requests with
+        self.error_code: str | None = None  # the code of its error answer (status not 200)
         self.seen: list[tuple[str, dict[str, Any]]] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -62,8 +63,10 @@ class RecordingReplica:
         self.seen.append((request.path, await request.json()))
         if self.hold is not None:
             await self.hold.wait()
-        return web.json_response({"id": "resp_1", **({"kv_transfer_params": self.params} if self.params else {})},
-                                 status=self.status)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "no", "type": "server_error", "param": None,
+                                                "code": self.error_code}}, status=self.status)
+        return web.json_response({"id": "resp_1", **({"kv_transfer_params": self.params} if self.params else {})})
 
 
 def _answer(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -339,14 +342,17 @@ def test_a_prefilled_request_goes_to_a_decode_replica_that_can_pull_it():
                       with_router=True, prefill_health=prefill_health)
 
 
-@pytest.mark.parametrize(("failure", "second_gets_handle"), [("500", False), ("503", True), ("stopped", True)])
+@pytest.mark.parametrize(("failure", "second_gets_handle"), [
+    ("500", False), ("503 model_loading", True), ("503 engine_dead", False), ("503 server_stopping", False),
+    ("stopped", True)])
 def test_a_retry_passes_the_prefill_handle_on_only_where_no_replica_may_have_used_it(failure, second_gets_handle):
     """A decode replica that pulled the prompt's KV (the prefill replica frees
     its copy then) and failed before answering: the retry went to the next one
     with the same handle, whose pull found nothing (under kv_load_failure_policy
     "fail", a 500 for a failure the client never saw). After a failure where
-    the request never began (no connection, a 503 at the door) the handle is
-    still good."""
+    the request never began (no connection, a 503 of a model still loading) the
+    handle is still good; other 503s (an engine that died, a server stopping)
+    may end a request that had begun."""
     body = {"prompt": "a heron", "max_tokens": 4}
     consumer = {"status": "ok", "kv_role": "kv_consumer", "block_size": 16}
 
@@ -355,7 +361,8 @@ def test_a_retry_passes_the_prefill_handle_on_only_where_no_replica_may_have_use
         if failure == "stopped":
             await first.stop()  # its breaker still closed: the router finds it gone by connecting
         else:
-            first.status = int(failure)
+            status, _, first.error_code = failure.partition(" ")
+            first.status = int(status)
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         prefilled = {**body, "kv_transfer_params": _PARAMS}
         assert first.seen == ([] if failure == "stopped" else [("/v1/completions", prefilled)])

@@ -7,6 +7,7 @@ another held it (found by the router review)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -20,8 +21,9 @@ from heron.routing.policies import Router
 class StoringReplica:
     """Holds some stored responses; answers for others as heron does."""
 
-    def __init__(self, held: set[str]) -> None:
+    def __init__(self, held: set[str], cut_stream: bool = False) -> None:
         self.held = held
+        self.cut_stream = cut_stream  # a stream's head, then it dies
         self.asked = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -48,6 +50,12 @@ class StoringReplica:
     async def create(self, request: web.Request) -> web.Response:
         self.asked += 1
         body = await request.json()
+        if self.cut_stream:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            assert request.transport is not None
+            request.transport.abort()
+            return response
         if body.get("input") == "":  # checked first, as heron checks the body before the stored response
             return await _json(_error("invalid_value", "input"), 400)
         previous = body.get("previous_response_id")
@@ -70,9 +78,7 @@ def _error(code: str, param: str) -> dict[str, Any]:
     return {"error": {"message": "not here", "type": "invalid_request_error", "param": param, "code": code}}
 
 
-def test_a_stored_response_is_sought_on_every_replica():
-    replicas = [StoringReplica(set()) for _ in range(3)] + [StoringReplica({"resp_kept"})]
-
+def run_router(replicas: list[StoringReplica], test: Any) -> None:
     async def main() -> None:
         for replica in replicas:
             await replica.start()
@@ -82,19 +88,7 @@ def test_a_stored_response_is_sought_on_every_replica():
         front = await server.listen("127.0.0.1", 0)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}") as client:
-                found = await client.get("/v1/responses/resp_kept")
-                assert (found.status_code, found.json()["id"]) == (200, "resp_kept")
-                follow_up = await client.post("/v1/responses", json={"input": "more", "previous_response_id":
-                                                                     "resp_kept"})
-                assert follow_up.status_code == 200, follow_up.text
-                missing = await client.get("/v1/responses/resp_gone")  # none has it: a replica's own 404
-                assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
-                asked = sum(r.asked for r in replicas)
-                refused = await client.post("/v1/responses", json={"input": "", "previous_response_id": "resp_kept"})
-                assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_value"
-                assert sum(r.asked for r in replicas) == asked + 1  # another 400 is the answer: not sought further
-            assert server.metrics.failed._value.get() == 0  # noqa: SLF001 (no replica failed)
-            assert all(r.breaker.consecutive_failures == 0 for r in server.replicas.replicas)
+                await test(client, server)
         finally:
             front.close()
             await server.stop()
@@ -103,3 +97,38 @@ def test_a_stored_response_is_sought_on_every_replica():
                 await replica.runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_stored_response_is_sought_on_every_replica():
+    replicas = [StoringReplica(set()) for _ in range(3)] + [StoringReplica({"resp_kept"})]
+
+    async def test(client: httpx.AsyncClient, server: RouterServer) -> None:
+        found = await client.get("/v1/responses/resp_kept")
+        assert (found.status_code, found.json()["id"]) == (200, "resp_kept")
+        follow_up = await client.post("/v1/responses", json={"input": "more", "previous_response_id":
+                                                             "resp_kept"})
+        assert follow_up.status_code == 200, follow_up.text
+        missing = await client.get("/v1/responses/resp_gone")  # none has it: a replica's own 404
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
+        asked = sum(r.asked for r in replicas)
+        refused = await client.post("/v1/responses", json={"input": "", "previous_response_id": "resp_kept"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_value"
+        assert sum(r.asked for r in replicas) == asked + 1  # another 400 is the answer: not sought further
+        assert server.metrics.failed._value.get() == 0  # noqa: SLF001 (no replica failed)
+        assert all(r.breaker.consecutive_failures == 0 for r in server.replicas.replicas)
+
+    run_router(replicas, test)
+
+
+def test_a_stream_whose_head_is_out_ends_with_the_next_replicas_error():
+    """A replica cut a stream after its head; the next one, sought for the
+    stored response, answered another 400: the router raised passing it on as
+    a whole answer behind the head, and the client saw a broken body."""
+    async def test(client: httpx.AsyncClient, _: RouterServer) -> None:
+        body = {"input": "", "previous_response_id": "resp_kept", "stream": True}
+        async with client.stream("POST", "/v1/responses", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        assert response.status_code == 200 and lines[-1] == "data: [DONE]", lines
+        assert json.loads(lines[0].removeprefix("data: "))["error"]["code"] == "invalid_value"
+
+    run_router([StoringReplica(set(), cut_stream=True), StoringReplica({"resp_kept"})], test)

@@ -393,8 +393,9 @@ class RouterServer:
                 outcome, body = await read_kept(connection, deadline)
                 if outcome is Outcome.DONE:
                     refusals.append(Refusal(status, upstream_headers, body))
-                # a 503 is a refusal at the door (loading, its queue full): the request was not begun
-                return _Attempt.NOT_BEGUN if status == 503 else _Attempt.BEGUN
+                # only a 503 a model still loading answers is sure to be a refusal at the door: another (the
+                # engine died, the server stopping) may end a request that had begun, and pulled the KV
+                return _Attempt.NOT_BEGUN if status == 503 and _error_code(body) == "model_loading" else _Attempt.BEGUN
             if seek and status in (400, 404) and not request_failure:
                 return await self._answer_or_seek_on(writer, connection, status, upstream_headers, deadline,
                                                      refusals)
@@ -416,14 +417,15 @@ class RouterServer:
         if outcome is Outcome.DEADLINE:
             self._timed_out(writer)
             return _Attempt.ANSWERED
-        answered = _json_object(body)
-        error = answered.get("error") if answered is not None else None
-        if outcome is Outcome.DONE and isinstance(error, dict) and error.get("code") in _NOT_STORED_HERE:
+        if outcome is Outcome.DONE and _error_code(body) in _NOT_STORED_HERE:
             refusals.append(Refusal(status, upstream_headers, body))
             return _Attempt.NOT_BEGUN
         if outcome is Outcome.CUT:
             return _Attempt.BEGUN  # nothing reached the client: another replica may answer
-        _pass_on(writer, status, upstream_headers, body)
+        if writer.started:  # behind a failed replica's stream head: the stream's last event
+            writer.fail(status, _error_of(status, body))
+        else:
+            _pass_on(writer, status, upstream_headers, body)
         return _Attempt.ANSWERED
 
     def _timed_out(self, writer: ResponseWriter) -> None:
@@ -520,10 +522,7 @@ class RouterServer:
         """Ends a stream whose head went out for a failed replica with the error
         another replica answered instead of a stream (a 4xx, say), as its last event."""
         _, body = await read_kept(connection, deadline)
-        answered = _json_object(body)
-        error = answered if answered is not None and isinstance(answered.get("error"), dict) else \
-            error_body(status, f"the replica answered {status} instead of a stream")
-        writer.fail(status, error)
+        writer.fail(status, _error_of(status, body))
 
 
 class _Attempt(enum.Enum):
@@ -536,6 +535,21 @@ class _Attempt(enum.Enum):
 
 # what a replica answers for a stored response it does not hold
 _NOT_STORED_HERE = ("response_not_found", "previous_response_not_found")
+
+
+def _error_of(status: int, body: bytes) -> dict[str, Any]:
+    """A replica's error answer as an error object to end a stream with (its own, if it is one)."""
+    answered = _json_object(body)
+    if answered is not None and isinstance(answered.get("error"), dict):
+        return answered
+    return error_body(status, f"the replica answered {status} instead of a stream")
+
+
+def _error_code(body: bytes) -> object:
+    """The ``error.code`` of an OpenAI-shaped error body (None if it has none)."""
+    answered = _json_object(body)
+    error = answered.get("error") if answered is not None else None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def _pass_on(writer: ResponseWriter, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
