@@ -207,6 +207,11 @@ def test_ctrl_c_lets_every_api_server_finish_the_streams_it_serves():
         # can signal the others
         for pid in [*descendants(server.process.pid), server.process.pid]:
             os.kill(pid, signal.SIGINT)
+        # while they finish their streams, new connections are refused (a load balancer fails over at once):
+        # the launcher's own copy of the listening socket queued them, unanswered, until it exited
+        time.sleep(1.0)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.base_url}/health", timeout=5)
         reader.join(60)
         assert received and received[-1] == "[DONE]", (received[-3:], server.read_log()[-3000:])
         assert sum(1 for chunk in received if chunk != "[DONE]") >= 48  # the stream ran to its end, not cut

@@ -55,3 +55,23 @@ def test_a_port_another_server_holds_is_refused_with_a_sentence():
             reserve_port("127.0.0.1", other.getsockname()[1])
     finally:
         other.close()
+
+
+def test_a_host_name_listens_on_ipv4_as_uvicorn_did(monkeypatch):
+    """Where /etc/hosts names localhost ::1 too, the resolver may answer ::1
+    first: heron listened there alone and clients of 127.0.0.1 were refused
+    (found by the diff review)."""
+    real = socket.getaddrinfo
+
+    def v6_first(host, port, family=0, type=0, *args):
+        if host == "localhost" and family == 0:
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                    *real("127.0.0.1", port, socket.AF_INET, type)]
+        return real(host, port, family, type, *args)
+
+    monkeypatch.setattr(socket, "getaddrinfo", v6_first)
+    sock = bind_shared_port("localhost", 0, shared=False)
+    try:
+        assert sock.family == socket.AF_INET and sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        sock.close()

@@ -91,6 +91,8 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore],
                 servers.append(subprocess.Popen(
                     [sys.executable, "-m", "heron.entrypoints.openai.api_server_proc", start_path, str(os.getpid())],
                     env=env, pass_fds=inherited))
+                if inherited:  # the first API server holds the port now: once it stops listening, connections
+                    port_holder.close()  # are refused (this copy queued them, unanswered, until the launcher exited)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
         logger.info("%d API servers on port %d (pids %s) over %d engine core(s)",

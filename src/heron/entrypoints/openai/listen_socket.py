@@ -22,7 +22,13 @@ LISTEN_BACKLOG = 2048
 def bind_shared_port(host: str, port: int, shared: bool = True) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not listening), with ``SO_REUSEPORT``
     unless not ``shared`` (then it fails on a port anyone holds, sharers too)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    # IPv4 unless the host is an IPv6 address, as uvicorn binds: "localhost" resolved to ::1 first (where
+    # /etc/hosts names both) listened on ::1 alone, and clients of 127.0.0.1 were refused
+    try:
+        found = socket.getaddrinfo(host, port, socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror:  # a name with IPv6 addresses alone
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, address = found[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if shared:
