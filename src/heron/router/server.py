@@ -522,7 +522,7 @@ class RouterServer:
         """Ends a stream whose head went out for a failed replica with the error
         another replica answered instead of a stream (a 4xx, say), as its last event."""
         _, body = await read_kept(connection, deadline)
-        writer.fail(status, _error_of(status, body))
+        writer.fail(status, _error_of(status if status >= 400 else 502, body))  # a 200 of no stream is no answer
 
 
 class _Attempt(enum.Enum):
