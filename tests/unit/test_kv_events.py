@@ -99,6 +99,15 @@ def test_an_index_replaying_the_events_equals_the_prefix_cache_under_churn(num_o
         assert manager.offload is not None and manager.offload.stats.loaded > 0 and manager.offload.stats.evicted > 0
 
 
+def compute_and_free(manager: KVCacheManager, num_tokens: int, token_offset: int) -> None:
+    """A request of ``num_tokens`` computed whole, then finished."""
+    request = make_request(num_tokens, token_offset=token_offset)
+    manager.get_computed_blocks(request)
+    manager.allocate_slots(request, num_tokens)
+    request.num_computed_tokens = num_tokens
+    manager.free(request)
+
+
 def test_a_disk_block_that_fails_to_load_is_reported_removed(tmp_path):
     """Evicted from the pool but held on disk, a block is not reported removed;
     when its load then fails (its file deleted by another replica, or corrupt
@@ -108,16 +117,9 @@ def test_a_disk_block_that_fails_to_load_is_reported_removed(tmp_path):
     manager = KVCacheManager(num_blocks=3, block_size=4, enable_kv_events=True, disk_layout=layout,
                              disk_max_bytes=1 << 20)
     index = KVBlockIndex()
-    first = make_request(9, token_offset=0)
-    manager.allocate_slots(first, 9)
-    first.num_computed_tokens = 9
-    manager.free(first)
+    compute_and_free(manager, 9, 0)
     for offset in (100, 200, 300):  # push the first prompt's blocks out of the pool
-        other = make_request(9, token_offset=offset)
-        manager.get_computed_blocks(other)
-        manager.allocate_slots(other, 9)
-        other.num_computed_tokens = 9
-        manager.free(other)
+        compute_and_free(manager, 9, offset)
     again = make_request(9, token_offset=0)
     found, _ = manager.get_computed_blocks(again)
     assert found.offloaded and manager.start_load(again, found)
@@ -137,16 +139,9 @@ def test_disk_blocks_count_loaded_only_when_the_request_keeps_them(tmp_path, fai
     layout = DiskTierLayout.create(tmp_path, b"f" * 16, 64)
     manager = KVCacheManager(num_blocks=4, block_size=4, enable_kv_events=True, disk_layout=layout,
                              disk_max_bytes=1 << 20)
-    first = make_request(13, token_offset=0)  # three full blocks
-    manager.allocate_slots(first, 13)
-    first.num_computed_tokens = 13
-    manager.free(first)
+    compute_and_free(manager, 13, 0)  # three full blocks
     manager.take_transfers()
-    other = make_request(13, token_offset=100)  # pushes them out of the pool
-    manager.get_computed_blocks(other)
-    manager.allocate_slots(other, 13)
-    other.num_computed_tokens = 13
-    manager.free(other)
+    compute_and_free(manager, 13, 100)  # pushes them out of the pool
     again = make_request(13, token_offset=0)
     found, _ = manager.get_computed_blocks(again)
     assert len(found.offloaded) == 3 and manager.start_load(again, found)
