@@ -529,7 +529,7 @@ class _Attempt(enum.Enum):
     """How one replica's try at a request went."""
 
     ANSWERED = "answered"  # the client has its answer (or a 504): not tried again
-    NOT_BEGUN = "not begun"  # failed, the request never begun there (no connection, a 503 at the door)
+    NOT_BEGUN = "not begun"  # failed, the request never began there (no connection, a 503 model_loading)
     BEGUN = "begun"  # failed after the replica may have begun it (closed or taken out before answering, a 500)
 
 
