@@ -165,16 +165,16 @@ class RemoteKVLoader:
         for socket, pull in list(pulls.items()):
             if socket in ready:
                 error = self._receive(pull)  # whatever a peer sent fails this job only
-                if error is None and pull.done < len(pull.job.blocks):
-                    error = self._ask(pull)
-                if error is None and pull.done < len(pull.job.blocks):
-                    continue
             elif pull.monitor in ready and (gone := _gone(pull.monitor)) is not None:
                 error = f"the prefill engine is gone: {gone}"
             elif now >= pull.deadline:
                 error = f"no answer in {self.timeout_s:g} s"
             else:
                 continue
+            if error is None and pull.done < len(pull.job.blocks):
+                error = self._ask(pull)
+                if error is None:
+                    continue
             _unregister(poller, pull)
             del pulls[socket]
             self._finish(pull, error)
