@@ -41,7 +41,6 @@ from collections.abc import Sequence
 from types import FrameType
 
 from heron.engine.core_client import OwnedEngineCore
-from heron.entrypoints.openai.listen_socket import reserve_port
 from heron.entrypoints.openai.shared_gateway import create_shared_gateway_file
 from heron.tempdirs import make_private_dir, remove_private_dir
 
@@ -60,8 +59,7 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
-def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore],
-                    port_holder: socket.socket | None = None) -> int:
+def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore], port_holder: socket.socket) -> int:
     """Start the API servers over the engine cores (``started`` with
     ``args.api_server_count`` connections each), and supervise.
     ``port_holder``: the port, reserved already (``reserve_port``)."""
@@ -72,7 +70,6 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore],
     # script, `nohup`): Python then leaves it ignored, and `kill -INT` did nothing
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        port_holder = port_holder or reserve_port(args.host, args.port)
         port = port_holder.getsockname()[1]
         metrics_dir = os.path.join(workdir, "metrics")
         os.mkdir(metrics_dir)
@@ -105,8 +102,7 @@ def run_api_servers(args: argparse.Namespace, started: list[OwnedEngineCore],
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop_all(servers, started, args.shutdown_timeout)
-        if port_holder is not None:
-            port_holder.close()
+        port_holder.close()
         remove_private_dir(workdir)
 
 

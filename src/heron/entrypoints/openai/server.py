@@ -27,14 +27,12 @@ from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.async_llm import AsyncLLM, EngineDeadError, StartedEngineCore
 from heron.engine.core_client import OwnedEngineCore
-from heron.engine.dp_client import start_engine_cores
 from heron.entrypoints.openai.api_server_pool import ENGINE_GONE_SIGNAL
 from heron.entrypoints.openai.cli_args import check_gateway, collect_api_keys, read_chat_template
 from heron.entrypoints.openai.cors import CorsSettings, add_cors, cors_settings_from_args
 from heron.entrypoints.openai.gateway import APIKeyChecker, GatewayMiddleware, TokenBucketLimiter
 from heron.entrypoints.openai.http_limits import RequestSizeLimitMiddleware, bounded_http_protocol, head_limit
 from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES
-from heron.entrypoints.openai.listen_socket import open_listener
 from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
 from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
@@ -147,18 +145,13 @@ def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
-def run_server(args: argparse.Namespace, started: list[OwnedEngineCore] | None = None,
-               listener: socket.socket | None = None) -> int:
+def run_server(args: argparse.Namespace, started: list[OwnedEngineCore], listener: socket.socket) -> int:
     """Serve. ``started``: the engine cores (one per data-parallel rank), already
     started on the same flags (``heron serve`` starts them before importing the
     web stack or torch: they resolve the flags themselves and load the model
     while this process resolves them too and loads the tokenizer). ``listener``:
     the socket to answer on, taken before they started (``listen_socket.py``)."""
     engine_args = EngineArgs.from_cli_args(args, usage="serve")
-    if listener is None:
-        listener = open_listener(args.host, args.port, args.api_server_count)
-        args.port = listener.getsockname()[1]
-    started = started or start_engine_cores(engine_args, args.log_level, num_clients=args.api_server_count)
     # on Ray, routers on the cluster find this server by a name it holds while it runs
     registration = _register_on_ray(args) if engine_args.data_parallel_backend == "ray" else None
     if args.api_server_count > 1:
