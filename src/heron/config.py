@@ -10,6 +10,7 @@ model and the machine), so the rest of the engine never re-validates them.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -415,6 +416,22 @@ def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len
         )
 
 
+def check_request_tables_fit(max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+    """The runner keeps a block table row for each of ``max_num_seqs`` requests,
+    as long as a ``max_model_len`` request needs: refused before the model loads
+    when those rows alone would take half the host's memory (a typo such as
+    ``--max-num-seqs 100000000`` would otherwise fail after the load, with a bare
+    allocation error naming no option)."""
+    table_bytes = max_num_seqs * -(-max_model_len // block_size) * 4  # int32 block ids
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if table_bytes > host_bytes // 2:
+        raise ValueError(
+            f"max_num_seqs={max_num_seqs} with max_model_len={max_model_len} needs "
+            f"{table_bytes / 2**30:.1f} GiB of block tables, more than half of this host's "
+            f"{host_bytes / 2**30:.1f} GiB; lower max_num_seqs (or max_model_len)"
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -437,6 +454,7 @@ class EngineConfig:
     data_parallel_backend: DataParallelBackend = "mp"
 
     def __post_init__(self) -> None:
+        check_request_tables_fit(self.scheduler.max_num_seqs, self.model.max_model_len, self.cache.block_size)
         if self.cache.num_kv_blocks is not None:  # known before the model loads: refused before it does
             check_pool_holds_one_request(self.cache.num_kv_blocks, self.cache.block_size, self.model.max_model_len,
                                          "num_kv_blocks")

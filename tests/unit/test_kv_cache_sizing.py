@@ -54,6 +54,17 @@ def test_num_kv_blocks_too_small_is_refused_before_the_model_loads():
     assert EngineArgs(device="cpu", num_kv_blocks=128, max_model_len=2048).create_engine_config().cache.num_kv_blocks
 
 
+def test_max_num_seqs_whose_block_tables_outgrow_the_host_is_refused_before_the_model_loads():
+    """It failed after the weights had loaded, with numpy's allocation error
+    naming no option."""
+    from heron.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"max_num_seqs=10000000000 with max_model_len=8192 needs 19073\.5 GiB of "
+                                         r"block tables.*lower max_num_seqs"):
+        EngineArgs(device="cpu", max_num_seqs=10**10, max_model_len=8192).create_engine_config()
+    assert EngineArgs(device="cpu", max_num_seqs=4096, max_model_len=8192).create_engine_config()
+
+
 def test_a_cpu_pool_is_zeroed_writable_memory_in_small_pages():
     cache = zeroed((2, 64, 16, 8, 64), torch.float16, CPU)  # 16 MiB, K then V
     assert cache.shape == (2, 64, 16, 8, 64) and cache.dtype == torch.float16 and not cache.any()
