@@ -83,7 +83,12 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        # the parser imports the serve, bench and router options' modules (a second or two): a Ctrl-C
+        # then printed a KeyboardInterrupt traceback from deep inside an import
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
     configure_logging(args.log_level)
     try:
         if args.command in ("generate", "chat"):

@@ -36,6 +36,7 @@ from heron.entrypoints.openai.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MA
 from heron.entrypoints.openai.routes import install_error_handlers, install_openapi, router
 from heron.entrypoints.openai.serving_common import ServingContext, engine_unavailable
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
+from heron.entrypoints.openai.stop_signals import StopSignals, stop_signals_heard
 from heron.entrypoints.openai.streaming import ConnectionAbortMiddleware
 from heron.gc_freeze import freeze_startup_objects
 
@@ -239,7 +240,16 @@ async def serve_api(
     args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings,
     started: Sequence[StartedEngineCore] | None = None, role: APIServerRole | None = None,
     listener: socket.socket | None = None) -> int:
-    """Run one API server on ``listener`` until it is told to stop."""
+    """Run one API server on ``listener`` until it is told to stop: SIGTERM or
+    SIGINT stop it gracefully from this coroutine's first line (stop_signals.py)."""
+    with stop_signals_heard() as stop_signals:
+        return await _serve_api(args, config, settings, started, role, listener, stop_signals)
+
+
+async def _serve_api(
+    args: argparse.Namespace, config: EngineConfig, settings: GatewaySettings,
+    started: Sequence[StartedEngineCore] | None, role: APIServerRole | None,
+    listener: socket.socket | None, stop_signals: StopSignals) -> int:
     from heron.entrypoints.openai.uvicorn_server import Server
 
     # created inside the event loop (its ZMQ sockets belong to it); each of several API servers counts the
@@ -249,6 +259,7 @@ async def serve_api(
                       record_engine_stats=role is None or role.index == 0, stats_scope=scope,
                       heartbeat_timeout_s=args.engine_heartbeat_timeout, step_timeout_s=args.engine_step_timeout)
     server = Server(uvicorn_config(build_app(engine, settings, role), args, settings))
+    stop_signals.stop(server)
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # IPv6 in brackets
     name = config.model.served_model_name
@@ -290,9 +301,6 @@ async def serve_api(
                 asyncio.create_task(_exit_when_the_engine_dies(engine, server, args.dead_engine_grace)),
                 asyncio.create_task(end_requests_before_the_stop_deadline())]
     main_thread = threading.current_thread() is threading.main_thread()
-    # both stop it gracefully, and heron then exits 0 (Ctrl-C was a KeyboardInterrupt, code 130)
-    stop_signals = (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.signal(sig, _after_graceful_stop) for sig in stop_signals} if main_thread else {}
     if hears_the_launcher := role is not None and main_thread:  # one of several: told when an engine core ends
         _listen_to_the_launcher(engine, listen=True)
     try:
@@ -300,8 +308,6 @@ async def serve_api(
     finally:
         if hears_the_launcher:
             _listen_to_the_launcher(engine, listen=False)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for watcher in watchers:
             watcher.cancel()
         if main_thread:
@@ -346,10 +352,3 @@ def exit_within(seconds: float, code: int) -> None:
 # how long before --shutdown-timeout heron ends the requests still running, so their answers are written
 _STOP_MARGIN_S = 1.0
 
-
-def _after_graceful_stop(signum: int, frame: object) -> None:
-    """SIGTERM's (and SIGINT's) handler under uvicorn's while it serves: uvicorn stops gracefully
-    on the signal (--shutdown-timeout), then raises it again for the handler it
-    found. With the default one there, that killed the process (code -15) before
-    the engine's shutdown ran; the stop is done by then, so this does nothing and
-    heron exits 0 after shutting its engine down."""
