@@ -116,8 +116,9 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
     while True:
         ended = next((rank for rank, engine in enumerate(engines) if engine.exit_code() is not None), None)
         if ended is not None:
-            logger.error("engine core %d ended (code %s): the API servers answer 503 for %.1f s, then stop",
-                         ended, engines[ended].exit_code(), dead_engine_grace)
+            # each API server knows whether the core had served (then it answers 503 for the grace): this does not
+            logger.error("engine core %d ended (code %s): the API servers stop, after answering 503 for %.1f s "
+                         "if it had started serving", ended, engines[ended].exit_code(), dead_engine_grace)
             for server in servers:  # one on Ray cannot see it end (no process of its own to watch): told
                 if server.poll() is None:
                     server.send_signal(ENGINE_GONE_SIGNAL)
