@@ -115,6 +115,7 @@ def test_a_stored_response_is_sought_on_every_replica():
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_value"
         assert sum(r.asked for r in replicas) == asked + 1  # another 400 is the answer: not sought further
         assert server.metrics.failed._value.get() == 0  # noqa: SLF001 (no replica failed)
+        assert server.metrics.retries._value.get() == 0  # noqa: SLF001 (asking the next replica is no retry)
         assert all(r.breaker.consecutive_failures == 0 for r in server.replicas.replicas)
 
     run_router(replicas, test)

@@ -308,7 +308,8 @@ class RouterServer:
         # replica's copy: another one given the same handle could pull nothing (under kv_load_failure_policy
         # "fail", a 500 for a failure the client never saw), so later attempts compute the prompt themselves
         prefill_spent = False
-        for attempt in range(max(self.max_attempts, len(self.replicas.replicas)) if seek else self.max_attempts):
+        failed = False  # a replica failed it: the next send is a retry (asking another for a stored response is not)
+        for _ in range(max(self.max_attempts, len(self.replicas.replicas)) if seek else self.max_attempts):
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
                 self._timed_out(writer)  # spent (in the prefill stage, or on replicas that failed)
                 return
@@ -324,7 +325,7 @@ class RouterServer:
             tried.append(replica)
             if not replica.breaker.allows():
                 continue
-            if attempt:
+            if failed:
                 self.metrics.retries.inc()
             self.metrics.requests.labels(replica.url, decision.reason).inc()
             self.metrics.prompt_blocks.inc(len(hashes))
@@ -337,6 +338,7 @@ class RouterServer:
             if attempt_result is _Attempt.ANSWERED:
                 return
             prefill_spent = prefill_spent or (pulls and attempt_result is _Attempt.BEGUN)
+            failed = failed or attempt_result is not _Attempt.NOT_STORED_HERE
             replica.index.forget_expected(hashes)  # it failed before answering: nothing will be cached there
         if writer.started:  # a stream's head went out for a replica that failed before the stream's first byte
             self.metrics.failed.inc()
@@ -411,15 +413,15 @@ class RouterServer:
                                  upstream_headers: list[tuple[str, str]], deadline: float | None,
                                  refusals: list[Refusal]) -> _Attempt:
         """A replica's 400 or 404 to a request naming a stored response: that it
-        has no such response (another may: NOT_BEGUN, kept as the answer if none
-        has), or the request's own answer, passed on."""
+        has no such response (another may: NOT_STORED_HERE, kept as the answer if
+        none has), or the request's own answer, passed on."""
         outcome, body = await read_kept(connection, deadline)
         if outcome is Outcome.DEADLINE:
             self._timed_out(writer)
             return _Attempt.ANSWERED
         if outcome is Outcome.DONE and _error_code(body) in _NOT_STORED_HERE:
             refusals.append(Refusal(status, upstream_headers, body))
-            return _Attempt.NOT_BEGUN
+            return _Attempt.NOT_STORED_HERE
         if outcome is Outcome.CUT:
             return _Attempt.BEGUN  # nothing reached the client: another replica may answer
         if writer.started:  # behind a failed replica's stream head: the stream's last event
@@ -531,6 +533,7 @@ class _Attempt(enum.Enum):
     ANSWERED = "answered"  # the client has its answer (or a 504): not tried again
     NOT_BEGUN = "not begun"  # failed, the request never began there (no connection, a 503 model_loading)
     BEGUN = "begun"  # failed after the replica may have begun it (closed or taken out before answering, a 500)
+    NOT_STORED_HERE = "not stored here"  # sought a stored response it does not hold: no failure, another may hold it
 
 
 # what a replica answers for a stored response it does not hold
