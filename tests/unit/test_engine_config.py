@@ -89,6 +89,22 @@ def test_low_bit_modes_keep_a_float16_kv_cache_unless_asked_otherwise(monkeypatc
         EngineArgs(device="cpu", kv_cache_dtype="int3").create_engine_config()
 
 
+def test_the_triton_kernel_in_the_cpus_interpreter_keeps_the_models_kv_dtype(monkeypatch):
+    """Its dots take one dtype: the low-bit default's float16 cache under float32
+    activations failed at the first step with the interpreter's assertion (found
+    by the Triton review); a differing dtype asked for is refused up front."""
+    import torch
+
+    from heron.kernels.cpu import isa
+
+    monkeypatch.setattr(isa, "supported_isas", lambda: ["scalar", "avx2"])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    default = EngineArgs(device="cpu", attention_backend="triton").create_engine_config()
+    assert default.model.quantization == "int4" and default.kv_cache_dtype == torch.float32
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float16' differs .* with attention_backend 'triton'"):
+        EngineArgs(device="cpu", attention_backend="triton", kv_cache_dtype="float16").create_engine_config()
+
+
 def test_every_engine_argument_has_one_flag_built_from_its_field():
     """The flags come from EngineArgs' fields: types, choices and defaults are
     the fields' own, so the CLI and LLM(**kwargs) cannot drift apart."""

@@ -99,21 +99,26 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, quantization: str = "no
     return name
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, device: str, model: ModelConfig) -> ResolvedDType | None:
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, device: str, model: ModelConfig,
+                           attention_backend: str = "auto") -> ResolvedDType | None:
     """What the KV cache holds, or None for the model's own dtype. "auto": float16
     for the CPU's low-bit modes (their attention kernel reads half the bytes; the
     activations it stores are float32 rounded to int8 at the next layer anyway),
-    the model's dtype elsewhere. On CUDA only the model's dtype is supported."""
+    the model's dtype elsewhere. On CUDA only the model's dtype is supported, and
+    so with the Triton kernel in the CPU's interpreter (its dots take one dtype:
+    a float16 cache under float32 activations failed at the first step)."""
+    triton_on_cpu = device == "cpu" and attention_backend == "triton"
     if kv_cache_dtype == "auto":
-        return "float16" if device == "cpu" and model.quantization in LOW_BIT_METHODS else None
+        return "float16" if device == "cpu" and not triton_on_cpu and model.quantization in LOW_BIT_METHODS else None
     name = dtype_name(kv_cache_dtype)
     if name is None:
         raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(set(_DTYPE_NAMES))}, got {kv_cache_dtype!r}")
     if name == model.dtype_name:
         return None
-    if device != "cpu":
+    if device != "cpu" or triton_on_cpu:
+        where = "with attention_backend 'triton'" if triton_on_cpu else "supported on the CPU only"
         raise ValueError(f"kv_cache_dtype={name!r} differs from the model's dtype ({model.dtype_name}): "
-                         "supported on the CPU only")
+                         f"{'not supported ' if triton_on_cpu else ''}{where}")
     return name
 
 
