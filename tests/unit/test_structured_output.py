@@ -129,6 +129,35 @@ def test_a_grammar_no_output_satisfies_fails_its_compile(embedded_tokenizer):
     assert backend.compile("grammar", 'root ::= "yes" | "no"') is not None
 
 
+def allowed_tokens(backend, matcher) -> set[int]:
+    bitmask = backend.allocate_bitmask(1)
+    matcher.fill_bitmask(bitmask, 0)
+    return {token for token in range(backend.vocab_size) if (int(bitmask[0, token >> 5]) >> (token & 31)) & 1}
+
+
+@pytest.mark.parametrize("bound", [{"maxLength": 6}, {"minLength": 2}])
+def test_a_length_bounded_json_string_allows_no_raw_control_character(embedded_tokenizer, bound):
+    """xgrammar's string with a length bound admits raw control characters
+    (its issue 800): the fuzz review's seeded request answered
+    '{"a":0,"b":"anah\\x10L"}', which json.loads refuses. Tokens holding one
+    are masked for JSON output; other constraints keep them."""
+    from heron.structured_output.xgrammar_backend import XGrammarBackend
+
+    backend = XGrammarBackend(embedded_tokenizer, len(embedded_tokenizer), [embedded_tokenizer.eos_token_id])
+    control = {token for token in range(backend.vocab_size)
+               if any(0x20 > ord(char) and char not in "\t\n\r" for char in embedded_tokenizer.decode([token]))}
+    assert control  # the vocabulary has single control-character tokens
+    schema = {"type": "object", "properties": {"b": {"type": "string", **bound}}, "required": ["b"]}
+    matcher = backend.matcher(backend.compile("json", json.dumps(schema)))
+    for token in embedded_tokenizer.encode('{"b": "an', add_special_tokens=False):
+        assert matcher.accept_token(token)
+    inside_the_string = allowed_tokens(backend, matcher)
+    assert not inside_the_string & control
+    assert embedded_tokenizer.encode("x", add_special_tokens=False)[0] in inside_the_string
+    anything = backend.matcher(backend.compile("regex", "(.|\\x10)*"))
+    assert control <= allowed_tokens(backend, anything)
+
+
 def test_xgrammar_keeps_no_cache_of_its_own(embedded_tokenizer):
     # its default cache has no bound: 1.8 MB a distinct schema here, for ever (the manager's LRU is bounded)
     from heron.structured_output.xgrammar_backend import XGrammarBackend

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,9 +76,23 @@ def _grammar_spec(spec: str) -> str:
     return spec if adjusted is schema else json.dumps(adjusted)
 
 
+# bytes JSON never holds raw (strings escape them; whitespace between tokens is only tab, LF, CR)
+_JSON_FORBIDDEN_BYTES = frozenset(range(0x20)) - {0x09, 0x0A, 0x0D}
+
+
+@dataclass(frozen=True)
+class _CompiledConstraint:
+    """A compiled grammar, and whether its output is JSON (masked further: ``json_text_tokens``)."""
+
+    grammar: Any
+    is_json: bool
+
+
 class _XGrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, also_allowed: torch.Tensor | None = None) -> None:
+        """``also_allowed``: a bitmask row the grammar's rows are narrowed by."""
         self._matcher = matcher
+        self._also_allowed = also_allowed
 
     def accept_token(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
@@ -88,6 +103,8 @@ class _XGrammarMatcher(GrammarMatcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._also_allowed is not None:
+            bitmask[row] &= self._also_allowed
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
@@ -102,14 +119,26 @@ class XGrammarBackend(StructuredOutputBackend):
         # end), and the manager keeps the compiled grammars it reuses in a bounded LRU
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
+        self._json_text_tokens = self._without_tokens(info, _JSON_FORBIDDEN_BYTES)
+
+    def _without_tokens(self, info: Any, forbidden: frozenset[int]) -> torch.Tensor:
+        """A bitmask row allowing every token but those whose bytes hold one of ``forbidden``.
+        JSON output is narrowed by it: xgrammar's string of a schema with minLength or maxLength
+        admits raw control characters, which JSON forbids (xgrammar issue 800), and the answer
+        then failed to parse."""
+        words = [0xFFFFFFFF] * self.allocate_bitmask(1).shape[1]
+        for token_id, token in enumerate(info.decoded_vocab[:self.vocab_size]):
+            if not forbidden.isdisjoint(token):
+                words[token_id >> 5] &= ~(1 << (token_id & 31)) & 0xFFFFFFFF
+        return torch.tensor(words, dtype=torch.int64).to(torch.int32)  # bit 31 wraps to the sign, as xgrammar's
 
     def compile(self, kind: str, spec: str) -> Any:
         """The compiled grammar; ValueError when no output can satisfy it (``root
         ::= root``): its first step would allow no token, EOS included, and the
         request failed only after its prefill, with an error logged."""
-        compiled = self._compile(kind, spec)
+        compiled = _CompiledConstraint(self._compile(kind, spec), kind.split("-")[0] in ("json", "json_object"))
         bitmask = self.allocate_bitmask(1)
-        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        self.matcher(compiled).fill_bitmask(bitmask, 0)
         if not bitmask.any():
             raise ValueError(f"the {kind} constraint allows no output at all (no derivation ends)")
         return compiled
@@ -129,7 +158,9 @@ class XGrammarBackend(StructuredOutputBackend):
         raise ValueError(f"unknown structured output kind {kind!r}")
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
-        return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+        assert isinstance(compiled, _CompiledConstraint)  # what compile returns
+        return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled.grammar),
+                                self._json_text_tokens if compiled.is_json else None)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
