@@ -7,6 +7,7 @@ to restart it, with no process left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -90,5 +91,39 @@ def test_a_stopped_engine_is_found_by_its_silence_and_killed():
         assert stream_lines[-1] == "data: [DONE]" and '"error"' in stream_lines[-2], stream_lines[-3:]
         assert server.process.wait(30) == 1
         assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] == "Z"
+    finally:
+        server.stop()
+
+
+def test_a_chat_stream_whose_engine_dies_before_its_first_token_begins_with_the_error():
+    """A chat stream's first chunk (the role) went out at once, before the
+    engine's first output: an engine core that died before it left an error
+    after a chunk of the answer, and a router in front could not tell it from
+    a stream under way (found by the fleet review). The role now comes with the
+    first output, so the error is the stream's first event, which the router
+    retries on another replica."""
+    server = ServerProcess("--dead-engine-grace", str(GRACE))
+    try:
+        lines: list[str] = []
+        head = threading.Event()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+                head.set()
+                lines.extend(line for line in response.iter_lines() if line)
+
+        engine = server.engine_core_pid()
+        os.kill(engine, signal.SIGSTOP)  # held: the request waits for its first output
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert head.wait(10)
+        time.sleep(1.0)
+        assert lines == []  # nothing of the answer before the engine's first output
+        os.kill(engine, signal.SIGKILL)
+        reader.join(15)
+        assert not reader.is_alive()
+        assert len(lines) == 2 and lines[-1] == "data: [DONE]", lines
+        assert json.loads(lines[0].removeprefix("data: "))["error"]["code"] == "engine_dead"
     finally:
         server.stop()

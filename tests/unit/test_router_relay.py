@@ -24,8 +24,10 @@ class FakeReplica:
     """A replica whose /v1/completions does what the request's ``mode`` says."""
 
     def __init__(self, fail_with: int | None = None, silent: bool = False,
-                 fail_headers: dict[str, str] | None = None, cut_early: bool = False) -> None:
+                 fail_headers: dict[str, str] | None = None, cut_early: bool = False,
+                 refuse_in_stream: str | None = None) -> None:
         self.fail_with = fail_with
+        self.refuse_in_stream = refuse_in_stream  # a stream whose first event is heron's error with this code
         self.cut_early = cut_early  # a stream's head, then the replica dies (during a long prefill, say)
         self.fail_headers = fail_headers
         self.silent = silent
@@ -81,6 +83,12 @@ class FakeReplica:
         if self.cut_early:
             assert request.transport is not None
             request.transport.abort()
+            return response
+        if self.refuse_in_stream is not None:  # an engine core that died before the request's first token
+            error = {"message": "The engine is not running", "type": "server_error", "param": None,
+                     "code": self.refuse_in_stream}
+            await response.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+            await response.write_eof()
             return response
         try:
             if mode == "sse":  # one event, then the next only once the test says so
@@ -291,6 +299,30 @@ def test_a_stream_cut_before_its_first_byte_goes_on_from_another_replica(then):
 
     second = {"served": FakeReplica(), "cut": FakeReplica(cut_early=True), "refused": FakeReplica(fail_with=400)}
     run_with_router(test, [FakeReplica(cut_early=True), second[then]])
+
+
+@pytest.mark.parametrize("code", ["engine_dead", "model_loading", "server_stopping"])
+def test_a_stream_its_replica_refuses_in_its_first_event_goes_on_from_another_replica(code):
+    """An API server whose engine core died before a stream's first token answers
+    it with a 200 whose first event is the error: the router passed that on,
+    though the other replica was healthy (found by the fleet review). Where
+    every replica refuses, the last one's own error ends the stream."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        fakes[1].release.set()
+        async with httpx.AsyncClient(base_url=url) as client:
+            async with client.stream("POST", "/v1/completions", json={"mode": "late"}) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+            assert lines == ["data: first", "data: [DONE]"]
+            assert fakes[0].requests == 1 and fakes[1].requests == 1
+            assert server.replicas.replicas[0].breaker.consecutive_failures == 1
+            assert server.metrics.retries._value.get() == 1  # noqa: SLF001 (the counter's value)
+            fakes[1].refuse_in_stream = code
+            async with client.stream("POST", "/v1/completions", json={"mode": "late"}) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 2, lines
+        assert json.loads(lines[0].removeprefix("data: "))["error"]["code"] == code
+
+    run_with_router(test, [FakeReplica(refuse_in_stream=code), FakeReplica()])
 
 
 def test_a_client_that_leaves_takes_its_replica_request_with_it():

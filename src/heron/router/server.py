@@ -41,9 +41,11 @@ from heron.gc_freeze import freeze_startup_objects
 from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds
 from heron.router.answer_waits import STALL_S, Outcome, Refusal, read_kept, until_or_stalled
 from heron.router.disaggregation import CLIENT_KV_TRANSFER, PrefillStage, block_sizes_match, prefills_first
+from heron.router.first_event import FirstEventGate
 from heron.router.http_front import FrontConnection, HttpRequest, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
+from heron.router.replica_errors import error_code, error_of, json_object
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
 from heron.router.response_writer import ResponseWriter, error_body, is_event_stream
 from heron.router.router_metrics import RouterMetrics
@@ -226,7 +228,7 @@ class RouterServer:
         deadline = self._deadline()
         raw = request.body
         started = time.perf_counter()
-        body = _json_object(raw)
+        body = json_object(raw)
         if self.prefill is not None and body is not None and body.get("kv_transfer_params") is not None:
             writer.send_json(400, error_body(400, CLIENT_KV_TRANSFER, "invalid_request_error", "kv_transfer_params"))
             return
@@ -343,7 +345,9 @@ class RouterServer:
         if writer.started:  # a stream's head went out for a replica that failed before the stream's first byte
             self.metrics.failed.inc()
             self.metrics.cut_streams.inc()
-            writer.fail(502, error_body(502, "the replicas serving this stream failed", "replica_failed"))
+            last = refusals[-1] if refusals else None  # a replica's own refusal, as the stream's last event
+            writer.fail(502, error_of(last.status, last.body) if last is not None and last.status >= 500
+                        else error_body(502, "the replicas serving this stream failed", "replica_failed"))
             return
         if refusals:
             # a replica's own answer (a 503's reason and Retry-After), not a generic one: one that failed rather
@@ -397,13 +401,12 @@ class RouterServer:
                     refusals.append(Refusal(status, upstream_headers, body))
                 # only a 503 a model still loading answers is sure to be a refusal at the door: another (the
                 # engine died, the server stopping) may end a request that had begun, and pulled the KV
-                return _Attempt.NOT_BEGUN if status == 503 and _error_code(body) == "model_loading" else _Attempt.BEGUN
+                return _Attempt.NOT_BEGUN if status == 503 and error_code(body) == "model_loading" else _Attempt.BEGUN
             if seek and status in (400, 404) and not request_failure:
                 return await self._answer_or_seek_on(writer, connection, status, upstream_headers, deadline,
                                                      refusals)
-            if await self._relay(request, writer, replica, connection, status, upstream_headers, deadline):
-                return _Attempt.ANSWERED
-            return _Attempt.BEGUN  # its stream was cut before its first byte: another replica may serve it
+            return await self._relay(request, writer, replica, connection, status, upstream_headers, deadline,
+                                     refusals)
         finally:
             replica.load.release(uncached_blocks)
             if connection is not None:
@@ -419,13 +422,13 @@ class RouterServer:
         if outcome is Outcome.DEADLINE:
             self._timed_out(writer)
             return _Attempt.ANSWERED
-        if outcome is Outcome.DONE and _error_code(body) in _NOT_STORED_HERE:
+        if outcome is Outcome.DONE and error_code(body) in _NOT_STORED_HERE:
             refusals.append(Refusal(status, upstream_headers, body))
             return _Attempt.NOT_STORED_HERE
         if outcome is Outcome.CUT:
             return _Attempt.BEGUN  # nothing reached the client: another replica may answer
         if writer.started:  # behind a failed replica's stream head: the stream's last event
-            writer.fail(status, _error_of(status, body))
+            writer.fail(status, error_of(status, body))
         else:
             _pass_on(writer, status, upstream_headers, body)
         return _Attempt.ANSWERED
@@ -443,9 +446,10 @@ class RouterServer:
 
     async def _relay(self, request: HttpRequest, writer: ResponseWriter, replica: Replica,
                      connection: UpstreamConnection, status: int, upstream_headers: list[tuple[str, str]],
-                     deadline: float | None) -> bool:
-        """Passes the answer on; False when it was an event stream the replica cut
-        (or stalled out) before its first byte: nothing but its head reached the
+                     deadline: float | None, refusals: list[Refusal]) -> _Attempt:
+        """Passes the answer on (ANSWERED); BEGUN or NOT_BEGUN when it was an event
+        stream the replica cut (or stalled out) before its first byte, or whose
+        first event refused it (first_event.py): nothing but its head reached the
         client, so the caller tries another replica, whose stream goes on behind
         that head (a replica killed during a long prefill, the likeliest moment,
         left the client an error where a healthy replica could have answered)."""
@@ -453,11 +457,12 @@ class RouterServer:
         if writer.started:  # an earlier replica's stream head is out: this answer must continue it
             if status != 200 or not is_event_stream(headers):
                 await self._fail_stream_with(writer, connection, status, deadline)
-                return True
+                return _Attempt.ANSWERED
         else:
             length = next((value for name, value in upstream_headers if name.lower() == "content-length"), None)
             writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
         relayed = False  # a body byte has gone to the client
+        gate = FirstEventGate() if writer.event_stream and status == 200 else None
         scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and status == 200 else None
         loop = asyncio.get_running_loop()
         last_byte_at = loop.time()
@@ -472,6 +477,8 @@ class RouterServer:
         def forward(chunk: bytes) -> None:
             nonlocal last_byte_at, relayed
             last_byte_at = loop.time()
+            if gate is not None:
+                chunk = gate.feed(chunk)
             relayed = relayed or bool(chunk)
             if scanner is not None and scanner.found is None:
                 scanner.feed(chunk)
@@ -485,7 +492,13 @@ class RouterServer:
         if writer.client_paused:  # an earlier answer filled the client's buffer: wait until it drains
             connection.transport.pause_reading()
         # the answer's end goes out with its last bytes, in the same write
-        connection.stream_to(forward, lambda: writer.end() if connection.complete else writer.flush())
+        def at_end() -> None:
+            if gate is not None and gate.refused is None and not gate.is_open:
+                forward(gate.release())  # the stream ended before its first event was whole
+            if gate is None or gate.refused is None:
+                writer.end() if connection.complete else writer.flush()
+
+        connection.stream_to(forward, at_end)
         if writer.event_stream:
             # a stream's head goes out now, as the replica sent it, not with the first
             # token: the client reads it while the replica computes (about 0.3 ms of
@@ -497,9 +510,20 @@ class RouterServer:
             # the connection may go back to the pool: it must read again, and pause nobody's relay
             writer.on_pause = writer.on_resume = None
             connection.transport.resume_reading()
+        if gate is not None and gate.refused is not None:
+            logger.warning("replica %s refused a stream in its first event (%s): trying another", replica.url,
+                           gate.refused["error"]["code"])
+            self.replicas.record(replica, 503)
+            refusals.append(Refusal(503, upstream_headers, json.dumps(gate.refused).encode()))
+            return _Attempt.BEGUN if gate.may_have_begun else _Attempt.NOT_BEGUN
+        return self._relay_ended(writer, replica, outcome, relayed)
+
+    def _relay_ended(self, writer: ResponseWriter, replica: Replica, outcome: Outcome, relayed: bool) -> _Attempt:
+        """How a relayed answer ended: whole (DONE), or past the deadline, stalled
+        or cut, where a stream nothing of which reached the client is tried again."""
         if outcome is Outcome.DONE:
             writer.end()
-            return True
+            return _Attempt.ANSWERED
         if outcome is Outcome.DEADLINE:
             # a long answer or a client reading too slowly: not the replica's failure
             logger.warning("an answer from %s ran past the request timeout (%g s)", replica.url,
@@ -513,18 +537,18 @@ class RouterServer:
                 logger.warning("replica %s cut a response", replica.url)
                 self.replicas.record(replica, None)
             if writer.event_stream and not relayed:
-                return False  # nothing of it reached the client: tried elsewhere
+                return _Attempt.BEGUN  # nothing of it reached the client: tried elsewhere
             self.metrics.cut_streams.inc()
             error = error_body(502, "the replica serving this stream failed", "replica_failed")
         writer.fail(502, error)  # an error event in a stream; any other answer is aborted, the client sees the cut
-        return True
+        return _Attempt.ANSWERED
 
     async def _fail_stream_with(self, writer: ResponseWriter, connection: UpstreamConnection, status: int,
                                 deadline: float | None) -> None:
         """Ends a stream whose head went out for a failed replica with the error
         another replica answered instead of a stream (a 4xx, say), as its last event."""
         _, body = await read_kept(connection, deadline)
-        writer.fail(status, _error_of(status if status >= 400 else 502, body))  # a 200 of no stream is no answer
+        writer.fail(status, error_of(status if status >= 400 else 502, body))  # a 200 of no stream is no answer
 
 
 class _Attempt(enum.Enum):
@@ -538,21 +562,6 @@ class _Attempt(enum.Enum):
 
 # what a replica answers for a stored response it does not hold
 _NOT_STORED_HERE = ("response_not_found", "previous_response_not_found")
-
-
-def _error_of(status: int, body: bytes) -> dict[str, Any]:
-    """A replica's error answer as an error object to end a stream with (its own, if it is one)."""
-    answered = _json_object(body)
-    if answered is not None and isinstance(answered.get("error"), dict):
-        return answered
-    return error_body(status, f"the replica answered {status} instead of a stream")
-
-
-def _error_code(body: bytes) -> object:
-    """The ``error.code`` of an OpenAI-shaped error body (None if it has none)."""
-    answered = _json_object(body)
-    error = answered.get("error") if answered is not None else None
-    return error.get("code") if isinstance(error, dict) else None
 
 
 def _pass_on(writer: ResponseWriter, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
@@ -578,13 +587,3 @@ def _passed_headers(request: HttpRequest) -> list[tuple[str, str]]:
         earlier = request.headers.get("x-forwarded-for")
         passed.append(("x-forwarded-for", f"{earlier}, {request.client}" if earlier else request.client))
     return passed
-
-
-def _json_object(raw: bytes) -> dict[str, Any] | None:
-    """The request's JSON object; None when it is not one (or nested too deeply
-    to parse): the body goes to the replica as it is, which answers 400."""
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None

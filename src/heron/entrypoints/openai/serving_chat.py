@@ -198,12 +198,18 @@ class _ChatBuilder:
         tool_streams = {index: self.tools.stream() for index in range(self.request.n)} if self.tools else {}
 
         async def chunks() -> AsyncGenerator[str, None]:
-            # the first chunk of every choice announces the role (and any echoed text)
-            for index in range(self.request.n):
-                yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": self.echo_text},
-                                        "logprobs": None, "finish_reason": None}]))
+            announced = False
             async with aclosing(merge_streams(streams)) as merged:
                 async for _, output in merged:
+                    if not announced:
+                        # the first chunk of every choice announces the role (and any echoed text), with the
+                        # engine's first output: an engine that fails before it leaves the error as the stream's
+                        # first event, which a router in front retries on another replica
+                        announced = True
+                        for index in range(self.request.n):
+                            role = {"role": "assistant", "content": self.echo_text}
+                            yield sse(self._chunk([{"index": index, "delta": role, "logprobs": None,
+                                                    "finish_reason": None}]))
                     counts["cached"] = output.num_cached_tokens
                     for completion in output.outputs:
                         if not completion.text and not completion.token_ids and completion.finish_reason is None:

@@ -1,0 +1,34 @@
+"""A replica's answers read as JSON: the error object of an error answer, its
+code, and any body as a JSON object where it is one."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from heron.router.response_writer import error_body
+
+
+def error_of(status: int, body: bytes) -> dict[str, Any]:
+    """A replica's error answer as an error object to end a stream with (its own, if it is one)."""
+    answered = json_object(body)
+    if answered is not None and isinstance(answered.get("error"), dict):
+        return answered
+    return error_body(status, f"the replica answered {status} instead of a stream")
+
+
+def error_code(body: bytes) -> object:
+    """The ``error.code`` of an OpenAI-shaped error body (None if it has none)."""
+    answered = json_object(body)
+    error = answered.get("error") if answered is not None else None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def json_object(raw: bytes) -> dict[str, Any] | None:
+    """The body's JSON object; None when it is not one (or nested too deeply to
+    parse): a request's body then goes to the replica as it is, which answers 400."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
