@@ -73,5 +73,27 @@ def test_two_engine_cores_place_by_prefix_and_spread_what_arrives_together():
         complete_together(server.base_url, 6)
         spread = engine_requests(server)
         assert all(spread[engine] > after[engine] for engine in spread), (after, spread)
+        a_reset_refused_by_one_engine_forgets_nothing_on_the_other(server)
     finally:
         server.stop()
+
+
+def a_reset_refused_by_one_engine_forgets_nothing_on_the_other(server: ServerProcess) -> None:
+    """With one engine busy, POST /reset_prefix_cache answered 409, but the idle
+    one had reset: its prefixes, and the files of a disk tier the engines share,
+    were gone (found by the fleet review). Every engine is now asked first."""
+    def cached_tokens() -> int:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Egrets and herons share the marsh at dawn. " * 6,
+                "max_tokens": 2}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    long_stream = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me everything about the marsh.",
+                   "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=long_stream, timeout=60) as response:
+        lines = response.iter_lines()  # held: a generator closed with the expression closes the stream
+        assert next(line for line in lines if line.startswith("data: {"))
+        cached_tokens()  # on the other engine, the idle one (placed by load)
+        busy = httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=30)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "prefix_cache_in_use"
+    assert cached_tokens() >= 32  # the idle engine kept its prefix

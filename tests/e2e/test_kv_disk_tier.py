@@ -5,6 +5,7 @@ not prefilled again), with the same greedy answer, through the official
 
 from __future__ import annotations
 
+import httpx
 import openai
 
 from tests.e2e.server_process import ServerProcess, wait_for
@@ -47,5 +48,9 @@ def test_a_restarted_server_answers_from_the_disk_tier(tmp_path):
         assert second.metric("heron:kv_offload_loaded_blocks_total", tier="disk") == num_prompt_blocks
         assert second.metric("heron:kv_offload_hit_tokens_total", tier="disk") == num_prompt_blocks * 16
         assert second.metric("heron:kv_offload_load_failures_total", tier="disk") == 0
+        # a reset empties the tier, and its gauge shows it at once (it kept the old figure until the next step)
+        assert httpx.post(f"{second.base_url}/reset_prefix_cache", timeout=30).status_code == 200
+        wait_for(lambda: disk_blocks_shown(second) == 0, timeout=2, what="the emptied disk tier's gauge")
+        assert not list(tmp_path.rglob("*.kv"))
     finally:
         second.stop()

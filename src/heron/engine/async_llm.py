@@ -345,7 +345,12 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every engine core's cached prefixes (``EngineCore.reset_prefix_cache``);
-        False when any refused, requests holding blocks there."""
+        False when any refused, requests holding blocks there. Every engine core is
+        asked first whether it is idle: one reset beside a busy one (the answer then a
+        409) had forgotten its prefixes, and deleted the files of the disk tier they
+        share, for nothing (found by the fleet review)."""
+        if not await self.call_utility("prefix_cache_idle"):
+            return False
         return bool(await self.call_utility("reset_prefix_cache"))
 
     async def call_utility(self, method: str, *args: Any) -> Any:

@@ -315,6 +315,11 @@ class EngineCore:
         self.model_runner.start_remote_loads([RemoteLoad(f"refused-{uuid.uuid4().hex}", address, remote_id, 0, [])])
         return True
 
+    def prefix_cache_idle(self) -> bool:
+        """No block is in use: a reset now would not be refused."""
+        manager = self.scheduler.kv_cache_manager
+        return manager.num_free_blocks == manager.num_blocks
+
     def reset_prefix_cache(self) -> bool:
         reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
         if reset:

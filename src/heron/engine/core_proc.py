@@ -190,8 +190,13 @@ class EngineCoreProc:
                                      scheduler_stats=self.engine.scheduler.make_stats()))
 
     def _utility(self, method: str, args: list[Any]) -> Any:
+        if method == "prefix_cache_idle":
+            return self.engine.prefix_cache_idle()
         if method == "reset_prefix_cache":
-            return self.engine.reset_prefix_cache()
+            reset = self.engine.reset_prefix_cache()
+            if reset:  # the tiers' gauges show the empty cache now, not after the next step
+                self._send(EngineCoreOutputs(outputs=[], scheduler_stats=self.engine.scheduler.make_stats()))
+            return reset
         if method == "release_remote_prefill":
             return self.engine.release_remote_prefill(*args)
         if method == "check_integrity":

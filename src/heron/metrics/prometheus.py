@@ -149,8 +149,9 @@ class PrometheusStatLogger:
 
     def _record_offload(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         for tier in _OFFLOAD_TIERS:
-            if not (getattr(stats, f"kv_{tier}_stored") or getattr(stats, f"kv_{tier}_blocks")):
-                continue  # no such tier, or nothing in it yet
+            if not any(getattr(figures, f"kv_{tier}_{field}") for figures in (stats, last)
+                       for field in ("stored", "blocks")):
+                continue  # no such tier, or nothing in it yet (a tier emptied by a reset: its gauges go to 0)
             for field, counter_metric in self.offload_counters.items():
                 delta = getattr(stats, f"kv_{tier}_{field}", 0) - getattr(last, f"kv_{tier}_{field}", 0)
                 counter_metric.labels(self.model_name, tier).inc(max(delta, 0))  # a zero still shows the series
