@@ -201,15 +201,6 @@ class _ChatBuilder:
             announced = False
             async with aclosing(merge_streams(streams)) as merged:
                 async for _, output in merged:
-                    if not announced:
-                        # the first chunk of every choice announces the role (and any echoed text), with the
-                        # engine's first output: an engine that fails before it leaves the error as the stream's
-                        # first event, which a router in front retries on another replica
-                        announced = True
-                        for index in range(self.request.n):
-                            role = {"role": "assistant", "content": self.echo_text}
-                            yield sse(self._chunk([{"index": index, "delta": role, "logprobs": None,
-                                                    "finish_reason": None}]))
                     counts["cached"] = output.num_cached_tokens
                     for completion in output.outputs:
                         if not completion.text and not completion.token_ids and completion.finish_reason is None:
@@ -231,6 +222,15 @@ class _ChatBuilder:
                         }])
                         if continuous:
                             chunk["usage"] = usage(prompt_tokens, counts["completion"], counts["cached"])
+                        if not announced:
+                            # the first chunk of every choice announces the role (and any echoed text), sent with
+                            # the first chunk of output: an engine that fails before leaves its error as the
+                            # stream's first event, which a router in front retries on another replica
+                            announced = True
+                            for index in range(self.request.n):
+                                role = {"role": "assistant", "content": self.echo_text}
+                                yield sse(self._chunk([{"index": index, "delta": role, "logprobs": None,
+                                                        "finish_reason": None}]))
                         yield sse(chunk)
 
         def closing() -> str | None:
