@@ -185,3 +185,44 @@ def test_a_killed_replica_is_routed_around_and_used_again_when_back(fleet):
     complete_together(router.base_url, 4)
     assert router.replicas()[revived.base_url]["requests"] > before
     assert router.replicas()[survivor.base_url]["state"] == "closed"
+
+
+def test_a_chat_stream_whose_engine_dies_before_its_first_token_is_served_by_the_other_replica():
+    """A replica's API server whose engine core dies before a stream's first token
+    answers that stream with the engine_dead error as its first event (after the
+    head): the router passed it on though the other replica was idle (found by
+    the fleet review). It is now that replica's refusal, retried elsewhere."""
+    replicas = [ServerProcess(), ServerProcess()]
+    router = RouterProcess([r.base_url for r in replicas], "--policy", "round_robin")
+    try:
+        held = replicas[0].engine_core_pid()
+        os.kill(held, signal.SIGSTOP)  # its stream waits for a first output that never comes
+        streams: list[list[str]] = [[], []]
+
+        def stream(lines: list[str]) -> None:
+            body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0, "stream": True,
+                    "messages": [{"role": "user", "content": "What is the capital of Japan?"}]}
+            with httpx.stream("POST", f"{router.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+                lines.extend(line for line in response.iter_lines() if line)
+
+        readers = [threading.Thread(target=stream, args=(lines,)) for lines in streams]
+        for reader in readers:
+            reader.start()
+        wait_for(lambda: all(state["in_flight"] == 1 for state in router.replicas().values()),
+                 what="one stream on each replica")
+        os.kill(held, signal.SIGKILL)
+        for reader in readers:
+            reader.join(60)
+            assert not reader.is_alive()
+        texts = []
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            texts.append("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]))
+        assert texts[0] == texts[1] and "Tokyo" in texts[0]
+        metrics = httpx.get(f"{router.base_url}/metrics", timeout=5).text
+        assert "heron_router_retries_total 1.0" in metrics.splitlines()
+    finally:
+        router.stop()
+        for server in replicas:
+            server.stop()
