@@ -28,6 +28,7 @@ class FakeReplica:
                  refuse_in_stream: str | None = None) -> None:
         self.fail_with = fail_with
         self.refuse_in_stream = refuse_in_stream  # a stream whose first event is heron's error with this code
+        self.split_refusal = False
         self.cut_early = cut_early  # a stream's head, then the replica dies (during a long prefill, say)
         self.fail_headers = fail_headers
         self.silent = silent
@@ -87,7 +88,12 @@ class FakeReplica:
         if self.refuse_in_stream is not None:  # an engine core that died before the request's first token
             error = {"message": "The engine is not running", "type": "server_error", "param": None,
                      "code": self.refuse_in_stream}
-            await response.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+            event = f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+            if self.split_refusal:  # in two reads: the gate held only the first read's bytes, then let go
+                await response.write(event[:30])
+                await asyncio.sleep(0.3)
+                event = event[30:]
+            await response.write(event)
             await response.write_eof()
             return response
         try:
@@ -301,8 +307,9 @@ def test_a_stream_cut_before_its_first_byte_goes_on_from_another_replica(then):
     run_with_router(test, [FakeReplica(cut_early=True), second[then]])
 
 
-@pytest.mark.parametrize("code", ["engine_dead", "model_loading", "server_stopping"])
-def test_a_stream_its_replica_refuses_in_its_first_event_goes_on_from_another_replica(code):
+@pytest.mark.parametrize("code, split", [("engine_dead", False), ("model_loading", False),
+                                         ("server_stopping", False), ("engine_dead", True)])
+def test_a_stream_its_replica_refuses_in_its_first_event_goes_on_from_another_replica(code, split):
     """An API server whose engine core died before a stream's first token answers
     it with a 200 whose first event is the error: the router passed that on,
     though the other replica was healthy (found by the fleet review). Where
@@ -322,7 +329,21 @@ def test_a_stream_its_replica_refuses_in_its_first_event_goes_on_from_another_re
         assert lines[-1] == "data: [DONE]" and len(lines) == 2, lines
         assert json.loads(lines[0].removeprefix("data: "))["error"]["code"] == code
 
-    run_with_router(test, [FakeReplica(refuse_in_stream=code), FakeReplica()])
+    refusing = FakeReplica(refuse_in_stream=code)
+    refusing.split_refusal = split
+    run_with_router(test, [refusing, FakeReplica()])
+
+
+def test_a_first_event_with_an_odd_error_code_is_passed_on():
+    """A code that is no string (a list: unhashable) crashed the router's
+    request, the client's connection closed with no answer (found by the diff review)."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client, \
+                client.stream("POST", "/v1/completions", json={"mode": "late"}) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        assert json.loads(lines[0].removeprefix("data: "))["error"]["code"] == ["odd"] and fakes[0].requests == 1
+
+    run_with_router(test, [FakeReplica(refuse_in_stream=["odd"])])  # type: ignore[arg-type]
 
 
 def test_a_client_that_leaves_takes_its_replica_request_with_it():

@@ -73,4 +73,5 @@ def _refusal(event: bytes) -> dict[str, Any] | None:
     """The error object of an event that is a replica's refusal, else None."""
     lines = event.decode("utf-8", "replace").splitlines()
     data = "\n".join(line[5:].lstrip() for line in lines if line.startswith("data:")).encode()
-    return json_object(data) if error_code(data) in REFUSAL_CODES else None
+    code = error_code(data)
+    return json_object(data) if isinstance(code, str) and code in REFUSAL_CODES else None

@@ -491,14 +491,19 @@ class RouterServer:
         writer.on_resume = connection.transport.resume_reading
         if writer.client_paused:  # an earlier answer filled the client's buffer: wait until it drains
             connection.transport.pause_reading()
-        # the answer's end goes out with its last bytes, in the same write
-        def at_end() -> None:
+        def after_read() -> None:
+            """After each read of the replica's answer: what was written goes out,
+            and the answer's end with its last bytes, in the same write."""
+            if not connection.complete:
+                if gate is None or gate.is_open:
+                    writer.flush()  # (while the first event is held, nothing was written)
+                return
             if gate is not None and gate.refused is None and not gate.is_open:
                 forward(gate.release())  # the stream ended before its first event was whole
             if gate is None or gate.refused is None:
-                writer.end() if connection.complete else writer.flush()
+                writer.end()
 
-        connection.stream_to(forward, at_end)
+        connection.stream_to(forward, after_read)
         if writer.event_stream:
             # a stream's head goes out now, as the replica sent it, not with the first
             # token: the client reads it while the replica computes (about 0.3 ms of
