@@ -254,12 +254,15 @@ def main(argv: list[str]) -> None:
     """``python -m heron.engine.core_proc START_PICKLE LOG_LEVEL [LAUNCHER_PID]``:
     the pickle holds the config and the API servers' addresses."""
     start_path, log_level, *launcher = argv
-    if not os.path.isdir(os.path.dirname(start_path) or "."):
+    try:
+        with open(start_path, "rb") as start_file:
+            config, clients = pickle.load(start_file)
+    except FileNotFoundError:
+        if os.path.isdir(os.path.dirname(start_path) or "."):
+            raise
         # the launcher removed its private directory before this process read its start file: it was
         # stopped while starting (a Ctrl-C, a SIGTERM) and has gone; nothing to serve, nothing to say
         sys.exit(0)
-    with open(start_path, "rb") as start_file:
-        config, clients = pickle.load(start_file)
     os.unlink(start_path)
     run_engine_core(config, clients, log_level, int(launcher[0]) if launcher else None)
 

@@ -306,6 +306,7 @@ async def _serve_api(
     try:
         await server.serve(sockets=[listener] if listener is not None else None)
     finally:
+        stop_signals.restore()
         if hears_the_launcher:
             _listen_to_the_launcher(engine, listen=False)
         for watcher in watchers:

@@ -18,6 +18,10 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self._interrupted = False
 
+    def note_interrupt(self) -> None:
+        """A Ctrl-C came before uvicorn's own handlers: the next one forces the exit."""
+        self._interrupted = True
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGINT and not self._interrupted:
             self._interrupted = True
