@@ -96,6 +96,42 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
     assert created.pop()["allowed_origins"] == ("http://a.example", "http://b.example")
 
 
+def created_replicas(run_with: list[str]) -> Any:
+    """The ReplicaSet ``heron router`` builds from these flags (its server not run)."""
+    from heron.router.replica import ReplicaSet
+
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers())
+    args = parser.parse_args(["router", "--replica", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2",
+                              *run_with])
+    built: list[ReplicaSet] = []
+    original = ReplicaSet.__init__
+
+    def record(self: ReplicaSet, *positional: Any, **keywords: Any) -> None:
+        original(self, *positional, **keywords)
+        built.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ReplicaSet, "__init__", record)
+        patch.setattr("heron.router.server.RouterServer.run", lambda *_, **__: _done())
+        assert run_router(args) == 0
+    assert len(built) == 2 and built[0].timeout.total == built[1].timeout.total  # replicas and prefill replicas
+    return built[0]
+
+
+async def _done() -> None:
+    return None
+
+
+def test_the_probe_timeout_is_a_flag():
+    """It was fixed at 2 s: a replica's API server answers once it has started
+    (2 s here, more with several API servers or on a busy machine), and a probe
+    timing out opened the breaker of a replica about to be ready (found by the
+    fleet review)."""
+    assert created_replicas(run_with=[]).timeout.total == 2.0  # the default
+    assert created_replicas(run_with=["--probe-timeout", "7.5"]).timeout.total == 7.5
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--request-timeout", "-1"], ">= 0"),
     (["--port", "99999"], "port number"),
@@ -104,6 +140,7 @@ def test_no_deadline_unless_the_flag_sets_one(monkeypatch: pytest.MonkeyPatch):
     (["--imbalance-threshold", "-1"], ">= 0"),
     (["--probe-interval", "nan"], "> 0"),  # asyncio.sleep(nan) returned at once: a busy loop of probes
     (["--probe-interval", "0"], "> 0"),
+    (["--probe-timeout", "0"], "> 0"),
     (["--max-attempts", "0"], ">= 1"),
     (["--shutdown-timeout", "inf"], "finite"),
 ])

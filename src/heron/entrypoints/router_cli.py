@@ -51,6 +51,10 @@ def add_router_parser(subcommands: Any) -> None:
                              "replica wins")
     router.add_argument("--probe-interval", type=FINITE_POSITIVE_FLOAT, default=1.0,
                         help="seconds between health probes")
+    router.add_argument("--probe-timeout", type=FINITE_POSITIVE_FLOAT, default=2.0, metavar="SECONDS",
+                        help="seconds a replica has to answer a probe before it counts as a failure (a replica's "
+                             "API server answers once it has started: about 2 s on a small CPU, more with "
+                             "--api-server-count or on a busy machine)")
     router.add_argument("--max-attempts", type=POSITIVE_INT, default=3, help="replicas tried before a request fails")
     router.add_argument("--request-timeout", type=FINITE_NON_NEGATIVE_FLOAT, default=0.0, metavar="SECONDS",
                         help="longest time a request may take, from its arrival to its answer's end (0, the "
@@ -77,7 +81,7 @@ def run_router(args: argparse.Namespace) -> int:
     for url in args.replica + args.prefill:
         _check_replica_url(url)
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
-    replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval,
+    replicas = ReplicaSet(args.replica, headers, probe_interval=args.probe_interval, probe_timeout=args.probe_timeout,
                           discover=_ray_discovery(args.ray_address, args.probe_interval) if args.ray_address else None,
                           decodes=bool(args.prefill))
     from heron.entrypoints.openai.cli_args import read_chat_template
@@ -86,8 +90,8 @@ def run_router(args: argparse.Namespace) -> int:
     hasher = (PromptHasher(args.model, args.tokenizer, chat_template) if args.policy in ("kv_aware", "session")
               else None)
     router = Router(args.policy, cache_weight=args.cache_weight, imbalance_threshold=args.imbalance_threshold)
-    prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval, decodes=False)
-                        if args.prefill else None)
+    prefill_replicas = (ReplicaSet(args.prefill, headers, probe_interval=args.probe_interval,
+                                   probe_timeout=args.probe_timeout, decodes=False) if args.prefill else None)
     server = RouterServer(replicas, router, hasher, max_attempts=args.max_attempts,
                           request_timeout=args.request_timeout or None, prefill_replicas=prefill_replicas,
                           allowed_origins=tuple(args.allowed_origins or ()))
