@@ -253,7 +253,12 @@ def dechunked(answer: bytes) -> bytes:
 
 
 def test_a_stream_cut_inside_an_event_ends_with_an_error_event_of_its_own():
-    sent = [b'data: {"text": "hel', b'data: {"text": "hello"}\n', b'data: {"text": "hello"}\n\n']
+    """After a whole first event: the cut event's bytes, then the error and [DONE]
+    as events of their own. A stream cut inside its first event (held until
+    whole: router/first_event.py) passes none of it on, only the error."""
+    first = b'data: {"text": "a"}\n\n'
+    sent = [b'data: {"text": "hel', first + b'data: {"text": "hel', first + b'data: {"text": "hello"}\n',
+            first + b'data: {"text": "hello"}\n\n']
 
     async def cut(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         part = sent[len(answers)]
@@ -269,10 +274,14 @@ def test_a_stream_cut_inside_an_event_ends_with_an_error_event_of_its_own():
         for _ in sent:
             answers.append(dechunked(await raw_exchange(url, post("/v1/completions", {"stream": True},
                                                                    close=True))))
-        for part, body in zip(sent, answers, strict=True):
+        error, done, rest = answers[0].split(b"\n\n")  # nothing of the cut first event
+        assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == "replica_failed"
+        assert done == b"data: [DONE]" and rest == b""
+        for part, body in zip(sent[1:], answers[1:], strict=True):
             assert body.startswith(part)
-            cut_event, error, done, rest = body.split(b"\n\n")  # the error and [DONE] are events of their own
-            assert part.startswith(cut_event) and done == b"data: [DONE]" and rest == b"", body
+            whole, cut_event, error, done, rest = body.split(b"\n\n")  # the error and [DONE]: events of their own
+            assert whole + b"\n\n" == first and part.removeprefix(first).startswith(cut_event), body
+            assert done == b"data: [DONE]" and rest == b"", body
             assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == "replica_failed"
 
     run(test, [RawReplica(cut)])
