@@ -6,7 +6,7 @@ have served the request; held back, the stream is that replica's refusal and
 the router tries another, whose events follow the stream's head already sent.
 
 A first event is the stream's first bytes up to a blank line. A chat stream's
-role chunk goes out with the engine's first output (serving_chat.py), so an
+role chunk goes out with its first chunk of output (serving_chat.py), so an
 error before any output is the first event there too."""
 
 from __future__ import annotations
