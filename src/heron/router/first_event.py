@@ -14,11 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from heron.router.replica_errors import error_code, json_object
+from heron.router.replica_errors import REFUSAL_CODES, code_in, json_object, refused_at_the_door
 
-# a replica's error codes that refuse the request as a whole; the value: whether it may have begun there
-# (its KV pulled from a prefill replica, say), as opposed to refused at the door
-REFUSAL_CODES = {"engine_dead": True, "server_stopping": True, "model_loading": False}
 # a first event longer than this is no refusal (heron's error events are a few hundred bytes)
 MAX_HELD_BYTES = 64 * 1024
 
@@ -61,7 +58,7 @@ class FirstEventGate:
     def may_have_begun(self) -> bool:
         """The refusal came from a replica that may have begun the request."""
         assert self.refused is not None
-        return REFUSAL_CODES[self.refused["error"]["code"]]
+        return not refused_at_the_door(code_in(self.refused))
 
 
 def _event_end(data: bytearray) -> int | None:
@@ -72,6 +69,6 @@ def _event_end(data: bytearray) -> int | None:
 def _refusal(event: bytes) -> dict[str, Any] | None:
     """The error object of an event that is a replica's refusal, else None."""
     lines = event.decode("utf-8", "replace").splitlines()
-    data = "\n".join(line[5:].lstrip() for line in lines if line.startswith("data:")).encode()
-    code = error_code(data)
-    return json_object(data) if isinstance(code, str) and code in REFUSAL_CODES else None
+    payload = json_object("\n".join(line[5:].lstrip() for line in lines if line.startswith("data:")).encode())
+    code = code_in(payload)
+    return payload if isinstance(code, str) and code in REFUSAL_CODES else None

@@ -19,9 +19,25 @@ def error_of(status: int, body: bytes) -> dict[str, Any]:
 
 def error_code(body: bytes) -> object:
     """The ``error.code`` of an OpenAI-shaped error body (None if it has none)."""
-    answered = json_object(body)
+    return code_in(json_object(body))
+
+
+def code_in(answered: dict[str, Any] | None) -> object:
+    """The ``error.code`` of an answer already read (None if it has none)."""
     error = answered.get("error") if answered is not None else None
     return error.get("code") if isinstance(error, dict) else None
+
+
+# a replica's error codes that refuse a request as a whole (its engine core dead, the server stopping, the
+# model still loading), where another replica may serve it
+REFUSAL_CODES = frozenset({"engine_dead", "server_stopping", "model_loading"})
+
+
+def refused_at_the_door(code: object) -> bool:
+    """A refusal of a request that never began on that replica (the model still
+    loading); another refusal may end one that had begun there (its KV pulled
+    from a prefill replica, say)."""
+    return code == "model_loading"
 
 
 def json_object(raw: bytes) -> dict[str, Any] | None:

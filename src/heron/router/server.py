@@ -45,7 +45,7 @@ from heron.router.first_event import FirstEventGate
 from heron.router.http_front import FrontConnection, HttpRequest, serve
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
-from heron.router.replica_errors import error_code, error_of, json_object
+from heron.router.replica_errors import error_code, error_of, json_object, refused_at_the_door
 from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
 from heron.router.response_writer import ResponseWriter, error_body, is_event_stream
 from heron.router.router_metrics import RouterMetrics
@@ -401,7 +401,7 @@ class RouterServer:
                     refusals.append(Refusal(status, upstream_headers, body))
                 # only a 503 a model still loading answers is sure to be a refusal at the door: another (the
                 # engine died, the server stopping) may end a request that had begun, and pulled the KV
-                return _Attempt.NOT_BEGUN if status == 503 and error_code(body) == "model_loading" else _Attempt.BEGUN
+                return _Attempt.NOT_BEGUN if status == 503 and refused_at_the_door(error_code(body)) else _Attempt.BEGUN
             if seek and status in (400, 404) and not request_failure:
                 return await self._answer_or_seek_on(writer, connection, status, upstream_headers, deadline,
                                                      refusals)
