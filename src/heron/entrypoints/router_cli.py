@@ -53,7 +53,7 @@ def add_router_parser(subcommands: Any) -> None:
                         help="seconds between health probes")
     router.add_argument("--probe-timeout", type=FINITE_POSITIVE_FLOAT, default=2.0, metavar="SECONDS",
                         help="seconds a replica has to answer a probe before it counts as a failure (a replica's "
-                             "API server answers once it has started: about 2 s on a small CPU, more with "
+                             "API server answers only once it has started, which takes longer with "
                              "--api-server-count or on a busy machine)")
     router.add_argument("--max-attempts", type=POSITIVE_INT, default=3, help="replicas tried before a request fails")
     router.add_argument("--request-timeout", type=FINITE_NON_NEGATIVE_FLOAT, default=0.0, metavar="SECONDS",
