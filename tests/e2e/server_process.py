@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import httpx
 
@@ -24,19 +25,21 @@ class ServerProcess:
     def __init__(
         self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
         tls_cert: str | None = None, wait_ready: bool = True, port: int | None = None, log_level: str | None = None,
-        api_key: str | None = None,
+        api_key: str | None = None, launcher: Sequence[str] = ("-m", "heron.entrypoints.cli"),
     ) -> None:
         """``tls_cert``: the server's certificate (or the CA that signed it), when
         it serves HTTPS; ``wait_ready`` False returns at once (then
         ``wait_ready()`` waits); ``port``: a given one (a replica restarted where
         a router expects it); ``log_level``: heron's ``--log-level``;
-        ``api_key``: sent with the probes of /health and /metrics (``--protect-metrics``)."""
+        ``api_key``: sent with the probes of /health and /metrics (``--protect-metrics``);
+        ``launcher``: the interpreter's arguments that run heron's command line
+        (a ``-c`` script that wraps it, with its own arguments first)."""
         self.port = port or free_port()
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls_cert) if tls_cert else True
         self.base_url = f"{'https' if tls_cert else 'http'}://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="heron-serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "heron.entrypoints.cli", *(["--log-level", log_level] if log_level else []),
+        command = [sys.executable, *launcher, *(["--log-level", log_level] if log_level else []),
                    "serve", "--port", str(self.port), "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "1024",
                    *args]
         self.process = subprocess.Popen(

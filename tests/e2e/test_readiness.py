@@ -16,7 +16,7 @@ import pytest
 
 from heron.kernels.cpu.isa import supported_isas
 from heron.kernels.cpu.library import native_library
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, descendants, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -66,5 +66,71 @@ def test_v1_routes_answer_503_until_the_engine_serves():
         if native_library() is not None and "avx2" in supported_isas():  # the default fast path: int4, native decode
             assert server.metric("heron:compute_path_info", quantization="int4", dtype="float32",
                                  decode="native (one C call per step)", linear="heron int4 C kernels") == 1.0
+    finally:
+        server.stop()
+
+
+# heron's command line, with the API server's tokenizer load held until a file exists (argv[1])
+HELD_TOKENIZER = """
+import os, sys, time
+import heron.engine.async_llm as async_llm
+from heron.entrypoints.cli import main
+load = async_llm.load_tokenizer
+def held(model_config):
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    return load(model_config)
+async_llm.load_tokenizer = held
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_the_server_answers_while_its_tokenizer_loads(tmp_path):
+    """The API server loaded the tokenizer (seconds: transformers' imports, a large
+    vocabulary) before it answered anything, so a probe with a short timeout saw
+    no answer at all and a router's breaker opened. It answers "loading" now,
+    and /tokenize says the tokenizer is not there yet."""
+    release = tmp_path / "release"
+    server = ServerProcess(wait_ready=False, launcher=("-c", HELD_TOKENIZER, str(release)))
+    try:
+        assert first_http_answer(server.base_url).json() == {"status": "loading"}
+        wait_for(lambda: "engine core ready" in server.read_log(), timeout=120, what="the engine core to load")
+        health = httpx.get(f"{server.base_url}/health", timeout=2.0)
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})  # the tokenizer is not there
+        for method, path, body in (("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}),
+                                   ("POST", "/detokenize", {"tokens": [1]})):
+            response = httpx.request(method, f"{server.base_url}{path}", json=body, timeout=2.0)
+            assert (response.status_code, response.json()["error"]["code"]) == (503, "model_loading"), path
+        release.touch()
+        server.wait_ready(60)
+        tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "hi"}, timeout=10).json()["tokens"]
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model=MODEL, prompt=tokens, max_tokens=2, temperature=0)
+        assert answer.usage.prompt_tokens == len(tokens)
+        assert "API server: froze" in server.read_log()  # its start-up objects, the tokenizer's among them
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_a_tokenizer_that_will_not_load_is_a_usage_error(tmp_path, api_servers):
+    """Loaded while the server answers, its failure still ends ``heron serve``
+    as a bad flag does: exit 2, "heron: error: ..." once per API server, no
+    traceback (several API servers each printed one), no engine core left."""
+    (tmp_path / "tokenizer.json").write_text("{")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    server = ServerProcess("--tokenizer", str(tmp_path), "--api-server-count", str(api_servers), wait_ready=False)
+    try:
+        started: set[int] = set()  # the engine core and API servers it started
+        deadline = time.monotonic() + 180
+        while server.process.poll() is None and time.monotonic() < deadline:
+            started |= set(descendants(server.process.pid))
+            time.sleep(0.1)
+        assert server.process.wait(1) == 2
+        log = server.read_log()
+        assert log.count("heron: error: cannot load a tokenizer from") == api_servers, log
+        assert "Traceback" not in log, log
+        assert len(started) >= api_servers
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in started), what="its processes to end")
     finally:
         server.stop()

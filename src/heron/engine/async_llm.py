@@ -123,6 +123,7 @@ class AsyncLLM:
         stats_scope: str = "",
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         step_timeout_s: float = 0.0,
+        load_tokenizer_in_background: bool = False,
     ) -> None:
         """``started``: the engine core(s) already started on ``config``'s
         arguments (one per data-parallel rank): processes this object owns, or
@@ -131,7 +132,12 @@ class AsyncLLM:
         metrics (one API server of several does). ``stats_scope``: what the
         periodic log line's throughput covers, when not the whole server.
         ``heartbeat_timeout_s`` / ``step_timeout_s``: an engine core silent that
-        long, or one step running that long, counts as dead (0: never; ``liveness.py``)."""
+        long, or one step running that long, counts as dead (0: never; ``liveness.py``).
+        ``load_tokenizer_in_background``: load the tokenizer on a thread once
+        ``start()`` runs, so that a server answers (503 "loading") while it loads;
+        until it has, ``tokenizer`` and the processors are not set and
+        ``is_ready`` is False. A load that fails is ``tokenizer_error``, raised by
+        ``wait_until_ready``."""
         self.config = config
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.step_timeout_s = step_timeout_s
@@ -143,9 +149,14 @@ class AsyncLLM:
         else:
             single = started[0] if isinstance(started, Sequence) else started
             self.client = EngineCoreClient(config, log_level, single)
-        self.tokenizer = load_tokenizer(config.model)
-        self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.policy == "priority")
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.tokenizer: Any
+        self.input_processor: InputProcessor
+        self.output_processor: OutputProcessor
+        self.tokenizer_loaded = False
+        self.tokenizer_error: Exception | None = None
+        self._tokenizer_loading: asyncio.Task[None] | None = None
+        if not load_tokenizer_in_background:
+            self._load_tokenizer()
         self.metrics = PrometheusStatLogger(config.model.served_model_name, record_engine_stats=record_engine_stats)
         self.stat_logger = LoggingStatLogger(log_stats_interval_s, stats_scope)
         self._collectors: dict[str, RequestOutputCollector] = {}
@@ -156,7 +167,8 @@ class AsyncLLM:
         self.last_scheduler_stats = SchedulerStats()
         self.engine_info: dict[str, Any] = {}
         self.dead_reason: str | None = None
-        self._ready: asyncio.Event | None = None
+        self._ready: asyncio.Event | None = None  # set once the engine core and the tokenizer are both ready
+        self._engine_core_ready = False
         # done with dead_reason (made in start(), in the serving loop); every send races it
         self._dead: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -177,11 +189,41 @@ class AsyncLLM:
                 asyncio.create_task(self._output_loop(), name="heron-output-loop"),
                 asyncio.create_task(self._watch_engine(), name="heron-engine-watch"),
             ]
+            if not self.tokenizer_loaded:
+                self._tokenizer_loading = asyncio.create_task(self._load_tokenizer_off_loop(), name="heron-tokenizer")
+                self._tasks.append(self._tokenizer_loading)
         return self._ready
+
+    def _load_tokenizer(self) -> None:
+        tokenizer = load_tokenizer(self.config.model)
+        self.input_processor = InputProcessor(self.config.model, tokenizer, self.config.scheduler.policy == "priority")
+        self.output_processor = OutputProcessor(tokenizer)
+        self.tokenizer = tokenizer
+        self.tokenizer_loaded = True
+
+    async def _load_tokenizer_off_loop(self) -> None:
+        """The tokenizer, on a thread (seconds for a large one, with transformers' imports)."""
+        try:
+            await asyncio.to_thread(self._load_tokenizer)
+        except Exception as exc:
+            self.tokenizer_error = exc
+        self._set_ready_if_whole()
+
+    async def wait_for_tokenizer(self) -> None:
+        """Until the tokenizer has loaded, or failed to (``tokenizer_error``)."""
+        if self._tokenizer_loading is not None:
+            await asyncio.shield(self._tokenizer_loading)
+
+    def _set_ready_if_whole(self) -> None:
+        """Ready once the engine core and the tokenizer are (or, to wake its waiters, once loading failed)."""
+        assert self._ready is not None
+        if self.tokenizer_error is not None or (self._engine_core_ready and self.tokenizer_loaded):
+            self._ready.set()
 
     @property
     def is_ready(self) -> bool:
-        return self._ready is not None and self._ready.is_set() and self.dead_reason is None
+        return (self._ready is not None and self._ready.is_set() and self.dead_reason is None
+                and self.tokenizer_error is None)
 
     @property
     def is_dead(self) -> bool:
@@ -195,12 +237,16 @@ class AsyncLLM:
             while not ready.is_set():
                 if self.dead_reason is not None:
                     raise EngineDeadError(self.dead_reason)
+                if self.tokenizer_error is not None:
+                    raise self.tokenizer_error
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("the engine core did not become ready in time")
                 await asyncio.wait({waiter}, timeout=min(0.2, remaining) if remaining is not None else 0.2)
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
+            if self.tokenizer_error is not None:
+                raise self.tokenizer_error
         finally:
             waiter.cancel()
 
@@ -383,7 +429,8 @@ class AsyncLLM:
                     return
                 self.engine_info = payload
                 self.metrics.set_compute_path(payload.get("compute_path") or {})
-                self._ready.set()
+                self._engine_core_ready = True
+                self._set_ready_if_whole()
                 logger.info(
                     "engine core ready (pid %s, %s KV blocks)", payload.get("pid"), payload.get("num_kv_blocks")
                 )
@@ -394,6 +441,9 @@ class AsyncLLM:
     def _handle_outputs(self, payload: Any) -> None:
         # data-parallel outputs arrive decoded (their statistics merged)
         core_outputs = payload if isinstance(payload, EngineCoreOutputs) else decode_outputs(payload)
+        if not self.tokenizer_loaded:  # statistics only: no request is accepted before the tokenizer is there
+            self._record_stats(core_outputs.scheduler_stats, IterationStats())
+            return
         processed = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp or None)
         waiting = len(self._not_started)
         for output in core_outputs.outputs:

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # the launcher's word to its API servers that an engine core has ended
 ENGINE_GONE_SIGNAL = signal.SIGUSR1
+# an API server that could not start for its arguments (a tokenizer that will not load): as ``heron: error``
+USAGE_ERROR = 2
 
 
 class _Stop(Exception):
@@ -131,7 +133,7 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
             culprit = next((server for server in exited if server.returncode), exited[0])
             logger.error("API server (pid %d) exited with code %s: stopping the others",
                          culprit.pid, culprit.returncode)
-            return 1
+            return USAGE_ERROR if culprit.returncode == USAGE_ERROR else 1
         if exited:
             return 0
         time.sleep(0.2)

@@ -19,7 +19,7 @@ from heron import __version__
 from heron.core.hashing import BLOCK_HASH_SCHEME
 from heron.engine.input_processor import InvalidRequestError, check_text
 from heron.engine.kv_events_publisher import connectable
-from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body
+from heron.entrypoints.openai.errors import APIError, ErrorResponse, bad_request, invalid_body, unavailable
 from heron.entrypoints.openai.gateway import key_owner
 from heron.entrypoints.openai.off_loop import prepare
 from heron.entrypoints.openai.protocol import (
@@ -198,6 +198,7 @@ async def tokenize(body: TokenizeRequest, ctx: Serving, raw_request: Request) ->
     """A prompt (``{"prompt": ...}``) or a conversation (``{"messages": [...]}``),
     checked as the completion or chat request it previews (tools included)."""
     check_model_name(ctx, body.model)
+    check_tokenizer_loaded(ctx)
 
     def token_ids_of() -> list[int]:
         if isinstance(body, TokenizeChatRequest):
@@ -218,6 +219,7 @@ async def tokenize(body: TokenizeRequest, ctx: Serving, raw_request: Request) ->
 @router.post("/detokenize", responses=INVALID_BODY)
 async def detokenize(request: DetokenizeRequest, ctx: Serving, raw_request: Request) -> dict[str, Any]:
     check_model_name(ctx, request.model)
+    check_tokenizer_loaded(ctx)
     vocab_size = ctx.engine.config.model.vocab_size
 
     def text_of() -> str:
@@ -228,6 +230,13 @@ async def detokenize(request: DetokenizeRequest, ctx: Serving, raw_request: Requ
 
     # a long list decodes for seconds: on a worker thread, as a long prompt is tokenized, not holding every stream
     return {"prompt": await prepare(raw_request, text_of)}
+
+
+def check_tokenizer_loaded(ctx: ServingContext) -> None:
+    """/tokenize and /detokenize answer before the engine core is ready, once the
+    tokenizer has loaded (the server loads it while it answers)."""
+    if not ctx.engine.tokenizer_loaded:
+        raise unavailable("The tokenizer is still loading; retry shortly.", "model_loading")
 
 
 @router.get("/v1/kv_events")

@@ -92,8 +92,9 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        freeze_startup_objects("API server")
+        freezing = asyncio.create_task(_freeze_once_the_tokenizer_is_loaded(engine))
         yield
+        freezing.cancel()
         engine.shutdown()
 
     app = FastAPI(title="heron", version=__version__, lifespan=lifespan)
@@ -125,6 +126,13 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     app.include_router(router)
     install_openapi(app)
     return app
+
+
+async def _freeze_once_the_tokenizer_is_loaded(engine: AsyncLLM) -> None:
+    """The start-up objects are frozen once the last of them, the tokenizer's, exist."""
+    await engine.wait_for_tokenizer()
+    if engine.tokenizer_loaded:
+        freeze_startup_objects("API server")
 
 
 def gateway_settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -257,7 +265,9 @@ async def _serve_api(
     scope = f"API server {role.index + 1} of {role.count} (its requests)" if role is not None else ""
     engine = AsyncLLM(config, log_level=args.log_level, log_stats_interval_s=args.log_stats_interval, started=started,
                       record_engine_stats=role is None or role.index == 0, stats_scope=scope,
-                      heartbeat_timeout_s=args.engine_heartbeat_timeout, step_timeout_s=args.engine_step_timeout)
+                      heartbeat_timeout_s=args.engine_heartbeat_timeout, step_timeout_s=args.engine_step_timeout,
+                      # the server answers (503 "loading") while the tokenizer loads, not only once it has
+                      load_tokenizer_in_background=True)
     server = Server(uvicorn_config(build_app(engine, settings, role), args, settings))
     stop_signals.stop(server)
     scheme = "https" if args.ssl_certfile else "http"
@@ -269,7 +279,8 @@ async def _serve_api(
         try:
             await engine.wait_until_ready()
         except Exception as exc:  # start-up failed: stop the server
-            if not isinstance(exc, EngineDeadError):  # a dead engine's reason was logged where it was found
+            # a dead engine's reason was logged where it was found; the tokenizer's error is raised below
+            if not isinstance(exc, EngineDeadError) and exc is not engine.tokenizer_error:
                 logger.error("%s", exc)
             server.should_exit = True
             return
@@ -314,6 +325,8 @@ async def _serve_api(
         if main_thread:
             exit_within(STOP_DEADLINE_S, 1 if engine.is_dead else 0)
         engine.shutdown()
+    if engine.tokenizer_error is not None:  # "heron: error: cannot load a tokenizer ...", as a bad flag's
+        raise engine.tokenizer_error
     return 1 if engine.is_dead else 0
 
 
