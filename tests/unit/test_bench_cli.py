@@ -26,8 +26,9 @@ def _chunk(text: str, finish: str | None = None) -> bytes:
 class ScriptedServer:
     """Answers /v1/completions per ``mode``: "text" (two chunks), "empty" (a
     finish chunk of no text, as an immediate end of sequence streams), or
-    "fail_after:N" (N good answers, then 500s), or "stall_after:N" (N good
-    answers, then none for 5 s)."""
+    "fail_after:N" (N good answers, then 500s), "stall_after:N" (N good
+    answers, then none for 5 s), "slow" (the second chunk after 1.5 s) or
+    "usage" (a usage chunk: 50 prompt tokens, 2 completion tokens)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -51,7 +52,12 @@ class ScriptedServer:
             await response.write(_chunk("", "stop"))
         else:
             await response.write(_chunk("Hello"))
+            if self.mode == "slow":
+                await asyncio.sleep(1.5)
             await response.write(_chunk(" world", "length"))
+        if self.mode == "usage":
+            usage = {"prompt_tokens": 50, "completion_tokens": 2, "total_tokens": 52}
+            await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -196,3 +202,31 @@ def test_warm_up_requests_are_sent_first_and_not_counted(scripted, tmp_path):
     assert bench("--base-url", scripted.base_url, "--num-warmups", "2", "--result-filename", str(path)) == 0
     [result] = load_results([str(path)])
     assert len(scripted.bodies) == 6 and result["completed"] == 4 and result["num_warmups"] == 2
+
+
+@pytest.mark.parametrize("scripted", ["slow"], indirect=True)
+def test_only_request_timeout_bounds_a_request(scripted, tmp_path, monkeypatch):
+    """aiohttp's session-wide default timeout (300 s for a whole request; 1 s
+    here) cut every longer request, reported as over --request-timeout (6 h)."""
+    import aiohttp
+
+    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=1.0))
+    path = tmp_path / "r.json"
+    assert bench("--base-url", scripted.base_url, "--num-prompts", "1", "--result-filename", str(path)) == 0
+    [result] = load_results([str(path)])
+    assert (result["completed"], result["failed"]) == (1, 0), result["errors"]
+    assert bench("--base-url", scripted.base_url, "--num-prompts", "1", "--request-timeout", "0.5",
+                 "--result-filename", str(path)) == 1
+    [result] = load_results([str(path)])
+    assert result["errors"] == ["no whole answer within --request-timeout (0.5 s)"]
+
+
+@pytest.mark.parametrize("scripted", ["usage"], indirect=True)
+def test_input_tokens_are_the_servers_count_when_it_sends_one(scripted, tmp_path):
+    """The dataset's count leaves out what the server adds (a chat template's
+    tokens: half the real figure on the chat endpoint), as vLLM's client does not."""
+    path = tmp_path / "r.json"
+    assert bench("--base-url", scripted.base_url, "--result-filename", str(path)) == 0
+    [result] = load_results([str(path)])
+    assert result["total_input_tokens"] == 4 * 50 and result["input_lens"] == [50] * 4
+    assert result["total_output_tokens"] == 4 * 2

@@ -6,6 +6,8 @@ inter-token latencies are the gaps between later text chunks. Output tokens
 come from the server's usage report when it sends one
 (``stream_options.include_usage``), otherwise from tokenizing the generated
 text (reasoning included); ``generated_text`` is the answer's content alone.
+Input tokens too come from the usage report when it has them (on the chat
+endpoint they include the chat template's), else from the dataset's count.
 
 The client is aiohttp (its HTTP parsing and line splitting are C): at a few
 tens of thousands of streamed events per second, one client process in pure
@@ -104,6 +106,8 @@ async def send_request(
                     return result
                 if payload.get("usage"):
                     usage_tokens = _token_count(payload["usage"].get("completion_tokens", usage_tokens))
+                    # the prompt as the model saw it (a chat template's tokens too), as vLLM's client counts it
+                    result.prompt_len = _token_count(payload["usage"].get("prompt_tokens")) or result.prompt_len
                 text, thought, finishes = _event_text(payload, chat)
                 if finishes and finished_at is None:
                     finished_at = time.perf_counter()
