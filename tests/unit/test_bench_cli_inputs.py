@@ -39,6 +39,21 @@ def run_error(argv: list[str], capsys) -> str:
 def test_a_tokenizer_that_cannot_load_is_named(capsys, tmp_path):
     err = run_error([*UNREACHABLE, "--tokenizer", str(tmp_path / "no-such-tokenizer")], capsys)
     assert "heron: error: cannot load the tokenizer" in err and "no-such-tokenizer" in err
+    assert "no such file or directory" in err  # a path, not a Hub id ("Repo id must be in the form ...")
+
+
+def test_a_bad_goodput_bound_names_the_flag(capsys):
+    err = run_error([*UNREACHABLE, "--goodput", "ttft:abc"], capsys)
+    assert "--goodput expects NAME:MS" in err and "'ttft:abc'" in err
+
+
+@pytest.mark.parametrize("flags", [["--result-dir", "/proc/no-such-dir", "--save-result"],
+                                   ["--result-filename", "/proc/no-such-dir/r.json"]])
+def test_a_result_that_cannot_be_saved_is_refused_before_the_run(flags, capsys):
+    """It was found once the run had ended, and its result lost."""
+    err = run_error([*UNREACHABLE, *flags], capsys)
+    assert "cannot save the result in '/proc/no-such-dir'" in err
+    assert "requests failed" not in err  # nothing was sent
 
 
 def test_a_dataset_path_is_refused_where_nothing_reads_it(capsys, tmp_path):

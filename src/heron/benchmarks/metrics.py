@@ -18,9 +18,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     for item in items or []:
         name, _, value = item.partition(":")
         key = GOODPUT_KEYS.get(name.strip().lower())
-        if key is None or not value:
+        try:
+            bound = float(value) if key is not None else None
+        except ValueError:
+            bound = None
+        if key is None or bound is None:
             raise ValueError(f"--goodput expects NAME:MS with NAME in ttft, tpot, e2el; got {item!r}")
-        slos[key] = float(value)
+        slos[key] = bound
         if not slos[key] > 0:  # NaN too
             raise ValueError(f"--goodput {name}: the bound must be a positive number of milliseconds, got {value!r}")
     return slos

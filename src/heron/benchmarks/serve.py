@@ -182,6 +182,17 @@ def default_result_filename(result: dict[str, Any]) -> str:
     return f"heron-bench-{model}-rate{result['request_rate']}-conc{concurrency}-{result['date']}.json"
 
 
+def check_result_dir(directory: str) -> None:
+    """Make ``directory`` (as saving would) and check it takes files: ValueError
+    if not, so that a run is not measured only to lose its result."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot save the result in {directory!r}: {exc.strerror or exc}") from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot save the result in {directory!r}: not writable")
+
+
 def save_result(result: dict[str, Any], directory: str | None, filename: str | None) -> str:
     filename = filename or default_result_filename(result)
     path = os.path.join(directory, filename) if directory else filename

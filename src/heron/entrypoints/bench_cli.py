@@ -153,6 +153,8 @@ def _tokenizer_of(name: str | None) -> Any:
     from heron.loader.model_source import resolve_model_source
 
     if name and not os.path.exists(name):
+        if name.startswith(("/", "./", "../", "~")):  # a path, not a Hub id: transformers called it a bad repo id
+            raise FileNotFoundError("no such file or directory")
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(name)
@@ -249,13 +251,24 @@ def _bench_offline(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from heron.benchmarks.compare import comparison_table
     from heron.benchmarks.metrics import parse_goodput
-    from heron.benchmarks.serve import default_result_filename, format_report, run_load, save_result, summarize
+    from heron.benchmarks.serve import (
+        check_result_dir,
+        default_result_filename,
+        format_report,
+        run_load,
+        save_result,
+        summarize,
+    )
 
     base_urls = args.base_url or [f"http://{args.host}:{args.port}"]
     labels = args.label or []
     if labels and len(labels) != len(base_urls):
         raise ValueError("give one --label per --base-url")
     goodput = parse_goodput(args.goodput)
+    saving = args.save_result or args.result_filename or args.plot
+    result_dir = os.path.dirname(os.path.join(args.result_dir or "", args.result_filename or "result.json"))
+    if saving and result_dir:
+        check_result_dir(result_dir)  # before the run, not after it (its result lost)
     # as vLLM, the model's own tokenizer by default: the embedded one measured other models' prompts wrongly
     local_model = args.model if args.model and os.path.exists(args.model) else None
     tokenizer = _load_tokenizer(args.tokenizer or local_model)
