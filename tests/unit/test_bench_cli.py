@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -188,7 +189,14 @@ def test_ctrl_c_keeps_what_finished(scripted, tmp_path, capsys):
     import os
     import signal
 
-    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    def interrupt_once_stalled() -> None:  # a fixed delay could end before the run began, on a busy machine
+        deadline = time.monotonic() + 60
+        while len(scripted.bodies) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_stalled, daemon=True).start()
     path = tmp_path / "r.json"
     assert bench("--base-url", scripted.base_url, "--max-concurrency", "1", "--result-filename", str(path)) == 130
     [result] = load_results([str(path)])
@@ -230,3 +238,11 @@ def test_input_tokens_are_the_servers_count_when_it_sends_one(scripted, tmp_path
     [result] = load_results([str(path)])
     assert result["total_input_tokens"] == 4 * 50 and result["input_lens"] == [50] * 4
     assert result["total_output_tokens"] == 4 * 2
+
+
+@pytest.mark.parametrize("scripted", ["text"], indirect=True)
+def test_another_models_prompts_counted_with_the_embedded_tokenizer_are_said_to_be(scripted, tmp_path, capsys):
+    assert bench("--base-url", scripted.base_url) == 0  # the server's model, "scripted"
+    assert "counted with the embedded SmolLM2-135M-Instruct tokenizer, not 'scripted''s" in capsys.readouterr().err
+    assert bench("--base-url", scripted.base_url, "--model", "SmolLM2-135M-Instruct") == 0
+    assert "counted with the embedded" not in capsys.readouterr().err

@@ -105,9 +105,7 @@ async def send_request(
                     result.error = str(payload["error"])[:300]
                     return result
                 if payload.get("usage"):
-                    usage_tokens = _token_count(payload["usage"].get("completion_tokens", usage_tokens))
-                    # the prompt as the model saw it (a chat template's tokens too), as vLLM's client counts it
-                    result.prompt_len = _token_count(payload["usage"].get("prompt_tokens")) or result.prompt_len
+                    usage_tokens = _read_usage(payload["usage"], result, usage_tokens)
                 text, thought, finishes = _event_text(payload, chat)
                 if finishes and finished_at is None:
                     finished_at = time.perf_counter()
@@ -159,6 +157,14 @@ def _event_text(payload: dict[str, Any], chat: bool) -> tuple[str, str, bool]:
             text += choice.get("text") or ""
         finishes = finishes or bool(choice.get("finish_reason"))
     return text, thought, finishes
+
+
+def _read_usage(usage: dict[str, Any], result: RequestResult, completion_tokens: int | None) -> int | None:
+    """The completion tokens a usage report counts (else ``completion_tokens``);
+    its prompt tokens, the prompt as the model saw it (a chat template's tokens
+    too, as vLLM's client counts them), become ``result.prompt_len``."""
+    result.prompt_len = _token_count(usage.get("prompt_tokens")) or result.prompt_len
+    return _token_count(usage.get("completion_tokens", completion_tokens))
 
 
 def _token_count(value: Any) -> int | None:

@@ -23,6 +23,7 @@ from heron.entrypoints.arg_types import (
     range_ratio,
     unit_interval,
 )
+from heron.loader.model_source import DEFAULT_MODEL_NAME
 
 
 def add_bench_parsers(subcommands: Any) -> None:
@@ -251,14 +252,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from heron.benchmarks.compare import comparison_table
     from heron.benchmarks.metrics import parse_goodput
-    from heron.benchmarks.serve import (
-        check_result_dir,
-        default_result_filename,
-        format_report,
-        run_load,
-        save_result,
-        summarize,
-    )
+    from heron.benchmarks.serve import check_result_dir, format_report, run_load, summarize
 
     base_urls = args.base_url or [f"http://{args.host}:{args.port}"]
     labels = args.label or []
@@ -281,6 +275,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
     results = []
     for index, base_url in enumerate(base_urls):
         model = args.model or _served_model(base_url, args.api_key)
+        if not (args.tokenizer or local_model) and DEFAULT_MODEL_NAME not in model:
+            print(f"note: prompt lengths are counted with the embedded {DEFAULT_MODEL_NAME} tokenizer, not "
+                  f"{model!r}'s; pass --tokenizer (its directory or GGUF file) for token-exact lengths",
+                  file=sys.stderr)
         client_cpu_started, started_at = time.process_time(), time.time()
         raw, duration, interrupted = asyncio.run(run_load(
             base_url, args.endpoint, model, samples,
@@ -297,7 +295,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "base_url": base_url,
             "endpoint": args.endpoint,
             "model_id": model,
-            "tokenizer_id": args.tokenizer or local_model or "embedded SmolLM2-135M-Instruct",
+            "tokenizer_id": args.tokenizer or local_model or f"embedded {DEFAULT_MODEL_NAME}",
             "dataset_name": args.dataset_name,
             "num_prompts": len(samples),
             "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
@@ -313,18 +311,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
         }
         result = summarize(raw, duration, goodput, args.metric_percentiles, settings)
         print(format_report(result, args.metric_percentiles))
-        if args.save_result or args.result_filename or args.plot:
-            filename = args.result_filename or default_result_filename(result)
-            if len(base_urls) > 1:  # one file per server (runs within a second had one name, the last kept)
-                stem, ext = os.path.splitext(filename)
-                filename = f"{stem}-{labels[index] if labels else index}{ext}"
-            path = save_result(result, args.result_dir, filename)
-            print(f"saved {path}")
-            if args.plot:
-                from heron.benchmarks.plots import plot_run
-
-                for chart in plot_run(raw, os.path.splitext(path)[0], result.get("label") or model):
-                    print(f"wrote {chart}")
+        if saving:
+            # one file per server (runs within a second had one name, the last kept)
+            suffix = (labels[index] if labels else str(index)) if len(base_urls) > 1 else None
+            _save_and_plot(args, result, raw, suffix)
         results.append(result)
         failed = result["failed"]
         if failed:
@@ -336,6 +326,23 @@ def _bench_serve(args: argparse.Namespace) -> int:
         print(comparison_table(results))
     # nothing measured (no server, or every request failed) is not a result: a script must see it
     return 1 if any(result["completed"] == 0 for result in results) else 0
+
+
+def _save_and_plot(args: argparse.Namespace, result: dict[str, Any], raw: list[Any], suffix: str | None) -> None:
+    """Save one server's ``result`` (its file name with ``-suffix`` when given), and plot it if asked."""
+    from heron.benchmarks.serve import default_result_filename, save_result
+
+    filename = args.result_filename or default_result_filename(result)
+    if suffix is not None:
+        stem, ext = os.path.splitext(filename)
+        filename = f"{stem}-{suffix}{ext}"
+    path = save_result(result, args.result_dir, filename)
+    print(f"saved {path}")
+    if args.plot:
+        from heron.benchmarks.plots import plot_run
+
+        for chart in plot_run(raw, os.path.splitext(path)[0], result.get("label") or result["model_id"]):
+            print(f"wrote {chart}")
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, float]:
