@@ -63,6 +63,15 @@ FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+# fallback models whose own tests say how they differ from transformers
+OTHER_FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
+    # LongRoPE (Phi-3's long-context RoPE) with an original context of 16: factors per frequency, short and long
+    "phi3-longrope": dict(model_type="phi3", pad_token_id=0, original_max_position_embeddings=16, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+}
+
+
 def build_tiny_model(directory: str, family: dict[str, Any], tokenizer: Any, seed: int = 0) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,7 +92,7 @@ def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
 
     def make(name: str) -> str:
         if name not in built:
-            family = FAMILIES.get(name) or FALLBACK_FAMILIES[name]
+            family = FAMILIES.get(name) or FALLBACK_FAMILIES.get(name) or OTHER_FALLBACK_FAMILIES[name]
             directory = str(tmp_path_factory.mktemp(name.replace("/", "_")))
             built[name] = build_tiny_model(directory, family, embedded_tokenizer)
         return built[name]

@@ -63,6 +63,44 @@ def test_transformers_fallback_matches_transformers(tiny_model_dir, family):
     check_against_reference(tiny_model_dir(family), "transformers")
 
 
+def _greedy_with_logprobs(outputs) -> list[tuple[list[int], list[float]]]:
+    return [(list(completion.token_ids), [entry[token].logprob for token, entry in
+                                          zip(completion.token_ids, completion.logprobs)])
+            for completion in (output.outputs[0] for output in outputs)]
+
+
+def test_longrope_takes_one_set_of_factors_whatever_a_request_is_batched_with(tiny_model_dir):
+    """transformers picks LongRoPE's short or long factors per forward call, by
+    its largest position; heron's call is a step's whole batch, so a request's
+    answer depended on its neighbours, its prefill's chunks and its cached
+    prefix. The factors are now fixed: long when max_model_len exceeds the
+    original context (16 here), as vLLM does, else short."""
+    directory = tiny_model_dir("phi3-longrope")
+    reference = load_reference(directory)
+    short, long_one, long_two = random_prompts([6, 20, 40], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    llm = LLM(directory, dtype="float32", max_model_len=128, num_kv_blocks=64)
+    [alone] = _greedy_with_logprobs(llm.generate([short], params, use_tqdm=False))
+    together = _greedy_with_logprobs(llm.generate([short, long_one, long_two], params, use_tqdm=False))
+    assert together[0][0] == alone[0] and together[0][1] == pytest.approx(alone[1], abs=1e-5)
+    for prompt, (tokens, _) in zip([long_one, long_two], together[1:]):  # past 16: transformers' long factors too
+        assert tokens == reference_greedy(reference, prompt, 8)
+
+    # chunks of 8 and a cached 24-token prefix: the first positions were rotated with the short factors
+    chunked = LLM(directory, dtype="float32", max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=8,
+                  block_size=8)
+    chunked.generate([long_two[:24]], params, use_tqdm=False)
+    [output] = chunked.generate([long_two], params, use_tqdm=False)
+    assert output.num_cached_tokens == 24
+    [(tokens, logprobs)] = _greedy_with_logprobs([output])
+    assert tokens == together[2][0] and logprobs == pytest.approx(together[2][1], abs=1e-4)
+
+    # within the original context: the short factors, as transformers uses for a sequence that short
+    short_context = LLM(directory, dtype="float32", max_model_len=16, num_kv_blocks=16)
+    [(tokens, _)] = _greedy_with_logprobs(short_context.generate([short], params, use_tqdm=False))
+    assert tokens == reference_greedy(reference, short, 8)
+
+
 def test_native_model_can_be_forced_through_transformers(tiny_model_dir):
     directory = tiny_model_dir("qwen2")
     llm = LLM(directory, dtype="float32", max_model_len=128, num_kv_blocks=32, model_impl="transformers")

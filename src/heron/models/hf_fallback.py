@@ -123,6 +123,40 @@ def _paged_attention(
     return output.unsqueeze(0), None  # [1, T, H, D]
 
 
+# what a LongRoPE rotary module's type becomes once its factors are fixed (transformers then leaves them be)
+FIXED_LONGROPE = "longrope (factors fixed by heron)"
+
+
+def fix_longrope_factors(hf_model: nn.Module, max_model_len: int) -> None:
+    """Give every LongRoPE rotary module (Phi-3's, or any ``longrope`` config)
+    one set of factors for good: the long ones when ``max_model_len`` exceeds
+    the original context, else the short ones, as vLLM does.
+
+    transformers picks them per forward call by the call's largest position.
+    heron's call is a whole step's flat batch, so a request's factors depended
+    on what it was batched with, on how its prefill was chunked and on when its
+    cached prefix was computed, and K/V written under one set were read under
+    the other. With the factors fixed, a short prompt under a long
+    ``max_model_len`` is rotated with the long factors where transformers
+    alone would use the short ones."""
+    for module in hf_model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        if not hasattr(module, "original_inv_freq") or not isinstance(rope_type, (str, dict)):
+            continue
+        kinds = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+        longrope = [layer_type for layer_type, kind in kinds.items() if kind == "longrope"]
+        if not longrope:
+            continue
+        inv_freq: torch.Tensor = module.original_inv_freq  # type: ignore[assignment]
+        probe = torch.zeros(1, device=inv_freq.device)
+        last_position = torch.tensor([[max_model_len - 1]], device=inv_freq.device)
+        with torch.no_grad():
+            for layer_type in longrope:  # transformers' own choice, made once for the longest sequence
+                module(probe, last_position, **({"layer_type": layer_type} if layer_type is not None else {}))
+        fixed = {layer_type: FIXED_LONGROPE if kind == "longrope" else kind for layer_type, kind in kinds.items()}
+        setattr(module, "rope_type", fixed if isinstance(rope_type, dict) else FIXED_LONGROPE)  # noqa: B010
+
+
 class TransformersCausalLM(CausalLM):
     def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
         super().__init__()
@@ -146,6 +180,7 @@ class TransformersCausalLM(CausalLM):
             raise ValueError(f"{model_config.model}: the model's attention has learned sinks (gpt-oss), which "
                              "heron's attention does not add: not supported")
         self.hf_model = hf_model.to(device).eval()
+        fix_longrope_factors(self.hf_model, model_config.max_model_len)
         config = self.hf_model.config
         text_config = _text_config(config)
         num_heads = int(text_config.num_attention_heads)
