@@ -292,6 +292,20 @@ def test_yarn_extends_the_context_to_the_original_times_the_factor():
     assert model_context_length(arch_config_from_dict({**values, "rope_scaling": None})) == 40960
 
 
+def test_linear_rope_scaling_stretches_the_context_by_its_factor():
+    """As vLLM reads it: a factor-2 model of 4096 positions takes 8192 tokens
+    (a --max-model-len past 4096 was refused)."""
+    from heron.loader.arch_config import arch_config_from_dict
+    from heron.loader.model_config import model_context_length
+
+    values = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 4096}
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert model_context_length(arch_config_from_dict({**values, "rope_parameters": linear})) == 8192
+    dynamic = {**linear, "rope_type": "dynamic"}
+    assert model_context_length(arch_config_from_dict({**values, "rope_parameters": dynamic})) == 4096
+
+
 def test_cuda_only_options_are_refused_on_the_cpu(monkeypatch):
     """Each failed later: the triton backend in the engine core with a traceback,
     torch.compile with a Dynamo guard failure on the low-bit path."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from heron.loader.arch_config import arch_config_from_dict
 from heron.models.implementation import select_implementation
@@ -64,6 +66,36 @@ def test_rope_settings_are_read_as_transformers_merges_them():
                                                                                               "factor": 4.0}})
     assert rope_parameters_of(legacy) == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                           "original_max_position_embeddings": 512}
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("settings", [
+    {"rope_scaling": LLAMA3_ROPE},  # none given: a bare KeyError at load, where transformers takes the limit
+    {"original_max_position_embeddings": 32, "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 64}},
+    {"original_max_position_embeddings": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    {"original_max_position_embeddings": 32, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},  # unused
+])
+def test_the_original_context_of_a_rope_is_read_as_transformers_reads_it(settings):
+    """transformers' model gives a top-level original_max_position_embeddings
+    precedence over the RoPE dict's (for every model, not only Phi-3), and falls
+    back to max_position_embeddings; heron read the dict's alone (other
+    frequencies), and without it failed with a bare KeyError."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from heron.loader.arch_config import rope_parameters_of
+    from heron.models.layers.rotary import compute_inv_freq
+
+    values = {**LLAMA, "max_position_embeddings": 128, **settings}
+    # (transformers writes into the dicts it is given)
+    config = AutoConfig.for_model("llama", **copy.deepcopy({k: v for k, v in values.items() if k != "model_type"}))
+    model = AutoModelForCausalLM.from_config(config)  # its init settles the RoPE's parameters (its config's say less)
+    ours = rope_parameters_of(arch_config_from_dict(values))
+    assert ours.get("original_max_position_embeddings") == model.config.rope_parameters.get(
+        "original_max_position_embeddings")
+    assert torch.equal(compute_inv_freq(16, ours), model.model.rotary_emb.inv_freq)
 
 
 def test_only_a_mistral_slides_on_its_config_key_alone():

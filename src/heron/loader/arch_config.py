@@ -113,22 +113,32 @@ def _rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
     """One dict with ``rope_type`` and ``rope_theta``, from transformers 5's
     ``rope_parameters`` or the older ``rope_theta`` plus ``rope_scaling``, as
     transformers merges them: a ``rope_parameters`` without ``rope_theta`` takes
-    the top-level one (its scaling was dropped), and YaRN without
-    ``original_max_position_embeddings`` scales from ``max_position_embeddings``
-    (a bare KeyError)."""
+    the top-level one (its scaling was dropped); for the types that scale from
+    an original context (llama3, YaRN, LongRoPE), a top-level
+    ``original_max_position_embeddings`` takes precedence over the dict's
+    (Phi-3's rule, which transformers applies to every model), and without
+    either they scale from ``max_position_embeddings`` (a bare KeyError)."""
     params = values.get("rope_parameters")
     result = dict(params if isinstance(params, dict) else values.get("rope_scaling") or {})
     if "rope_theta" not in result:
         result["rope_theta"] = float(values.get("rope_theta") or 10000.0)
     result["rope_type"] = result.get("rope_type") or result.get("type") or "default"
     result.pop("type", None)
-    if result["rope_type"] == "yarn" and not result.get("original_max_position_embeddings") and values.get(
-            "max_position_embeddings"):
-        result["original_max_position_embeddings"] = int(values["max_position_embeddings"])
+    if result["rope_type"] in ORIGINAL_CONTEXT_ROPE_TYPES:
+        top_level = values.get("original_max_position_embeddings")
+        if top_level:
+            result["original_max_position_embeddings"] = int(top_level)
+        elif not result.get("original_max_position_embeddings") and values.get("max_position_embeddings"):
+            result["original_max_position_embeddings"] = int(values["max_position_embeddings"])
     return result
+
+
+# RoPE types whose scaling is relative to the context the model was pre-trained on
+ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 
 
 def rope_parameters_of(config: Any) -> dict[str, Any]:
     """``_rope_parameters`` of a config object (transformers' or ``ArchConfig``)."""
-    keys = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings")
+    keys = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+            "original_max_position_embeddings")
     return _rope_parameters({key: getattr(config, key, None) for key in keys})

@@ -57,7 +57,10 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 def model_context_length(hf_config: Any) -> int:
     """The longest sequence the model takes: its position limit, or for YaRN
     the original context times the factor where that is longer (Qwen's configs
-    keep the short limit beside the scaling, as vLLM reads them)."""
+    keep the short limit beside the scaling, as vLLM reads them); linear
+    scaling stretches the limit by its factor, as vLLM reads it. (Dynamic NTK
+    scaling does not: past the limit transformers would recompute its
+    frequencies per forward call, that is per step of a whole batch.)"""
     length = 2048
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         value = getattr(hf_config, key, None)
@@ -67,6 +70,8 @@ def model_context_length(hf_config: Any) -> int:
     rope = rope_parameters(hf_config)
     if rope["rope_type"] == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
         length = max(length, int(float(rope["factor"]) * int(rope["original_max_position_embeddings"])))
+    if rope["rope_type"] == "linear" and rope.get("factor"):
+        length = int(length * float(rope["factor"]))
     return length
 
 
