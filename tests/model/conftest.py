@@ -57,6 +57,17 @@ FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
     "cohere": dict(model_type="cohere", logit_scale=0.5),
     "granite": dict(model_type="granite", logits_scaling=4.0),
     "hyperclovax": dict(model_type="hyperclovax", logits_scaling=4.0),  # the same key, multiplied
+    # windows that reach heron's attention through the mask alone (the attention passes no sliding_window):
+    # they attended over the whole context
+    "qwen2-moe-sliding": dict(model_type="qwen2_moe", use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32),
+    "phimoe-sliding": dict(model_type="phimoe", sliding_window=16, num_local_experts=4, num_experts_per_tok=2),
+    # its causal LM names its decoder "language_model" but holds it as "model": it loaded, then failed at its first
+    # step (real Llama 4 checkpoints, with chunked attention, are refused)
+    "llama4-text-unchunked": dict(model_type="llama4_text", head_dim=16, attention_chunk_size=None,
+                                  num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128,
+                                  interleave_moe_layer_step=1, no_rope_layers=[1, 1], use_qk_norm=False),
     # a native family with a RoPE type heron does not compute: transformers runs it under "auto"
     "llama-dynamic-rope": dict(model_type="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                                     "factor": 2.0}),

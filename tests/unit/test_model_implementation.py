@@ -39,6 +39,10 @@ def test_a_checkpoint_quantized_its_own_way_runs_through_transformers_or_is_refu
     # hybrid, not flagged stateful by transformers: its layer types tell
     ("lfm2", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, "(conv layers)"),
     ("falcon", {}, "take no attention function from outside"),  # was a bare KeyError: 'heron_paged'
+    # loaded, then its first step failed; and chunks were attended as the whole sequence
+    ("llama4_text", {"attention_chunk_size": 16}, "attend within chunks of the sequence"),
+    ("llama4_text", {"attention_chunk_size": None, "num_hidden_layers": 2, "no_rope_layers": [1, 0]},
+     "by each token's position"),
     ("deepseek_v3", {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 8, "head_dim": 8},
      "multi-head latent attention"),  # loaded, then its first step failed on a reshape
 ])

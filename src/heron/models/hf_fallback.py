@@ -10,7 +10,7 @@ metadata travels to the attention function through the forward kwargs.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from heron.models.layers.attention import Attention
 
 ATTENTION_NAME = "heron_paged"
 # layer kinds whose only state between tokens is K/V (transformers' ``layer_types``)
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 
 
 def check_fallback_support(hf_config: Any) -> None:
@@ -40,8 +40,16 @@ def check_fallback_support(hf_config: Any) -> None:
     model_type = getattr(hf_config, "model_type", "")
     model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
     text_config = _text_config(hf_config)
-    others = sorted({kind for kind in getattr(text_config, "layer_types", None) or ()
-                     if kind not in ATTENTION_LAYER_TYPES})
+    layer_types = set(getattr(text_config, "layer_types", None) or ())
+    if "chunked_attention" in layer_types:  # transformers applies the chunks through the mask heron does not build
+        raise ValueError(f"{model_type!r} models attend within chunks of the sequence on some layers (chunked "
+                         "attention, as Llama 4's), which heron's paged attention does not: not supported")
+    if getattr(text_config, "attn_temperature_tuning", False) and 0 in (getattr(text_config, "no_rope_layers", None)
+                                                                      or ()):
+        # transformers counts the positions 0..T-1 of its call, heron's call being a whole step's flat batch
+        raise ValueError(f"{model_type!r} models scale the attention of their layers without RoPE by each token's "
+                         "position, counted over a forward call, which in heron holds many requests: not supported")
+    others = sorted({kind for kind in layer_types if kind not in ATTENTION_LAYER_TYPES})
     if getattr(model_class, "_is_stateful", False) or others:
         kinds = f" ({', '.join(map(str, others))} layers)" if others else ""
         raise ValueError(f"{model_type!r} models keep a state between tokens besides attention's K/V{kinds}, "
@@ -84,11 +92,24 @@ def _register_with_transformers() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, _paged_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, _window_of_mask)
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
+@dataclass(frozen=True, slots=True)
+class MaskWindow:
+    """What heron takes of the mask a model asks for: its sliding window (None:
+    plain causal). It reaches the attention function as ``attention_mask``:
+    some models (Qwen2-MoE, PhiMoE) give their window to the mask alone."""
+
+    sliding_window: int | None
+
+
+def _window_of_mask(*args: Any, local_size: int | None = None, **kwargs: Any) -> MaskWindow:
+    """The mask a model asks for, reduced to its sliding window: transformers'
+    sliding-window mask gives it as ``local_size`` (chunked attention does too,
+    refused at load). heron's attention builds the mask itself from each
+    token's request and position."""
+    return MaskWindow(int(local_size) if local_size else None)
 
 
 def _paged_attention(
@@ -105,7 +126,9 @@ def _paged_attention(
     layer_idx: int = module.layer_idx  # type: ignore[assignment]  # set by transformers on its attention modules
     layer = layers[layer_idx]
     spec = layer.spec
-    sliding_window = kwargs.get("sliding_window")
+    # the window a model passes, else the one its mask asked for
+    window_of_mask = attention_mask.sliding_window if isinstance(attention_mask, MaskWindow) else None
+    sliding_window = kwargs.get("sliding_window") or window_of_mask
     softcap = kwargs.get("softcap")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if (spec.scale, spec.sliding_window, spec.logits_soft_cap) != (scale, sliding_window, softcap):
@@ -157,6 +180,19 @@ def fix_longrope_factors(hf_model: nn.Module, max_model_len: int) -> None:
         setattr(module, "rope_type", fixed if isinstance(rope_type, dict) else FIXED_LONGROPE)  # noqa: B010
 
 
+def _decoder_of(hf_model: nn.Module) -> nn.Module:
+    """The model without its head: the submodule ``base_model_prefix`` names, or
+    ``model`` where that names none (Llama 4's and Mllama's causal LMs name
+    "language_model": a load that passed failed at its first step)."""
+    prefix = str(getattr(hf_model, "base_model_prefix", ""))
+    decoder = getattr(hf_model, prefix, None) if prefix else None
+    decoder = decoder if isinstance(decoder, nn.Module) else getattr(hf_model, "model", None)
+    if not isinstance(decoder, nn.Module):
+        raise ValueError(f"{type(hf_model).__name__} has no decoder module heron can find "
+                         f"(neither {prefix!r} nor 'model'): not supported")
+    return decoder
+
+
 class TransformersCausalLM(CausalLM):
     def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
         super().__init__()
@@ -180,6 +216,7 @@ class TransformersCausalLM(CausalLM):
             raise ValueError(f"{model_config.model}: the model's attention has learned sinks (gpt-oss), which "
                              "heron's attention does not add: not supported")
         self.hf_model = hf_model.to(device).eval()
+        self.decoder = _decoder_of(self.hf_model)
         fix_longrope_factors(self.hf_model, model_config.max_model_len)
         config = self.hf_model.config
         text_config = _text_config(config)
@@ -208,8 +245,7 @@ class TransformersCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        base = getattr(self.hf_model, self.hf_model.base_model_prefix)
-        outputs = base(
+        outputs = self.decoder(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             use_cache=False,
