@@ -68,6 +68,9 @@ FALLBACK_FAMILIES: dict[str, dict[str, Any]] = {
     "llama4-text-unchunked": dict(model_type="llama4_text", head_dim=16, attention_chunk_size=None,
                                   num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128,
                                   interleave_moe_layer_step=1, no_rope_layers=[1, 1], use_qk_norm=False),
+    # num_key_value_heads (2, from BASE) that GPT-NeoX's attention ignores: the cache was sized for 2 KV heads, and
+    # the first step failed
+    "gpt-neox-stray-kv-heads": dict(model_type="gpt_neox", rotary_pct=0.25),
     # a native family with a RoPE type heron does not compute: transformers runs it under "auto"
     "llama-dynamic-rope": dict(model_type="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                                     "factor": 2.0}),

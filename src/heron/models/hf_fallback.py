@@ -122,8 +122,12 @@ def _paged_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    layers: list[Attention] = kwargs["heron_layers"]
     layer_idx: int = module.layer_idx  # type: ignore[assignment]  # set by transformers on its attention modules
+    shapes = kwargs.get("heron_attention_shapes")
+    if shapes is not None:  # the load's probe (TransformersCausalLM._attention_shapes): no cache yet
+        shapes[layer_idx] = (query.shape[1], key.shape[1], key.shape[-1])
+        return query.transpose(1, 2), None
+    layers: list[Attention] = kwargs["heron_layers"]
     layer = layers[layer_idx]
     spec = layer.spec
     # the window a model passes, else the one its mask asked for
@@ -223,20 +227,26 @@ class TransformersCausalLM(CausalLM):
         num_heads = int(text_config.num_attention_heads)
         head_dim = head_dim_of(text_config)
         num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or num_heads)
-        self.layers = [
-            Attention(
-                AttentionLayerSpec(
-                    layer_idx=index,
-                    num_heads=num_heads,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    scale=head_dim**-0.5,
-                )
-            )
-            for index in range(int(text_config.num_hidden_layers))
-        ]
+        shapes = self._attention_shapes(device)
+        self.layers = []
+        for index in range(int(text_config.num_hidden_layers)):
+            heads, kv_heads, size = shapes.get(index, (num_heads, num_kv_heads, head_dim))
+            self.layers.append(Attention(AttentionLayerSpec(
+                layer_idx=index, num_heads=heads, num_kv_heads=kv_heads, head_dim=size, scale=size**-0.5)))
         self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
         self.logit_multiplier = logit_multiplier(text_config)
+
+    def _attention_shapes(self, device: torch.device) -> dict[int, tuple[int, int, int]]:
+        """Query heads, KV heads and head size of each attention layer, as the
+        model's own code makes them for one token. A config's keys may say
+        otherwise (a GPT-NeoX config's stray num_key_value_heads, which its
+        attention ignores): the KV cache was sized by them, and the first step
+        failed on the shapes."""
+        shapes: dict[int, tuple[int, int, int]] = {}
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            self.decoder(input_ids=token, position_ids=token, use_cache=False, heron_attention_shapes=shapes)
+        return shapes
 
     def attention_layers(self) -> list[Attention]:
         return self.layers
