@@ -399,6 +399,10 @@ def test_each_data_parallel_rank_publishes_on_its_own_socket():
     # a Ray node: the user's wildcard host becomes the node's address (the API server dials it)
     on_node = rank_kv_events(user, 1, "unused", host="10.0.0.7")
     assert (on_node.endpoint, on_node.replay_endpoint) == ("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5601")
+    # and a loopback one (README's example): it stayed on the node's loopback, out of other machines' reach
+    loopback = KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", replay_endpoint="tcp://localhost:5600")
+    on_node = rank_kv_events(loopback, 1, "unused", host="10.0.0.7")
+    assert (on_node.endpoint, on_node.replay_endpoint) == ("tcp://10.0.0.7:*", "tcp://10.0.0.7:5601")
 
 
 def test_ranks_whose_ports_would_meet_are_refused_before_anything_starts():

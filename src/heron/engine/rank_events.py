@@ -18,14 +18,18 @@ def kv_events_of(engine: EngineConfig | EngineArgs) -> KVEventsConfig:
 
 
 def rank_kv_events(base: KVEventsConfig, rank: int, private_endpoint: str, host: str | None = None) -> KVEventsConfig:
-    """``host``: put a wildcard host (``*``, ``0.0.0.0``) of the user's endpoint on this address."""
+    """``host``: put a wildcard (``*``, ``0.0.0.0``) or loopback host of the
+    user's endpoint on this address (a Ray node's: the API server and routers
+    on other machines dial it; on loopback the events were the node's alone,
+    while its other channels moved to its address, as a loopback ``kv_ip`` does)."""
     if not base.publishes:
         return KVEventsConfig(True, "zmq", private_endpoint)
 
     def ranked(address: str) -> str:
         if host is not None:
-            for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
-                address = address.replace(wildcard, f"tcp://{host}:")
+            for local in ("tcp://*:", "tcp://0.0.0.0:", "tcp://127.0.0.1:", "tcp://localhost:"):
+                if address.startswith(local):
+                    address = f"tcp://{host}:" + address[len(local):]
         return port_plus(address, rank)
 
     return replace(base, endpoint=ranked(base.endpoint),
