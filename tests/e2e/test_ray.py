@@ -62,6 +62,19 @@ def test_engine_cores_as_ray_actors_on_two_nodes_behind_one_server_and_a_router(
                                   "temperature": 0})
         assert routed.status_code == 200 and "Paris" in routed.json()["choices"][0]["text"]
 
+        # the actor holding its registration dies (an out-of-memory kill): it was gone for good, and the healthy
+        # server unlisted for every router
+        registration = re.compile(r"\(ReplicaRegistration pid=(\d+)[^)]*\)\S* holds the registration")
+
+        def registration_pids() -> set[str]:
+            return set(registration.findall(server.read_log()))
+
+        wait_for(registration_pids, timeout=30, what="the registration's log line")
+        os.kill(int(registration_pids().pop()), signal.SIGKILL)
+        wait_for(lambda: len(registration_pids()) == 2, timeout=60, what="the registration to be restarted")
+        wait_for(lambda: list(router.replicas()) == [server.base_url], timeout=60,
+                 what="the router to list the server again")
+
         server.process.send_signal(signal.SIGINT)
         assert server.process.wait(30) in (0, 130)  # 130: Ctrl-C's conventional code
         wait_for(lambda: not router.replicas(), timeout=30, what="the router to drop the stopped server")
@@ -90,6 +103,10 @@ def test_a_killed_engine_actor_makes_the_server_dead(ray_cluster, api_servers):
             return response.status_code == 503 and response.json()["status"] == "dead"
 
         wait_for(dead, timeout=10, what="the server to report the engine core dead")
+        if api_servers == 1:  # (several hear it from the launcher first, which says only that one ended)
+            reason = httpx.get(f"{server.base_url}/health", timeout=5).json()["reason"]
+            # Ray's own word, not "exited (code 1)" whatever happened
+            assert "Ray actor died" in reason and "code 1" not in reason, reason
         for _ in range(2 * api_servers):  # whichever API server the connection lands on
             failed = httpx.post(f"{server.base_url}/v1/completions", timeout=10,
                                 json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})

@@ -74,6 +74,9 @@ class OwnedEngineCore(Protocol):
     def exit_code(self) -> int | None:
         """None while it runs."""
 
+    def how_it_ended(self) -> str | None:
+        """Once it has ended, how, where more is known than its exit code (a Ray actor's death)."""
+
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for it to end by itself; whether it did."""
 
@@ -120,6 +123,9 @@ class EngineCoreProcess:
 
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+    def how_it_ended(self) -> str | None:
+        return None  # its exit code says it
 
     def wait(self, timeout: float) -> bool:
         try:
@@ -193,6 +199,9 @@ class EngineCoreClient:
     def exit_reason(self) -> str:
         """What to tell clients once the engine core is no longer alive."""
         code = self.exit_code
+        how = self._owned.how_it_ended() if self._owned is not None else None
+        if how is not None:
+            return how
         return "the engine core process exited" + ("" if code in (None, UNKNOWN_EXIT_CODE) else f" (code {code})")
 
     async def add_request(self, request: EngineCoreRequest) -> None:

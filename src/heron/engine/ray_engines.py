@@ -38,7 +38,7 @@ from heron import envs
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core_channels import ClientAddresses, ClientChannels
-from heron.engine.core_client import EngineCoreEndpoint
+from heron.engine.core_client import UNKNOWN_EXIT_CODE, EngineCoreEndpoint
 from heron.engine.rank_events import kv_events_of, rank_kv_events, with_kv_events, with_rank_kv_transfer
 
 logger = logging.getLogger(__name__)
@@ -145,15 +145,27 @@ class RayEngineCore:
         return EngineCoreEndpoint(None, self.clients[client])
 
     def exit_code(self) -> int | None:
+        """0 once its engine stopped when told, else UNKNOWN_EXIT_CODE: an actor has
+        no exit code (every death read "exited (code 1)"), ``how_it_ended`` says more."""
+        ended, failure = self._outcome()
+        return None if not ended else UNKNOWN_EXIT_CODE if failure is not None else 0
+
+    def how_it_ended(self) -> str | None:
+        """Ray's word on the actor's death (its worker killed, its node gone) or the
+        error its engine raised; None while it runs or once it stopped cleanly."""
+        return self._outcome()[1]
+
+    def _outcome(self) -> tuple[bool, str | None]:
+        """Whether ``run()`` has returned, and how it failed if it did."""
         ray = import_ray()
         done, _ = ray.wait([self.run_ref], timeout=0)
         if not done:
-            return None
+            return False, None
         try:
             ray.get(self.run_ref)
-        except Exception:  # noqa: BLE001 (the actor or its engine died; it said why in its log)
-            return 1
-        return 0
+        except Exception as exc:  # noqa: BLE001 (the actor or its engine died; its log says more)
+            return True, _how_the_actor_ended(exc)
+        return True, None
 
     def wait(self, timeout: float) -> bool:
         done, _ = import_ray().wait([self.run_ref], timeout=timeout)
@@ -219,11 +231,32 @@ def _bundle(engine: EngineConfig | EngineArgs, ray: Any) -> dict[str, float]:
     return {"CPU": cpus}
 
 
+def _how_the_actor_ended(error: BaseException) -> str:
+    """A line for clients: Ray's reason for an actor's death (its message's first
+    line past the actor's id fields), or the exception its engine raised."""
+    ray = import_ray()
+    if isinstance(error, ray.exceptions.RayActorError):
+        lines = [line.strip() for line in str(error).splitlines()[1:] if line.strip() and not line.startswith("\t")]
+        detail = lines[0] if lines else (str(error).splitlines() or [type(error).__name__])[0]
+        return f"the engine core's Ray actor died: {detail[:300]}"
+    cause = getattr(error, "cause", None) or error
+    first_line = (str(cause).splitlines() or [""])[0]
+    return f"the engine core failed: {type(cause).__name__}{': ' + first_line[:300] if first_line else ''}"
+
+
 # ---- replica discovery (heron router --ray-address) ----------------------------------
 
 
 class ReplicaRegistration:
-    """Holds a name while its server runs (a named actor ends with its driver)."""
+    """Holds a name while its server runs (a named actor ends with its driver).
+    It runs on the server's node and is restarted when its process dies (an
+    out-of-memory kill): placed anywhere, and gone for good with its process
+    or node, it left a healthy server unlisted for every router."""
+
+    def __init__(self, url: str) -> None:
+        import sys
+
+        print(f"holds the registration of {url}", file=sys.stderr, flush=True)  # in the server's log (Ray's)
 
 
 def this_node_ip() -> str:
@@ -236,8 +269,12 @@ def register_replica(url: str) -> Any:
     servers naming one URL (the same port on two machines that both registered
     a loopback address) shared one, and the first to stop unlisted the other."""
     ray = connect()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     name = f"{REPLICA_PREFIX}{url}{_REGISTRATION_SEPARATOR}{secrets.token_hex(6)}"
-    return ray.remote(ReplicaRegistration).options(name=name, num_cpus=0).remote()
+    on_this_node = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(ReplicaRegistration).options(
+        name=name, num_cpus=0, max_restarts=-1, scheduling_strategy=on_this_node).remote(url)
 
 
 def discover_replicas() -> list[str]:
