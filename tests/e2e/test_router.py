@@ -148,6 +148,24 @@ def test_client_errors_pass_through_and_never_open_a_breaker(fleet):
     assert all(state["state"] == "closed" for state in router.replicas().values())
 
 
+def test_a_prefix_cache_reset_through_the_router_reaches_every_replica(fleet):
+    """The router answered 404: each replica had to be called."""
+    router, replicas = fleet
+    question = "Which bird nests on the saltmarsh?"
+    assert chat(router, question).status_code == 200
+    wait_for(lambda: sum(state["cached_blocks"] for state in router.replicas().values()) > 0)
+    reset = httpx.post(f"{router.base_url}/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200, reset.text
+    answers = reset.json()["replicas"]
+    assert reset.json()["reset"] is True and answers.keys() == {r.base_url for r in replicas}
+    assert all(answer == {"status": 200, "answer": {"reset": True}} for answer in answers.values()), answers
+    # the replicas' "all blocks cleared" events emptied the router's index
+    wait_for(lambda: all(state["cached_blocks"] == 0 for state in router.replicas().values()))
+    before = {r.base_url: hits(r) for r in replicas}
+    assert chat(router, question).status_code == 200
+    assert all(hits(r) == before[r.base_url] for r in replicas)  # nothing was left to hit
+
+
 def test_a_killed_replica_is_routed_around_and_used_again_when_back(fleet):
     router, replicas = fleet
     # a long stream, then kill the replica serving it

@@ -43,6 +43,7 @@ from heron.router.answer_waits import STALL_S, Outcome, Refusal, read_kept, unti
 from heron.router.disaggregation import CLIENT_KV_TRANSFER, PrefillStage, block_sizes_match, prefills_first
 from heron.router.first_event import FirstEventGate
 from heron.router.http_front import FrontConnection, HttpRequest, serve
+from heron.router.prefix_reset import RESET_PATH, reset_every_replica
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.replica_errors import error_code, error_of, json_object, refused_at_the_door
@@ -215,6 +216,9 @@ class RouterServer:
             writer.send(200, self._prometheus(), CONTENT_TYPE_LATEST)
         elif path == "/router/replicas" and request.method in ("GET", "HEAD"):
             writer.send_json(200, self._describe())
+        elif path == RESET_PATH and request.method == "POST" and self.session is not None:
+            replicas = self.replicas.replicas + (self.prefill.replicas.replicas if self.prefill is not None else [])
+            writer.send_json(*await reset_every_replica(self.session, [r.url for r in replicas], request.headers))
         else:
             writer.send_json(404, error_body(404, f"no route for {request.method} {path}", "not_found"))
 
