@@ -403,6 +403,8 @@ def test_each_data_parallel_rank_publishes_on_its_own_socket():
     loopback = KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", replay_endpoint="tcp://localhost:5600")
     on_node = rank_kv_events(loopback, 1, "unused", host="10.0.0.7")
     assert (on_node.endpoint, on_node.replay_endpoint) == ("tcp://10.0.0.7:*", "tcp://10.0.0.7:5601")
+    ipv6 = rank_kv_events(KVEventsConfig(True, "zmq", "tcp://[::1]:5557"), 1, "unused", host="fd00::7")
+    assert ipv6.endpoint == "tcp://[fd00::7]:5558"
 
 
 def test_ranks_whose_ports_would_meet_are_refused_before_anything_starts():

@@ -117,3 +117,30 @@ def test_a_native_family_with_another_activation_runs_through_transformers():
     assert select_implementation(described("auto", hidden_act="gelu")) == "transformers"
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported natively"):
         select_implementation(described("native", hidden_act="gelu"))
+
+
+def test_longrope_factors_are_fixed_in_a_rotary_module_of_one_rope_per_layer_type():
+    """Gemma 3's rotary module keeps each layer type's frequencies apart; its
+    LongRoPE ones were left to change per forward call (the batch's longest
+    position) while Phi-3's were fixed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from heron.models.hf_fallback import FIXED_LONGROPE, fix_longrope_factors
+
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+    config = AutoConfig.for_model(
+        "gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": longrope, "sliding_attention": {"rope_type": "default",
+                                                                           "rope_theta": 10000.0}})
+    for max_model_len, factors in ((128, "long"), (16, "short")):
+        rotary = AutoModelForCausalLM.from_config(config).model.rotary_emb
+        short = rotary.full_attention_original_inv_freq.clone()
+        fix_longrope_factors(rotary, max_model_len)
+        assert rotary.rope_type == {"full_attention": FIXED_LONGROPE, "sliding_attention": "default"}
+        fixed = rotary.full_attention_inv_freq.clone()
+        assert torch.equal(fixed, short) == (factors == "short")
+        rotary(torch.zeros(1), torch.tensor([[3 if factors == "long" else 100]]), layer_type="full_attention")
+        assert torch.equal(rotary.full_attention_inv_freq, fixed)  # a step of other positions changes nothing

@@ -86,9 +86,10 @@ async def run_load(
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = tqdm(total=len(samples), disable=not show_progress, desc="requests")
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no limit on connections
-    # no session-wide timeout: aiohttp's default (300 s for a whole request) cut every request longer than that,
-    # reported as over --request-timeout; each request is bounded by request_timeout_s (send_request)
-    unbounded = aiohttp.ClientTimeout(total=None)
+    # no session-wide total: aiohttp's default (300 s for a whole request) cut every request longer than that,
+    # reported as over --request-timeout; each request is bounded by request_timeout_s (send_request). A
+    # connection still has aiohttp's 30 s to be made (a silent address fails then, not at the kernel's give-up)
+    unbounded = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, trust_env=True, timeout=unbounded) as client:
         for index in range(num_warmups):
             sample = samples[index % len(samples)]

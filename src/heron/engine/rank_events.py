@@ -27,9 +27,9 @@ def rank_kv_events(base: KVEventsConfig, rank: int, private_endpoint: str, host:
 
     def ranked(address: str) -> str:
         if host is not None:
-            for local in ("tcp://*:", "tcp://0.0.0.0:", "tcp://127.0.0.1:", "tcp://localhost:"):
-                if address.startswith(local):
-                    address = f"tcp://{host}:" + address[len(local):]
+            for local in ("tcp://*:", "tcp://0.0.0.0:", "tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:"):
+                if address.lower().startswith(local):
+                    address = f"tcp://{f'[{host}]' if ':' in host else host}:" + address[len(local):]
         return port_plus(address, rank)
 
     return replace(base, endpoint=ranked(base.endpoint),
@@ -87,7 +87,7 @@ def with_rank_kv_transfer(engine: EngineConfig | EngineArgs, rank: int,
     changes: dict[str, Any] = {}
     if config.kv_port:
         changes["kv_port"] = config.kv_port + rank
-    if host is not None and config.kv_ip in ("127.0.0.1", "localhost"):
+    if host is not None and config.kv_ip.lower() in ("127.0.0.1", "localhost", "::1"):
         changes["kv_ip"] = host
     if not changes:
         return engine

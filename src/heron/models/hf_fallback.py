@@ -168,19 +168,21 @@ def fix_longrope_factors(hf_model: nn.Module, max_model_len: int) -> None:
     alone would use the short ones."""
     for module in hf_model.modules():
         rope_type = getattr(module, "rope_type", None)
-        if not hasattr(module, "original_inv_freq") or not isinstance(rope_type, (str, dict)):
+        if not isinstance(rope_type, (str, dict)):
             continue
         kinds = rope_type if isinstance(rope_type, dict) else {None: rope_type}
-        longrope = [layer_type for layer_type, kind in kinds.items() if kind == "longrope"]
+        # a rotary module of one RoPE per layer type (Gemma 3's) keeps "<layer type>_original_inv_freq"
+        longrope = [layer_type for layer_type, kind in kinds.items() if kind == "longrope"
+                    and hasattr(module, f"{layer_type}_original_inv_freq" if layer_type else "original_inv_freq")]
         if not longrope:
             continue
-        inv_freq: torch.Tensor = module.original_inv_freq  # type: ignore[assignment]
-        probe = torch.zeros(1, device=inv_freq.device)
-        last_position = torch.tensor([[max_model_len - 1]], device=inv_freq.device)
+        device = next(module.buffers()).device
+        probe = torch.zeros(1, device=device)
+        last_position = torch.tensor([[max_model_len - 1]], device=device)
         with torch.no_grad():
             for layer_type in longrope:  # transformers' own choice, made once for the longest sequence
                 module(probe, last_position, **({"layer_type": layer_type} if layer_type is not None else {}))
-        fixed = {layer_type: FIXED_LONGROPE if kind == "longrope" else kind for layer_type, kind in kinds.items()}
+        fixed = {layer_type: FIXED_LONGROPE if layer_type in longrope else kind for layer_type, kind in kinds.items()}
         setattr(module, "rope_type", fixed if isinstance(rope_type, dict) else FIXED_LONGROPE)  # noqa: B010
 
 

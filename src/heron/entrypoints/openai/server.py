@@ -128,6 +128,11 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     return app
 
 
+class TokenizerLoadError(ValueError):
+    """The tokenizer could not be loaded (its files, or ``--tokenizer``): a usage
+    error, told as one by ``heron serve`` and by each of several API servers."""
+
+
 async def _freeze_once_the_tokenizer_is_loaded(engine: AsyncLLM) -> None:
     """The start-up objects are frozen once the last of them, the tokenizer's, exist."""
     await engine.wait_for_tokenizer()
@@ -325,7 +330,9 @@ async def _serve_api(
         if main_thread:
             exit_within(STOP_DEADLINE_S, 1 if engine.is_dead else 0)
         engine.shutdown()
-    if engine.tokenizer_error is not None:  # "heron: error: cannot load a tokenizer ...", as a bad flag's
+    if isinstance(engine.tokenizer_error, (ValueError, OSError)):  # as a bad flag's: "heron: error: cannot load ..."
+        raise TokenizerLoadError(str(engine.tokenizer_error)) from engine.tokenizer_error
+    if engine.tokenizer_error is not None:
         raise engine.tokenizer_error
     return 1 if engine.is_dead else 0
 
