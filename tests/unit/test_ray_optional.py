@@ -59,10 +59,13 @@ class _FakeRay:
     def remote(self, _cls):
         return self
 
+    def get_runtime_context(self):
+        return types.SimpleNamespace(get_node_id=lambda: "ab" * 28)  # the driver's node (a node id's form)
+
     def options(self, name, **_):
         assert name not in self.names, "Ray refuses a second actor of one name"
         self.names.append(name)
-        return types.SimpleNamespace(remote=lambda: name)
+        return types.SimpleNamespace(remote=lambda *args: name)
 
 
 def test_two_servers_registering_one_url_each_keep_their_own_registration(monkeypatch):
