@@ -12,6 +12,9 @@ from typing import Any
 from heron.config import EngineConfig, KVEventsConfig, KVTransferConfig
 from heron.engine.args import EngineArgs
 
+# the names of this machine's loopback that a Ray actor replaces with its node's address
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
 
 def kv_events_of(engine: EngineConfig | EngineArgs) -> KVEventsConfig:
     return engine.kv_events if isinstance(engine, EngineConfig) else KVEventsConfig.from_dict(engine.kv_events_config)
@@ -27,7 +30,8 @@ def rank_kv_events(base: KVEventsConfig, rank: int, private_endpoint: str, host:
 
     def ranked(address: str) -> str:
         if host is not None:
-            for local in ("tcp://*:", "tcp://0.0.0.0:", "tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:"):
+            for local in ("tcp://*:", "tcp://0.0.0.0:", *(f"tcp://{f'[{name}]' if ':' in name else name}:"
+                                                         for name in LOOPBACK_HOSTS)):
                 if address.lower().startswith(local):
                     address = f"tcp://{f'[{host}]' if ':' in host else host}:" + address[len(local):]
         return port_plus(address, rank)
@@ -87,7 +91,7 @@ def with_rank_kv_transfer(engine: EngineConfig | EngineArgs, rank: int,
     changes: dict[str, Any] = {}
     if config.kv_port:
         changes["kv_port"] = config.kv_port + rank
-    if host is not None and config.kv_ip.lower() in ("127.0.0.1", "localhost", "::1"):
+    if host is not None and config.kv_ip.lower() in LOOPBACK_HOSTS:
         changes["kv_ip"] = host
     if not changes:
         return engine
