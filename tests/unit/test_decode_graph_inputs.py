@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from heron.attention.backend import BatchLayout
-from heron.worker.cuda_graphs import DecodeGraphRunner, graph_buckets
+from heron.worker.cuda_graphs import DecodeGraphRunner, _first_failure, graph_buckets
 from heron.worker.step_inputs import PendingInputIds
 
 triton_backend = pytest.importorskip("heron.attention.triton_backend")
@@ -88,3 +88,21 @@ def test_stage_applies_the_pending_sampled_ids_last():
     assert runner.input_ids[:3].tolist() == [7, 8, input_ids[2]]
     runner.stage(layout, input_ids, positions, PendingInputIds(torch.tensor([5]), torch.tensor([2])))
     assert runner.input_ids[:3].tolist() == [input_ids[0], input_ids[1], 5]
+
+
+def _host_read_in_forward() -> None:
+    raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
+
+
+def test_a_failed_capture_is_named_by_the_error_it_began_with():
+    """Ending a broken capture raises a second error on top of the first; the
+    warning names the first one and the line that raised it."""
+    try:
+        try:
+            _host_read_in_forward()
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as error:
+        reason = _first_failure(error)
+    line = _host_read_in_forward.__code__.co_firstlineno + 1
+    assert reason == f"CUDA error: operation not permitted when stream is capturing at {__file__}:{line}"

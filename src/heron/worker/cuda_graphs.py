@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -98,23 +99,42 @@ class DecodeGraphRunner:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
         return self.model.compute_logits(hidden)
 
+    def _capture_bucket(self, bucket: int, pool: Any, stream: torch.cuda.Stream) -> tuple[Any, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            logits = self._forward(bucket)
+        return graph, logits
+
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self) -> str | None:
+        """Capture every bucket's graph. Returns None, or why the model cannot be
+        captured: then nothing is, and its decode steps run eagerly. A forward that
+        waits for the device (a branch on a device value, a shape that depends on
+        the data such as transformers' MoE loops over the experts hit) fails its
+        capture. (A dry run under CUDA's sync debug mode is no test: transformers
+        skips some of its checks only while a stream is capturing.)"""
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        reason = None
         with torch.cuda.stream(stream):
             for bucket in reversed(self.buckets):  # largest first: later ones reuse its pool
                 for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels)
                     self._forward(bucket)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(bucket)
-                self.graphs[bucket] = (graph, logits)
+                try:
+                    self.graphs[bucket] = self._capture_bucket(bucket, pool, stream)
+                except RuntimeError as error:
+                    if self.graphs:  # the forward was captured once: something else is wrong
+                        raise
+                    reason = _first_failure(error)
+                    break
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batches %s in %.1f s", self.buckets, time.perf_counter() - started)
+        if reason is None:
+            logger.info("captured CUDA graphs for decode batches %s in %.1f s", self.buckets,
+                        time.perf_counter() - started)
+        return reason
 
     def bucket_for(self, num_reqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_reqs), None)
@@ -165,3 +185,13 @@ class DecodeGraphRunner:
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[: layout.num_reqs]
+
+
+def _first_failure(error: BaseException) -> str:
+    """The error a failed capture began with (ending the capture raises another on
+    top of it) as one line, with the Python line that raised it."""
+    while error.__context__ is not None:
+        error = error.__context__
+    message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{message} at {frames[-1].filename}:{frames[-1].lineno}" if frames else message

@@ -175,7 +175,12 @@ class ModelRunner:
                 scratch_slot=num_blocks * self.block_size,
                 device=self.device,
             )
-            self.decode_graphs.capture()
+            reason = self.decode_graphs.capture()
+            if reason is not None:
+                logger.warning("CUDA graphs are off: the model's decode step cannot be captured (%s); "
+                               "decode steps run eagerly", reason)
+                self.decode_graphs = None
+                self.compute_path["decode"] = "eager (the forward cannot be captured)"
 
     def kv_cache_layout(self) -> list[tuple[str, tuple[int, ...]]]:
         """Each layer's cache dtype and per-block shape (what a block's bytes mean)."""
