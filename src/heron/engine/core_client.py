@@ -250,12 +250,14 @@ class EngineCoreClient:
         self._pending_calls.clear()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Close the sockets; an owned process is asked to stop, then terminated."""
+        """Close the sockets; an owned process is asked to stop (once it has spoken), then terminated."""
         if self._closed:
             return
         self._closed = True
         owned = self._owned
-        if owned is not None and owned.exit_code() is None:
+        # asked to stop, a serving core finishes what it holds; one still loading the model (nothing heard from it
+        # yet) reads the word only once loaded: waiting for it held a Ctrl-C during a start 5 s per core
+        if owned is not None and owned.exit_code() is None and self.liveness.last_heard is not None:
             try:
                 _settle(self.input_socket.send(pack(MessageKind.SHUTDOWN, None), flags=zmq.NOBLOCK))
                 owned.wait(timeout)

@@ -68,11 +68,16 @@ def start_engine_cores(
     # the private event sockets live as long as this (the API server's) process
     atexit.register(remove_private_dir, private_dir)
     processes: list[OwnedEngineCore] = []
-    for rank in range(size):
-        private = f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}"
-        ranked = with_rank_kv_transfer(with_kv_events(engine, rank_kv_events(kv_events_of(engine), rank, private)),
-                                       rank)
-        processes.append(EngineCoreProcess.start(ranked, log_level, num_clients))
+    try:
+        for rank in range(size):
+            private = f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}"
+            ranked = with_rank_kv_transfer(
+                with_kv_events(engine, rank_kv_events(kv_events_of(engine), rank, private)), rank)
+            processes.append(EngineCoreProcess.start(ranked, log_level, num_clients))
+    except BaseException:  # a Ctrl-C between two starts: the ranks started so far must not outlive the caller
+        for process in processes:
+            process.kill()
+        raise
     return processes
 
 

@@ -7,9 +7,13 @@ import logging
 import signal
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from heron.engine.args import EngineArgs
 from heron.entrypoints.sampling_args import add_sampling_args
+
+if TYPE_CHECKING:
+    from heron.engine.core_client import OwnedEngineCore
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -107,15 +111,17 @@ def main(argv: list[str] | None = None) -> int:
             # the port before the model: one in use fails at once, not once the model has loaded
             listener = open_listener(args.host, args.port, args.api_server_count)
             args.port = listener.getsockname()[1]  # --port 0: the port it got
+            started: list[OwnedEngineCore] = []
             try:
                 # first: the engine cores load the model while this process starts the server
                 started = start_engine_cores(EngineArgs.from_cli_args(args, usage="serve"), args.log_level,
                                              num_clients=args.api_server_count)
-            except BaseException:
+                from heron.entrypoints.openai.server import run_server
+            except BaseException:  # a Ctrl-C in the server's imports too: no engine core outlives heron
                 listener.close()
+                for core in started:
+                    core.kill()
                 raise
-            from heron.entrypoints.openai.server import run_server
-
             return run_server(args, started, listener)
         if args.command == "convert":
             from heron.entrypoints.convert import check_output_directory, export_hf_directory

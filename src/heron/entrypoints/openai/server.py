@@ -165,21 +165,22 @@ def run_server(args: argparse.Namespace, started: list[OwnedEngineCore], listene
     web stack or torch: they resolve the flags themselves and load the model
     while this process resolves them too and loads the tokenizer). ``listener``:
     the socket to answer on, taken before they started (``listen_socket.py``)."""
-    engine_args = EngineArgs.from_cli_args(args, usage="serve")
-    # on Ray, routers on the cluster find this server by a name it holds while it runs
-    registration = _register_on_ray(args) if engine_args.data_parallel_backend == "ray" else None
-    if args.api_server_count > 1:
-        from heron.entrypoints.openai.api_server_pool import run_api_servers
-
-        return run_api_servers(args, started, listener)
     try:
-        config = engine_args.create_engine_config()
-    except BaseException:
+        engine_args = EngineArgs.from_cli_args(args, usage="serve")
+        # on Ray, routers on the cluster find this server by a name it holds while it runs
+        registration = _register_on_ray(args) if engine_args.data_parallel_backend == "ray" else None
+        if args.api_server_count == 1:
+            config = engine_args.create_engine_config()
+            settings = gateway_settings_from_args(args)
+    except BaseException:  # a bad flag or a Ctrl-C before the server runs: no engine core outlives it
         listener.close()
         for process in started:
             process.kill()
         raise
-    settings = gateway_settings_from_args(args)
+    if args.api_server_count > 1:
+        from heron.entrypoints.openai.api_server_pool import run_api_servers
+
+        return run_api_servers(args, started, listener)
     logger.info("starting heron %s (loading %s)", __version__, config.model.served_model_name)
     try:
         return asyncio.run(serve_api(args, config, settings, started, listener=listener))
