@@ -19,7 +19,7 @@ In both modes decode-only steps of a Llama-family model run natively
 (``native_decode``: one C call per step).
 
 Layers whose input size is not a multiple of 32 fall back to
-``Int8WeightOnlyLinear`` (bfloat16 inputs, torch's int8 weight-only kernel).
+``Int8WeightOnlyLinear`` (bfloat16 inputs, a float32 GEMM on int8 weights).
 fbgemm's dynamic int8 (7-bit per-tensor activations on AVX2) was 2x faster than
 float32 but tripled perplexity, so it is not offered.
 """
@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
-SMALL_BATCH_ROWS = 24
 INT4_BLOCK = 32
 TILE_COLUMNS = 8  # output columns per tile of the 4-bit kernel's weight layout
 INT4_ACTIVATION_BLOCK = 16  # inputs sharing one int8 scale
@@ -45,25 +44,22 @@ MIN_BLOCK_MAX = 1e-30  # input blocks with a smaller largest magnitude round to 
 
 
 class Int8WeightOnlyLinear(nn.Module):
-    qweight: torch.Tensor
-    scales_bf16: torch.Tensor
     dequantized: torch.Tensor
 
     """y = bf16(bf16(x) @ (q * scale)^T) + b, q int8 per output channel: the
-    fallback for layers whose input size is not a multiple of 32. Up to
-    ``SMALL_BATCH_ROWS`` rows run torch's int8 weight-only kernel; larger inputs
-    the float32 GEMM on the same weights, rounded the same way."""
+    fallback for layers whose input size is not a multiple of 32, as a float32
+    GEMM on the int8 weights (exactly q * scale). torch's int8 weight-only
+    kernel (``_weight_int8pack_mm``) is not used: with an input size of 4 past
+    a multiple of 8 it read out of bounds (NaN and 1e30 outputs, then a
+    segfault at a few rows; torch 2.13 on AVX2)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         weight = weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.register_buffer("qweight", qweight, persistent=False)
-        self.register_buffer("scales_bf16", scales.to(torch.bfloat16), persistent=False)
-        # the same int8 weights in float32, for large inputs (exactly q * scale)
         self.register_buffer(
             "dequantized", qweight.float() * scales.to(torch.bfloat16).float()[:, None], persistent=False
         )
@@ -72,10 +68,7 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if rows.shape[0] <= SMALL_BATCH_ROWS:
-            out = torch._weight_int8pack_mm(rows, self.qweight, self.scales_bf16).float()
-        else:  # the kernel returns bf16: round the same way
-            out = torch.nn.functional.linear(rows.float(), self.dequantized).to(torch.bfloat16).float()
+        out = torch.nn.functional.linear(rows.float(), self.dequantized).to(torch.bfloat16).float()
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
@@ -369,10 +362,13 @@ def quantize_model(model: M, method: str, device: torch.device) -> M:
     if device.type != "cpu":
         raise ValueError(f"{method} quantization runs on the CPU; on CUDA use bfloat16")
     count = 0
+    head = _output_head(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                if child.in_features % INT4_BLOCK != 0:
+                if child is head:  # an untied head too (it took int4 under int4)
+                    setattr(parent, name, _int8_head(child.weight, child.bias))
+                elif child.in_features % INT4_BLOCK != 0:
                     setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
                 elif method == "int4":
                     setattr(parent, name, Int4WeightOnlyLinear(child.weight, child.bias))
@@ -381,13 +377,27 @@ def quantize_model(model: M, method: str, device: torch.device) -> M:
                 count += 1
     set_head = getattr(model, "quantize_lm_head", None)
     if callable(set_head):
-        set_head(
-            lambda weight: Int8WeightInt8InputLinear(weight)
-            if weight.shape[1] % INT4_BLOCK == 0
-            else Int8WeightOnlyLinear(weight)
-        )
+        set_head(_int8_head)
     logger.info("quantized %d linear layers to %s (the LM head to int8), int8 inputs", count, method)
     return model
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The model's own LM head module, if it has one (a native model's untied
+    ``lm_head``; a transformers model's output embeddings, tied or not)."""
+    hf_model = getattr(model, "hf_model", None)
+    if hf_model is not None and callable(getattr(hf_model, "get_output_embeddings", None)):
+        head = hf_model.get_output_embeddings()
+        return head if isinstance(head, nn.Module) else None
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def _int8_head(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """The LM head in int8 (the most sensitive layer): with int8 inputs where its input size allows."""
+    if weight.shape[1] % INT4_BLOCK == 0:
+        return Int8WeightInt8InputLinear(weight, bias)
+    return Int8WeightOnlyLinear(weight, bias)
 
 
 def low_bit_layers(model: nn.Module) -> list[nn.Module]:
