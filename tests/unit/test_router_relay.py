@@ -31,6 +31,7 @@ class FakeReplica:
         self.split_refusal = False
         self.cut_early = cut_early  # a stream's head, then the replica dies (during a long prefill, say)
         self.fail_headers = fail_headers
+        self.responses_mode: str | None = None  # how its Responses streams go, whatever the request says
         self.silent = silent
         self.release = asyncio.Event()
         self.client_left = asyncio.Event()
@@ -45,6 +46,7 @@ class FakeReplica:
                              ("/v1/models", {"object": "list", "data": []}), ("/metrics", {})):
             app.router.add_get(path, _answer(answer))
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_route("OPTIONS", "/v1/completions", self.preflight)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
@@ -132,6 +134,33 @@ class FakeReplica:
         except (asyncio.CancelledError, ConnectionResetError):
             self.client_left.set()
             raise
+        await response.write_eof()
+        return response
+
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """A Responses stream, as heron's replica writes one: its head events at once
+        (``response.created``, ``response.in_progress``), then what ``mode`` says:
+        "die" (killed during the prefill), "delta_then_die", or "whole"."""
+        self.requests += 1
+        mode = self.responses_mode or (await request.json()).get("mode", "whole")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        identity = f"resp_{id(self):x}_{self.requests}"
+        events = [("response.created", {"response": {"id": identity, "status": "in_progress"}}),
+                  ("response.in_progress", {"response": {"id": identity, "status": "in_progress"}})]
+        if mode != "die":
+            events.append(("response.output_text.delta", {"delta": "Hi"}))
+        if mode == "whole":
+            events.append(("response.completed", {"response": {"id": identity, "status": "completed"}}))
+        for number, (kind, fields) in enumerate(events):
+            payload = {"type": kind, "sequence_number": number, **fields}
+            await response.write(f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode())
+            await asyncio.sleep(0.05)
+        if mode != "whole":
+            assert request.transport is not None
+            request.transport.abort()
+            return response
         await response.write_eof()
         return response
 
@@ -332,6 +361,51 @@ def test_a_stream_its_replica_refuses_in_its_first_event_goes_on_from_another_re
     refusing = FakeReplica(refuse_in_stream=code)
     refusing.split_refusal = split
     run_with_router(test, [refusing, FakeReplica()])
+
+
+def _events(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+
+
+def test_a_responses_stream_cut_after_its_head_events_goes_on_from_another_replica():
+    """A Responses stream opens with response.created and response.in_progress
+    before the engine does anything: the router passed them on as the first
+    event, so a replica killed during the prefill left the client an error
+    though the other replica was healthy (found by the Responses review). They
+    are held until the event after them."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client, \
+                client.stream("POST", "/v1/responses", json={"mode": "die"}) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        events = _events(lines)
+        assert [event["type"] for event in events] == ["response.created", "response.in_progress",
+                                                        "response.output_text.delta", "response.completed"]
+        assert len({event["response"]["id"] for event in events if "response" in event}) == 1  # the second's
+        assert "data: [DONE]" not in lines
+        assert fakes[0].requests == 1 and fakes[1].requests == 1
+        assert server.metrics.retries._value.get() == 1  # noqa: SLF001 (the counter's value)
+
+    second = FakeReplica()
+    second.responses_mode = "whole"
+    run_with_router(test, [FakeReplica(), second])
+
+
+def test_a_responses_stream_cut_later_ends_with_an_error_event_in_its_own_form():
+    """The router ended a cut Responses stream as a chat stream (an untyped error
+    object and ``[DONE]``); the Responses API ends with a typed ``error`` event,
+    numbered after the stream's last, and has no ``[DONE]``."""
+    async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
+        async with httpx.AsyncClient(base_url=url) as client, \
+                client.stream("POST", "/v1/responses", json={"mode": "delta_then_die"}) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        assert "data: [DONE]" not in lines and lines[-2] == "event: error", lines
+        events = _events(lines)
+        assert [event["type"] for event in events] == ["response.created", "response.in_progress",
+                                                        "response.output_text.delta", "error"]
+        assert events[-1]["code"] == "replica_failed" and events[-1]["sequence_number"] == 3
+        assert fakes[0].requests == 1
+
+    run_with_router(test, [FakeReplica()])
 
 
 def test_a_first_event_with_an_odd_error_code_is_passed_on():

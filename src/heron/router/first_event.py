@@ -7,7 +7,11 @@ the router tries another, whose events follow the stream's head already sent.
 
 A first event is the stream's first bytes up to a blank line. A chat stream's
 role chunk goes out with its first chunk of output (serving_chat.py), so an
-error before any output is the first event there too."""
+error before any output is the first event there too. A Responses stream opens
+with ``response.created`` and ``response.in_progress`` before the engine has
+done anything (``HEAD_EVENT_TYPES``): those are held with the first event, and
+the gate opens on the event after them (a replica killed during the prefill cut
+the stream after them, and the request was not tried again)."""
 
 from __future__ import annotations
 
@@ -16,17 +20,22 @@ from typing import Any
 
 from heron.router.replica_errors import REFUSAL_CODES, code_in, json_object, refused_at_the_door
 
-# a first event longer than this is no refusal (heron's error events are a few hundred bytes)
+# held events longer than this are no refusal (heron's error events are a few hundred bytes)
 MAX_HELD_BYTES = 64 * 1024
+# the events a Responses stream opens with, before any work of the engine's
+RESPONSES_HEAD_EVENT_TYPES = frozenset({"response.created", "response.in_progress"})
 
 
 @dataclass(slots=True)
 class FirstEventGate:
     """Feed it the stream's bytes; it says what to pass on. ``refused``: the
     replica's error, when the first event was a refusal (nothing of the stream
-    is passed on then)."""
+    is passed on then). ``head_types``: event types held with the first event
+    that follows them."""
 
+    head_types: frozenset[str] = frozenset()
     held: bytearray = field(default_factory=bytearray)
+    scanned: int = 0  # the held bytes up to here are whole head events
     is_open: bool = False
     refused: dict[str, Any] | None = None
 
@@ -37,15 +46,17 @@ class FirstEventGate:
         if self.refused is not None:
             return b""
         self.held += chunk
-        end = _event_end(self.held)
-        if end is None and len(self.held) <= MAX_HELD_BYTES:
-            return b""
-        refusal = _refusal(bytes(self.held[:end])) if end is not None else None
-        if refusal is not None:
-            self.refused = refusal
-            self.held.clear()
-            return b""
-        return self.release()
+        while (found := _next_event(self.held, self.scanned)) is not None:
+            event, after = found
+            refusal = _refusal(event)
+            if refusal is not None:
+                self.refused = refusal
+                self.held.clear()
+                return b""
+            if _event_type(event) not in self.head_types:
+                return self.release()
+            self.scanned = after
+        return self.release() if len(self.held) > MAX_HELD_BYTES else b""
 
     def release(self) -> bytes:
         """Opens the gate: the bytes held so far (the stream ended before its first event was whole)."""
@@ -61,14 +72,32 @@ class FirstEventGate:
         return not refused_at_the_door(code_in(self.refused))
 
 
-def _event_end(data: bytearray) -> int | None:
-    ends = [index for index in (data.find(b"\n\n"), data.find(b"\r\n\r\n")) if index >= 0]
-    return min(ends) if ends else None
+def _next_event(data: bytearray, start: int) -> tuple[bytes, int] | None:
+    """The whole event beginning at ``start`` and where the next one begins, or None."""
+    ends = [(index, len(mark)) for mark in (b"\n\n", b"\r\n\r\n") if (index := data.find(mark, start)) >= 0]
+    if not ends:
+        return None
+    end, length = min(ends)
+    return bytes(data[start:end]), end + length
+
+
+def _data_of(event: bytes) -> dict[str, Any] | None:
+    lines = event.decode("utf-8", "replace").splitlines()
+    return json_object("\n".join(line[5:].lstrip() for line in lines if line.startswith("data:")).encode())
+
+
+def _event_type(event: bytes) -> str | None:
+    """An event's ``event:`` name, else its data's ``type``."""
+    for line in event.decode("utf-8", "replace").splitlines():
+        if line.startswith("event:"):
+            return line[6:].strip()
+    payload = _data_of(event)
+    kind = payload.get("type") if payload is not None else None
+    return kind if isinstance(kind, str) else None
 
 
 def _refusal(event: bytes) -> dict[str, Any] | None:
     """The error object of an event that is a replica's refusal, else None."""
-    lines = event.decode("utf-8", "replace").splitlines()
-    payload = json_object("\n".join(line[5:].lstrip() for line in lines if line.startswith("data:")).encode())
+    payload = _data_of(event)
     code = code_in(payload)
     return payload if isinstance(code, str) and code in REFUSAL_CODES else None

@@ -40,6 +40,9 @@ class ResponseWriter:
         self.on_resume: Callable[[], None] | None = None
         self.client_paused = client_paused  # the client's socket buffer is full (it is not reading)
         self.event_stream = False  # its content type is text/event-stream
+        # a Responses API stream: ended by an `error` event, without `[DONE]` (OpenAI's form; set by the relay)
+        self.responses_events = False
+        self._last_sequence = -1  # the last sequence_number a Responses stream carried
         self._tail = b""  # the last two body bytes written: where a stream cut now stands
         # headers the router's own whole answers carry (CORS, for a page to read its errors); an answer that
         # names the header itself (a replica's, passed on) keeps its own
@@ -86,6 +89,8 @@ class ResponseWriter:
         if not data or self._head_only or self.finished:
             return
         self._tail = (self._tail + data)[-2:]
+        if self.responses_events:
+            self._last_sequence = _last_sequence_number(data, self._last_sequence)
         if self._chunked:
             self._pending.append(b"%x\r\n%b\r\n" % (len(data), data))
         else:
@@ -115,17 +120,43 @@ class ResponseWriter:
     def fail(self, status: int, error: dict[str, Any]) -> None:
         """Ends the answer with ``error`` however far it got: sent as the answer
         (``status``) when none has started; in an event stream, as an event of its
-        own (the event it was in closed first) and ``[DONE]``; any other answer
-        under way is aborted, as a cut JSON or a short body would read as whole."""
+        own (the event it was in closed first) and ``[DONE]`` (a Responses stream:
+        OpenAI's ``error`` event, numbered after the stream's last, and no
+        ``[DONE]``); any other answer under way is aborted, as a cut JSON or a
+        short body would read as whole."""
         if self.finished:
             return
         if not self.started:
             self.send_json(status, error)
         elif self.event_stream:
-            self.write(_event_boundary(self._tail) + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            if self.responses_events:
+                inner = error.get("error")
+                detail: dict[str, Any] = inner if isinstance(inner, dict) else {}
+                event = {"type": "error", "code": detail.get("code"), "message": detail.get("message", ""),
+                         "param": detail.get("param"), "sequence_number": self._last_sequence + 1}
+                last = f"event: error\ndata: {json.dumps(event)}\n\n"
+            else:
+                last = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+            self.write(_event_boundary(self._tail) + last.encode())
             self.end()
         else:
             self.abort()
+
+
+_SEQUENCE_KEY = b'"sequence_number":'
+
+
+def _last_sequence_number(data: bytes, last: int) -> int:
+    """The last ``"sequence_number": N`` in ``data``, else ``last`` (best effort:
+    a number split between two reads counts as its first part)."""
+    at = data.rfind(_SEQUENCE_KEY)
+    if at < 0:
+        return last
+    digits = data[at + len(_SEQUENCE_KEY):at + len(_SEQUENCE_KEY) + 24].lstrip()
+    end = 0
+    while end < len(digits) and digits[end:end + 1].isdigit():
+        end += 1
+    return int(digits[:end]) if end else last
 
 
 def is_event_stream(headers: list[tuple[str, str]]) -> bool:

@@ -41,7 +41,7 @@ from heron.gc_freeze import freeze_startup_objects
 from heron.http_bounds import DEFAULT_BOUNDS, ConnectionBounds
 from heron.router.answer_waits import STALL_S, Outcome, Refusal, read_kept, until_or_stalled
 from heron.router.disaggregation import CLIENT_KV_TRANSFER, PrefillStage, block_sizes_match, prefills_first
-from heron.router.first_event import FirstEventGate
+from heron.router.first_event import RESPONSES_HEAD_EVENT_TYPES, FirstEventGate
 from heron.router.http_front import FrontConnection, HttpRequest, serve
 from heron.router.prefix_reset import RESET_PATH, reset_every_replica
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
@@ -233,6 +233,7 @@ class RouterServer:
         raw = request.body
         started = time.perf_counter()
         body = json_object(raw)
+        writer.responses_events = request.path == RESPONSES_PATH  # a stream cut there ends in its own form
         if self.prefill is not None and body is not None and body.get("kv_transfer_params") is not None:
             writer.send_json(400, error_body(400, CLIENT_KV_TRANSFER, "invalid_request_error", "kv_transfer_params"))
             return
@@ -466,7 +467,8 @@ class RouterServer:
             length = next((value for name, value in upstream_headers if name.lower() == "content-length"), None)
             writer.start(status, headers, content_length=int(length) if length and length.isdigit() else None)
         relayed = False  # a body byte has gone to the client
-        gate = FirstEventGate() if writer.event_stream and status == 200 else None
+        head_types = RESPONSES_HEAD_EVENT_TYPES if request.path == RESPONSES_PATH else frozenset()
+        gate = FirstEventGate(head_types) if writer.event_stream and status == 200 else None
         scanner = ResponseIdScanner() if request.path == RESPONSES_PATH and status == 200 else None
         loop = asyncio.get_running_loop()
         last_byte_at = loop.time()
