@@ -68,6 +68,7 @@ def test_an_input_item_error_names_the_items_field(app, body, param, fragment): 
     ({"conversation": "conv_123"}, "conversation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"top_logprobs": 3}, "top_logprobs"),
+    ({"prompt": {"id": "pmpt_1", "variables": {"city": "Paris"}}}, "prompt"),
 ])
 def test_what_heron_does_not_serve_is_refused_not_ignored(fields, param):
     """Each was answered 200 as if it had not been asked (background ran in the
@@ -80,7 +81,7 @@ def test_what_heron_does_not_serve_is_refused_not_ignored(fields, param):
 def test_what_costs_nothing_to_honour_is_accepted():
     refuse_unserved(ResponsesRequest.model_validate({
         "input": "hi", "background": False, "include": ["reasoning.encrypted_content"], "truncation": "auto",
-        "top_logprobs": 0}))
+        "top_logprobs": 0, "reasoning": {"effort": "low", "summary": "auto"}}))  # (Codex sends reasoning)
 
 
 def test_listed_items_keep_their_own_ids_once():

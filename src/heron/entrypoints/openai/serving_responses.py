@@ -165,6 +165,9 @@ def refuse_unserved(request: ResponsesRequest) -> None:
                           "/v1/chat/completions)", "include")
     if request.top_logprobs:
         raise bad_request("top_logprobs is not available here (it is, on /v1/chat/completions)", "top_logprobs")
+    if (request.model_extra or {}).get("prompt") is not None:
+        raise bad_request("stored prompt templates are not supported: send the prompt's text as input and "
+                          "instructions", "prompt")
 
 
 async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_request: Request) -> Any:
@@ -348,6 +351,9 @@ class ResponseBuilder:
                 for chunk in items.add(deltas):
                     yield chunk
         assert final is not None
+        if self.tools is None:  # an output of no text is an empty message, as the answer not streamed has it
+            for chunk in items.open_message():
+                yield chunk
         for chunk in items.close(cut=cuts_last_item(self.tools, final.outputs[0].finish_reason)):
             yield chunk
         response = self.finish(items.output, final, final.outputs[0].finish_reason, output_tokens)
@@ -365,16 +371,23 @@ class StreamedItems:
         self.message: dict[str, Any] | None = None
         self.calls: dict[int, dict[str, Any]] = {}  # the call's index -> its item
 
+    def open_message(self) -> list[str]:
+        """The message item's opening events (none once it is open)."""
+        if self.message is not None:
+            return []
+        self.message = message_item(item_id("msg"), "", "in_progress")
+        events = self._added(self.message)
+        events.append(self.event("response.content_part.added", item_id=self.message["id"],
+                                 output_index=self._index(self.message), content_index=0,
+                                 part={"type": "output_text", "text": "", "annotations": []}))
+        self.message["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+        return events
+
     def add(self, deltas: ToolDeltas) -> list[str]:
         events = []
         if deltas.content:
-            if self.message is None:
-                self.message = message_item(item_id("msg"), "", "in_progress")
-                events += self._added(self.message)
-                events.append(self.event("response.content_part.added", item_id=self.message["id"],
-                                         output_index=self._index(self.message), content_index=0,
-                                         part={"type": "output_text", "text": "", "annotations": []}))
-                self.message["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+            events += self.open_message()
+            assert self.message is not None
             self.message["content"][0]["text"] += deltas.content
             events.append(self.event("response.output_text.delta", item_id=self.message["id"],
                                      output_index=self._index(self.message), content_index=0, delta=deltas.content,
