@@ -67,3 +67,24 @@ def test_a_model_with_odd_layer_sizes_runs_under_int4(tmp_path, embedded_tokeniz
         logprobs = [entry[token].logprob for token, entry in zip(output.outputs[0].token_ids,
                                                                  output.outputs[0].logprobs)]
         assert all(-1e4 < value <= 0 for value in logprobs)
+
+
+def test_a_low_bit_draft_under_a_bf16_target_is_refused(tiny_model_dir):
+    """The draft runs in the target's dtype; an int8 draft under bfloat16 took a
+    slow path with a warning only, where the same for the target is an error."""
+    from heron.engine.args import EngineArgs
+
+    directory = tiny_model_dir("llama")
+    speculative = {"method": "draft_model", "model": directory, "num_speculative_tokens": 2, "quantization": "int8"}
+    with pytest.raises(ValueError, match="speculative_config.quantization='int8' runs its kernels on float32"):
+        EngineArgs(model=directory, dtype="bfloat16", speculative_config=speculative).create_engine_config()
+    config = EngineArgs(model=directory, dtype="float32", speculative_config=speculative).create_engine_config()
+    assert config.speculative is not None
+
+
+def test_quantization_none_means_as_the_model_says():
+    """vLLM's default quantization is None ("as the model says"): code written for
+    it passed None and was refused; it is "auto" (the embedded GGUF: int4)."""
+    from heron.engine.args import EngineArgs
+
+    assert EngineArgs(quantization=None, max_model_len=256).create_engine_config().model.quantization == "int4"

@@ -123,11 +123,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, device: str, model
 
 
 def resolve_quantization(
-    quantization: str, dtype: str | torch.dtype, device: str, source: ModelSource
+    quantization: str | None, dtype: str | torch.dtype, device: str, source: ModelSource
 ) -> ResolvedQuantization:
     """"auto": a GGUF whose linear layers are all Q4_0/Q4_1 runs in heron's int4
     format, all Q4_0/Q4_1/Q8_0 with some Q8_0 in int8; on a CPU with AVX2 (or
-    better) only, with dtype "auto" or float32. Anything else: "none"."""
+    better) only, with dtype "auto" or float32. Anything else: "none". None is
+    "auto" (vLLM's default None means "as the model says": code written for it
+    passed it and was refused)."""
+    if quantization is None:
+        quantization = "auto"
     check_choice("quantization", quantization, Quantization)
     if quantization != "auto":
         return quantization  # type: ignore[return-value]  # checked: not "auto"
@@ -217,6 +221,12 @@ def draft_model_config(speculative: SpeculativeConfig, target: ModelConfig) -> M
             f"the draft model's context ({draft_max_len} tokens) is shorter than max_model_len "
             f"({target.max_model_len}); lower max_model_len"
         )
+    quantization = speculative.quantization or target.quantization
+    if quantization in LOW_BIT_METHODS and target.dtype_name != "float32":
+        # the draft runs in the target's dtype: a low-bit draft under bf16 took a slow path with a warning only
+        raise ValueError(f"speculative_config.quantization={quantization!r} runs its kernels on float32 "
+                         f"activations, and the draft runs in the target's dtype ({target.dtype_name}): use dtype "
+                         "'auto' or 'float32', or leave the draft's quantization out")
     return replace(
         target,
         model=source.path,
@@ -224,5 +234,5 @@ def draft_model_config(speculative: SpeculativeConfig, target: ModelConfig) -> M
         source_format=source.format,
         hf_config=hf_config,
         architecture=architecture_of(hf_config),
-        quantization=speculative.quantization or target.quantization,
+        quantization=quantization,
     )
