@@ -31,6 +31,7 @@ def test_an_untied_native_head_is_int8_under_int4(tiny_model_dir, family):
     llm = LLM(tiny_model_dir(family), quantization="int4", dtype="float32", max_model_len=64, num_kv_blocks=16)
     model = _model(llm)
     assert isinstance(_head(model), Int8WeightInt8InputLinear)
+    assert llm.engine.engine_core.model_runner.compute_path["linear"] == "heron int4 C kernels"
     assert isinstance(model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
 
 
@@ -62,6 +63,9 @@ def test_a_model_with_odd_layer_sizes_runs_under_int4(tmp_path, embedded_tokeniz
     directory = build_tiny_model(str(tmp_path), dict(model_type="llama", intermediate_size=100), embedded_tokenizer)
     llm = LLM(directory, quantization="int4", dtype="float32", max_model_len=64, num_kv_blocks=16)
     assert isinstance(_model(llm).layers[0].mlp.down_proj, Int8WeightOnlyLinear)
+    # the compute path says how many layers the kernels run (it said all: here the two down projections are not)
+    path = llm.engine.engine_core.model_runner.compute_path["linear"]
+    assert path == "heron int4 C kernels (7 of 9 linear layers; the rest in torch)", path
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
     for output in llm.generate(random_prompts([5, 12, 20]), params, use_tqdm=False):
         logprobs = [entry[token].logprob for token, entry in zip(output.outputs[0].token_ids,

@@ -12,19 +12,32 @@ from torch import nn
 
 from heron.config import EngineConfig
 from heron.models.base import CausalLM
-from heron.models.quantization import low_bit_layers
+from heron.models.quantization import Int8WeightOnlyLinear, low_bit_layers
 
 # the labels, in order (every value a short string)
 COMPUTE_PATH_KEYS = ("device", "dtype", "quantization", "cpu_isa", "linear", "attention", "decode", "cpu")
 
 
 def _linear_path(model: nn.Module, quantization: str) -> str:
+    """Who computes the linear layers; under a low-bit mode, how many of them
+    (layers it leaves to torch, such as an input size no multiple of 32 or a
+    transformers Conv1D, said it covered them all)."""
     low_bit = low_bit_layers(model)
     if not low_bit:
         return "torch"
     if all(module.uses_native_kernel for module in low_bit):
-        return f"heron {quantization} C kernels"
-    return f"torch fallback for {quantization} (no native kernels)"
+        path = f"heron {quantization} C kernels"
+    else:
+        path = f"torch fallback for {quantization} (no native kernels)"
+    others = sum(1 for module in model.modules() if _is_other_linear(module))
+    if others:
+        path += f" ({len(low_bit)} of {len(low_bit) + others} linear layers; the rest in torch)"
+    return path
+
+
+def _is_other_linear(module: nn.Module) -> bool:
+    """A linear layer the low-bit kernels do not run: float, int8 weight-only, or transformers' Conv1D."""
+    return isinstance(module, (nn.Linear, Int8WeightOnlyLinear)) or type(module).__name__ == "Conv1D"
 
 
 def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool, kv_cache_dtype: torch.dtype) -> str:
