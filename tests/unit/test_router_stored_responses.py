@@ -114,6 +114,11 @@ def test_a_stored_response_is_sought_on_every_replica():
         refused = await client.post("/v1/responses", json={"input": "", "previous_response_id": "resp_kept"})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_value"
         assert sum(r.asked for r in replicas) == asked + 1  # another 400 is the answer: not sought further
+        # found once, it is remembered: asked again, only the replica holding it is asked
+        for _ in range(len(replicas)):  # (round robin would start each seek at another replica)
+            asked = sum(r.asked for r in replicas)
+            again = await client.get("/v1/responses/resp_kept")
+            assert again.status_code == 200 and sum(r.asked for r in replicas) == asked + 1
         assert server.metrics.failed._value.get() == 0  # noqa: SLF001 (no replica failed)
         assert server.metrics.retries._value.get() == 0  # noqa: SLF001 (asking the next replica is no retry)
         assert all(r.breaker.consecutive_failures == 0 for r in server.replicas.replicas)
@@ -129,7 +134,8 @@ def test_a_stream_whose_head_is_out_ends_with_the_next_replicas_error():
         body = {"input": "", "previous_response_id": "resp_kept", "stream": True}
         async with client.stream("POST", "/v1/responses", json=body) as response:
             lines = [line async for line in response.aiter_lines() if line]
-        assert response.status_code == 200 and lines[-1] == "data: [DONE]", lines
-        assert json.loads(lines[0].removeprefix("data: "))["error"]["code"] == "invalid_value"
+        # a Responses stream's last event, in that API's form (no [DONE])
+        assert response.status_code == 200 and lines[0] == "event: error" and len(lines) == 2, lines
+        assert json.loads(lines[1].removeprefix("data: "))["code"] == "invalid_value"
 
     run_router([StoringReplica(set(), cut_stream=True), StoringReplica({"resp_kept"})], test)

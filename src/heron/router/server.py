@@ -47,7 +47,13 @@ from heron.router.prefix_reset import RESET_PATH, reset_every_replica
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.replica_errors import error_code, error_of, json_object, refused_at_the_door
-from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
+from heron.router.response_affinity import (
+    RESPONSES_PATH,
+    ResponseAffinity,
+    ResponseIdScanner,
+    named_response_id,
+    stored_response_id,
+)
 from heron.router.response_writer import ResponseWriter, error_body, is_event_stream
 from heron.router.router_metrics import RouterMetrics
 from heron.router.upstream import UpstreamConnection, UpstreamFailed, UpstreamPool
@@ -410,6 +416,8 @@ class RouterServer:
             if seek and status in (400, 404) and not request_failure:
                 return await self._answer_or_seek_on(writer, connection, status, upstream_headers, deadline,
                                                      refusals)
+            if seek and status == 200 and (named := named_response_id(request.path, json_object(raw))) is not None:
+                self.responses.remember(named, replica.url)  # found: later requests naming it go there at once
             return await self._relay(request, writer, replica, connection, status, upstream_headers, deadline,
                                      refusals)
         finally:
