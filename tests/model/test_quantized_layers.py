@@ -92,3 +92,12 @@ def test_quantization_none_means_as_the_model_says():
     from heron.engine.args import EngineArgs
 
     assert EngineArgs(quantization=None, max_model_len=256).create_engine_config().model.quantization == "int4"
+
+
+def test_the_compute_path_counts_the_experts_a_low_bit_mode_leaves_in_torch(tiny_model_dir):
+    """transformers' MoE blocks hold their experts as stacked matrices, not linear
+    layers: they stay in float, and the label said the C kernels ran every layer."""
+    llm = LLM(tiny_model_dir("qwen2-moe-sliding"), quantization="int4", dtype="float32", max_model_len=64,
+              num_kv_blocks=16)
+    path = llm.engine.engine_core.model_runner.compute_path["linear"]
+    assert path.startswith("heron int4 C kernels (") and path.endswith(" linear layers; the rest in torch)"), path

@@ -106,3 +106,20 @@ def test_a_failed_capture_is_named_by_the_error_it_began_with():
         reason = _first_failure(error)
     line = _host_read_in_forward.__code__.co_firstlineno + 1
     assert reason == f"CUDA error: operation not permitted when stream is capturing at {__file__}:{line}"
+
+
+def test_the_capture_error_is_named_under_an_error_the_forward_had_handled():
+    """A forward that breaks the capture inside an ``except`` (a recompute after a
+    cache miss, say) chains the capture error onto the handled one: the warning
+    named the handled KeyError."""
+    try:
+        try:
+            try:
+                raise KeyError(7)
+            except KeyError:
+                _host_read_in_forward()
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as error:
+        reason = _first_failure(error)
+    assert reason.startswith("CUDA error: operation not permitted when stream is capturing at "), reason

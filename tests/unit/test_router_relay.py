@@ -147,9 +147,13 @@ class FakeReplica:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         identity = f"resp_{id(self):x}_{self.requests}"
-        events = [("response.created", {"response": {"id": identity, "status": "in_progress"}}),
-                  ("response.in_progress", {"response": {"id": identity, "status": "in_progress"}})]
-        if mode != "die":
+        instructions = "x" * (100 * 1024 if mode == "big_head_die" else 10)  # repeated in both head events
+        head = {"id": identity, "status": "in_progress", "instructions": instructions}
+        events = [("response.created", {"response": head}), ("response.in_progress", {"response": head})]
+        if mode == "engine_dead":  # its API server up, its engine core gone during the prefill
+            events.append(("response.failed", {"response": {**head, "status": "failed", "error": {
+                "code": "engine_dead", "message": "The engine is not running"}}}))
+        elif mode not in ("die", "big_head_die"):
             events.append(("response.output_text.delta", {"delta": "Hi"}))
         if mode == "whole":
             events.append(("response.completed", {"response": {"id": identity, "status": "completed"}}))
@@ -157,7 +161,7 @@ class FakeReplica:
             payload = {"type": kind, "sequence_number": number, **fields}
             await response.write(f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode())
             await asyncio.sleep(0.05)
-        if mode != "whole":
+        if mode not in ("whole", "engine_dead"):
             assert request.transport is not None
             request.transport.abort()
             return response
@@ -367,15 +371,18 @@ def _events(lines: list[str]) -> list[dict[str, Any]]:
     return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
 
 
-def test_a_responses_stream_cut_after_its_head_events_goes_on_from_another_replica():
+@pytest.mark.parametrize("mode", ["die", "big_head_die", "engine_dead"])
+def test_a_responses_stream_cut_after_its_head_events_goes_on_from_another_replica(mode):
     """A Responses stream opens with response.created and response.in_progress
     before the engine does anything: the router passed them on as the first
     event, so a replica killed during the prefill left the client an error
     though the other replica was healthy (found by the Responses review). They
-    are held until the event after them."""
+    are held until the event after them, however large (each repeats the
+    request's instructions and tools), and a response.failed after them for an
+    engine core gone is that replica's refusal (found by the diff review)."""
     async def test(url: str, fakes: list[FakeReplica], server: RouterServer) -> None:
         async with httpx.AsyncClient(base_url=url) as client, \
-                client.stream("POST", "/v1/responses", json={"mode": "die"}) as response:
+                client.stream("POST", "/v1/responses", json={"mode": mode}) as response:
             lines = [line async for line in response.aiter_lines() if line]
         events = _events(lines)
         assert [event["type"] for event in events] == ["response.created", "response.in_progress",

@@ -9,9 +9,11 @@ A first event is the stream's first bytes up to a blank line. A chat stream's
 role chunk goes out with its first chunk of output (serving_chat.py), so an
 error before any output is the first event there too. A Responses stream opens
 with ``response.created`` and ``response.in_progress`` before the engine has
-done anything (``HEAD_EVENT_TYPES``): those are held with the first event, and
-the gate opens on the event after them (a replica killed during the prefill cut
-the stream after them, and the request was not tried again)."""
+done anything (``RESPONSES_HEAD_EVENT_TYPES``): those are held with the first
+event, and the gate opens on the event after them (a replica killed during the
+prefill cut the stream after them, and the request was not tried again); a
+``response.failed`` then, whose error is a refusal (its engine core died), is
+that replica's refusal."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from typing import Any
 
 from heron.router.replica_errors import REFUSAL_CODES, code_in, json_object, refused_at_the_door
 
-# held events longer than this are no refusal (heron's error events are a few hundred bytes)
+# an event longer than this is no refusal (heron's error events are a few hundred bytes)
 MAX_HELD_BYTES = 64 * 1024
+# head events held at most (each repeats the request's instructions and tools: large for an agent's request)
+MAX_HELD_HEAD_BYTES = 16 * 1024 * 1024
 # the events a Responses stream opens with, before any work of the engine's
 RESPONSES_HEAD_EVENT_TYPES = frozenset({"response.created", "response.in_progress"})
 
@@ -56,7 +60,8 @@ class FirstEventGate:
             if _event_type(event) not in self.head_types:
                 return self.release()
             self.scanned = after
-        return self.release() if len(self.held) > MAX_HELD_BYTES else b""
+        too_long = len(self.held) - self.scanned > MAX_HELD_BYTES or self.scanned > MAX_HELD_HEAD_BYTES
+        return self.release() if too_long else b""
 
     def release(self) -> bytes:
         """Opens the gate: the bytes held so far (the stream ended before its first event was whole)."""
@@ -97,7 +102,10 @@ def _event_type(event: bytes) -> str | None:
 
 
 def _refusal(event: bytes) -> dict[str, Any] | None:
-    """The error object of an event that is a replica's refusal, else None."""
+    """The error object of an event that is a replica's refusal, else None (a
+    Responses stream's refusal is a ``response.failed`` holding the error)."""
     payload = _data_of(event)
+    if payload is not None and payload.get("type") == "response.failed" and isinstance(payload.get("response"), dict):
+        payload = {"error": payload["response"].get("error")}
     code = code_in(payload)
     return payload if isinstance(code, str) and code in REFUSAL_CODES else None

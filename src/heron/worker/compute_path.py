@@ -36,8 +36,14 @@ def _linear_path(model: nn.Module, quantization: str) -> str:
 
 
 def _is_other_linear(module: nn.Module) -> bool:
-    """A linear layer the low-bit kernels do not run: float, int8 weight-only, or transformers' Conv1D."""
-    return isinstance(module, (nn.Linear, Int8WeightOnlyLinear)) or type(module).__name__ == "Conv1D"
+    """A linear layer the low-bit kernels do not run: int8 weight-only, or any
+    other module owning a float matrix (or a stack of them) that is no embedding:
+    nn.Linear, transformers' Conv1D, the experts of its MoE blocks."""
+    if isinstance(module, Int8WeightOnlyLinear):
+        return True
+    if isinstance(module, nn.Embedding):
+        return False
+    return any(param.dim() >= 2 and param.is_floating_point() for param in module.parameters(recurse=False))
 
 
 def _decode_path(model: nn.Module, device: torch.device, use_cuda_graphs: bool, kv_cache_dtype: torch.dtype) -> str:

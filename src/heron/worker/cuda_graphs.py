@@ -189,9 +189,13 @@ class DecodeGraphRunner:
 
 def _first_failure(error: BaseException) -> str:
     """The error a failed capture began with (ending the capture raises another on
-    top of it) as one line, with the Python line that raised it."""
-    while error.__context__ is not None:
-        error = error.__context__
+    top of it) as one line, with the Python line that raised it: the deepest
+    error that speaks of the capture (one handled by the code it broke may lie
+    under it), else the deepest."""
+    chain = [error]
+    while chain[-1].__context__ is not None:
+        chain.append(chain[-1].__context__)
+    error = next((e for e in reversed(chain) if "captur" in str(e).lower()), chain[-1])
     message = (str(error).strip().splitlines() or [type(error).__name__])[0]
     frames = traceback.extract_tb(error.__traceback__)
     return f"{message} at {frames[-1].filename}:{frames[-1].lineno}" if frames else message

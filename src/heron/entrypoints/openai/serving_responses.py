@@ -274,7 +274,8 @@ class ResponseBuilder:
             if item["status"] == "in_progress":
                 item["status"] = "incomplete"
         response = self.response("failed", output, None)
-        response["error"] = {"code": "server_error", "message": error.message}
+        # the engine gone or the server stopping keeps its code: a router tries another replica on those
+        response["error"] = {"code": error.code or "server_error", "message": error.message}
         return self.event("response.failed", response=response)
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
