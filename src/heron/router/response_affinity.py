@@ -40,16 +40,6 @@ class ResponseAffinity:
         return self._replicas.get(response_id) if response_id else None
 
 
-def named_response_id(path: str, body: dict[str, object] | None) -> str | None:
-    """The stored response a request names: in its path (GET, DELETE, input
-    items) or as a follow-up's ``previous_response_id``."""
-    named = stored_response_id(path)
-    if named is None and path == RESPONSES_PATH and body is not None:
-        previous = body.get("previous_response_id")
-        named = previous if isinstance(previous, str) else None
-    return named
-
-
 class ResponseIdScanner:
     """Finds the response id in the first ``SCAN_BYTES`` of a relayed answer."""
 

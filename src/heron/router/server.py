@@ -47,13 +47,7 @@ from heron.router.prefix_reset import RESET_PATH, reset_every_replica
 from heron.router.prompt_hashes import CHAT_PATH, PromptHasher
 from heron.router.replica import Replica, ReplicaSet, TakenOut, unless_taken_out
 from heron.router.replica_errors import error_code, error_of, json_object, refused_at_the_door
-from heron.router.response_affinity import (
-    RESPONSES_PATH,
-    ResponseAffinity,
-    ResponseIdScanner,
-    named_response_id,
-    stored_response_id,
-)
+from heron.router.response_affinity import RESPONSES_PATH, ResponseAffinity, ResponseIdScanner, stored_response_id
 from heron.router.response_writer import ResponseWriter, error_body, is_event_stream
 from heron.router.router_metrics import RouterMetrics
 from heron.router.upstream import UpstreamConnection, UpstreamFailed, UpstreamPool
@@ -208,7 +202,7 @@ class RouterServer:
             # GET or DELETE of a stored response, or its input items: to the replica that holds it
             pinned = self.responses.replica_of(response_id)
             await self._proxy(request, writer, request.body, [], None, pinned, self._deadline(),
-                              seek=pinned is None)
+                              seek=response_id if pinned is None else None)
         elif path == "/" and request.method in ("GET", "HEAD"):
             # the chat page: its requests (v1/models, v1/chat/completions) are relative, so they come here too
             writer.send(200, chat_page(), "text/html; charset=utf-8")
@@ -257,9 +251,10 @@ class RouterServer:
                 size = kv_transfer_params.get("remote_block_size")
                 prefilled_block_size = size if isinstance(size, int) else None
         previous = body.get("previous_response_id") if body and request.path == RESPONSES_PATH else None
-        pinned = self.responses.replica_of(previous if isinstance(previous, str) else None)
+        named = previous if isinstance(previous, str) else None
+        pinned = self.responses.replica_of(named)
         await self._proxy(request, writer, raw, hashes, session if isinstance(session, str) else None, pinned,
-                          deadline, prefilled, prefilled_block_size, seek=isinstance(previous, str) and not pinned)
+                          deadline, prefilled, prefilled_block_size, seek=named if not pinned else None)
 
     async def _block_hashes(self, path: str, body: dict[str, Any], body_bytes: int) -> list[Any]:
         """The prompt's block hashes: on the loop for a small body (fast), on the
@@ -301,12 +296,13 @@ class RouterServer:
     async def _proxy(self, request: HttpRequest, writer: ResponseWriter, raw: bytes, hashes: list[bytes],
                      session: str | None, pinned: str | None = None, deadline: float | None = None,
                      prefilled: bytes | None = None, prefilled_block_size: int | None = None,
-                     seek: bool = False) -> None:
+                     seek: str | None = None) -> None:
         """``pinned``: the replica holding the stored response the request names
         (tried first while usable; elsewhere it answers that it has no such response).
-        ``seek``: the request names a stored response no replica is known to hold
-        (the router restarted, or forgot it for newer ones): a replica answering
-        that it has none is asked no more, and the next is, until one has it.
+        ``seek``: the id of the stored response the request names where no replica
+        is known to hold it (the router restarted, or forgot it for newer ones): a
+        replica answering that it has none is asked no more, and the next is, until
+        one has it, which is then remembered.
         ``deadline``: the loop's time by which the answer must have ended.
         ``prefilled``: the body with the prefill stage's ``kv_transfer_params``,
         for a replica that pulls KV in blocks of ``prefilled_block_size`` tokens:
@@ -373,7 +369,7 @@ class RouterServer:
 
     async def _send(self, request: HttpRequest, writer: ResponseWriter, replica: Replica, raw: bytes,
                     headers: list[tuple[str, str]], hashes: list[bytes], uncached_blocks: int,
-                    deadline: float | None, refusals: list[Refusal], seek: bool = False) -> _Attempt:
+                    deadline: float | None, refusals: list[Refusal], seek: str | None = None) -> _Attempt:
         """Passes the replica's answer through (ANSWERED), or says how it failed
         before its first byte (the caller retries elsewhere). Past ``deadline``
         the client is answered 504 and ANSWERED returned: the request is not
@@ -416,8 +412,8 @@ class RouterServer:
             if seek and status in (400, 404) and not request_failure:
                 return await self._answer_or_seek_on(writer, connection, status, upstream_headers, deadline,
                                                      refusals)
-            if seek and status == 200 and (named := named_response_id(request.path, json_object(raw))) is not None:
-                self.responses.remember(named, replica.url)  # found: later requests naming it go there at once
+            if seek and status == 200:
+                self.responses.remember(seek, replica.url)  # found: later requests naming it go there at once
             return await self._relay(request, writer, replica, connection, status, upstream_headers, deadline,
                                      refusals)
         finally:
