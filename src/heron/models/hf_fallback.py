@@ -10,6 +10,7 @@ metadata travels to the attention function through the forward kwargs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -265,6 +266,12 @@ class TransformersCausalLM(CausalLM):
             heron_layers=self.layers,
         )
         return outputs.last_hidden_state[0]
+
+    def quantize_lm_head(self, make_linear: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
+        """Quantize the model's output embeddings (tied or not: a copy of the matrix)."""
+        head = self.hf_model.get_output_embeddings()
+        if isinstance(head, nn.Linear):
+            self.hf_model.set_output_embeddings(make_linear(head.weight, head.bias))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.hf_model.get_output_embeddings()(hidden).float()

@@ -176,10 +176,12 @@ class LlamaForCausalLM(CausalLM):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def quantize_lm_head(self, make_linear: Callable[[torch.Tensor], nn.Module]) -> None:
-        """Give a tied LM head its own (quantized) copy of the embedding matrix."""
+    def quantize_lm_head(self, make_linear: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
+        """Quantize the LM head: an untied one, or a copy of the embedding matrix a tied one uses."""
         if self.lm_head is None:
-            self.lm_head = make_linear(self.embed_tokens.weight)
+            self.lm_head = make_linear(self.embed_tokens.weight, None)
+        elif isinstance(self.lm_head, nn.Linear):  # (a head already quantized stays as it is)
+            self.lm_head = make_linear(self.lm_head.weight, self.lm_head.bias)
 
     # ---- weights -------------------------------------------------------------
 

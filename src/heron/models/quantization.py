@@ -361,36 +361,23 @@ def quantize_model(model: M, method: str, device: torch.device) -> M:
         raise ValueError(f"unknown quantization {method!r}; choose from {QUANTIZATION_METHODS}")
     if device.type != "cpu":
         raise ValueError(f"{method} quantization runs on the CPU; on CUDA use bfloat16")
+    # the head first, whether tied or not (an untied one took int4 in the loop below under int4)
+    set_head = getattr(model, "quantize_lm_head", None)
+    if callable(set_head):
+        set_head(_int8_head)
     count = 0
-    head = _output_head(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                if child is head:  # an untied head too (it took int4 under int4)
-                    setattr(parent, name, _int8_head(child.weight, child.bias))
-                elif child.in_features % INT4_BLOCK != 0:
+                if child.in_features % INT4_BLOCK != 0:
                     setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
                 elif method == "int4":
                     setattr(parent, name, Int4WeightOnlyLinear(child.weight, child.bias))
                 else:
                     setattr(parent, name, Int8WeightInt8InputLinear(child.weight, child.bias))
                 count += 1
-    set_head = getattr(model, "quantize_lm_head", None)
-    if callable(set_head):
-        set_head(_int8_head)
     logger.info("quantized %d linear layers to %s (the LM head to int8), int8 inputs", count, method)
     return model
-
-
-def _output_head(model: nn.Module) -> nn.Module | None:
-    """The model's own LM head module, if it has one (a native model's untied
-    ``lm_head``; a transformers model's output embeddings, tied or not)."""
-    hf_model = getattr(model, "hf_model", None)
-    if hf_model is not None and callable(getattr(hf_model, "get_output_embeddings", None)):
-        head = hf_model.get_output_embeddings()
-        return head if isinstance(head, nn.Module) else None
-    head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Module) else None
 
 
 def _int8_head(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
