@@ -52,14 +52,15 @@ class FirstEventGate:
         self.held += chunk
         while (found := _next_event(self.held, self.scanned)) is not None:
             event, after = found
+            if self.head_types and _event_type(event) in self.head_types:  # held, and no refusal
+                self.scanned = after
+                continue
             refusal = _refusal(event)
-            if refusal is not None:
-                self.refused = refusal
-                self.held.clear()
-                return b""
-            if _event_type(event) not in self.head_types:
+            if refusal is None:
                 return self.release()
-            self.scanned = after
+            self.refused = refusal
+            self.held.clear()
+            return b""
         too_long = len(self.held) - self.scanned > MAX_HELD_BYTES or self.scanned > MAX_HELD_HEAD_BYTES
         return self.release() if too_long else b""
 
