@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -144,19 +145,14 @@ class ResponseWriter:
 
 
 _SEQUENCE_KEY = b'"sequence_number":'
+_SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
 
 
 def _last_sequence_number(data: bytes, last: int) -> int:
     """The last ``"sequence_number": N`` in ``data``, else ``last`` (best effort:
     a number split between two reads counts as its first part)."""
-    at = data.rfind(_SEQUENCE_KEY)
-    if at < 0:
-        return last
-    digits = data[at + len(_SEQUENCE_KEY):at + len(_SEQUENCE_KEY) + 24].lstrip()
-    end = 0
-    while end < len(digits) and digits[end:end + 1].isdigit():
-        end += 1
-    return int(digits[:end]) if end else last
+    match = _SEQUENCE.match(data, at) if (at := data.rfind(_SEQUENCE_KEY)) >= 0 else None
+    return int(match.group(1)) if match else last
 
 
 def is_event_stream(headers: list[tuple[str, str]]) -> bool:
