@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.server_process import ServerProcess, descendants
+from tests.e2e.server_process import ServerProcess, descendants, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -179,6 +179,77 @@ def test_an_engine_core_that_dies_while_the_api_servers_start_is_reported_by_eac
         server.stop()
 
 
+# put on the path of every process of the server (sitecustomize): the API server of index $HERON_TEST_HELD_API_SERVER
+# holds its tokenizer's load until the file $HERON_TEST_RELEASE exists; each API server that has loaded its
+# tokenizer says so with a file named after the release file and its index
+HOLD_ONE_API_SERVER = """
+import os
+if "HERON_TEST_HELD_API_SERVER" in os.environ:
+    from heron.entrypoints.openai import shared_gateway
+    create_state = shared_gateway.SharedGatewayState.__init__
+    def created(self, path, server_index):
+        create_state(self, path, server_index)
+        import time
+        import heron.engine.async_llm as async_llm
+        release = os.environ["HERON_TEST_RELEASE"]
+        load = async_llm.load_tokenizer
+        def held(model_config):
+            while server_index == int(os.environ["HERON_TEST_HELD_API_SERVER"]) and not os.path.exists(release):
+                time.sleep(0.05)
+            tokenizer = load(model_config)
+            open(f"{release}.loaded{server_index}", "w").close()
+            return tokenizer
+        async_llm.load_tokenizer = held
+    shared_gateway.SharedGatewayState.__init__ = created
+"""
+
+
+def answers_on_fresh_connections(server: ServerProcess, path: str, count: int = 20) -> list[tuple[int, object]]:
+    """(status, the answering API server's index or the error code) of ``count`` GETs, each on a new connection."""
+    answers: list[tuple[int, object]] = []
+    for _ in range(count):
+        response = httpx.get(f"{server.base_url}{path}", timeout=10)
+        body = response.json()
+        answers.append((response.status_code, body.get("api_server", body.get("error", {}).get("code"))))
+    return answers
+
+
+@pytest.mark.parametrize("held", [0, 1])
+def test_no_api_server_answers_loading_once_another_said_ready(tmp_path, held):
+    """Each API server listened from its start: one still loading answered 503
+    "loading" to its share of new connections while another's /health said 200
+    (a load balancer that probed once sent traffic to a 503; a test's stream got
+    none). The others listen now only once they and the first are ready: while
+    the first loads, every answer says loading; once it is ready, none does."""
+    (tmp_path / "sitecustomize.py").write_text(HOLD_ONE_API_SERVER)
+    release = tmp_path / "release"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    server = ServerProcess("--api-server-count", "2", wait_ready=False,
+                           env={"PYTHONPATH": path, "HERON_TEST_HELD_API_SERVER": str(held),
+                                "HERON_TEST_RELEASE": str(release)})
+    try:
+        loaded = tmp_path / f"release.loaded{1 - held}"
+        wait_for(loaded.exists, timeout=120, what="the API server not held to load its tokenizer")
+        wait_for(lambda: server.read_log().count("engine core ready") == 2, timeout=120, what="both engine clients")
+        time.sleep(0.5)  # ready: and listening, where it did from the start
+        if held == 0:  # the first loads: no answer may say ready
+            assert answers_on_fresh_connections(server, "/health") == [(503, None)] * 20
+            assert answers_on_fresh_connections(server, "/v1/models") == [(503, "model_loading")] * 20
+            release.touch()
+            server.wait_ready(60)
+        else:  # the first serves alone until the other is ready
+            server.wait_ready(60)
+            assert answers_on_fresh_connections(server, "/health") == [(200, 0)] * 20
+            assert answers_on_fresh_connections(server, "/v1/models") == [(200, None)] * 20
+            release.touch()
+        wait_for(lambda: {index for _, index in answers_on_fresh_connections(server, "/health")} == {0, 1},
+                 timeout=60, what="both API servers to answer")
+        assert all(status == 200 for status, _ in answers_on_fresh_connections(server, "/v1/models", 40))
+    finally:
+        server.stop()
+    assert server.process.returncode == 0
+
+
 def test_ctrl_c_lets_every_api_server_finish_the_streams_it_serves():
     """A terminal's Ctrl-C signals the whole process group: each API server
     starts its graceful stop, then the launcher told them to stop again with
@@ -187,22 +258,28 @@ def test_ctrl_c_lets_every_api_server_finish_the_streams_it_serves():
     tokens end well within on a loaded machine too, where 5 s was tight.)"""
     server = start(1, "--shutdown-timeout", "60")
     received: list[str] = []
+    refused: list[str] = []
     first_chunk = threading.Event()
 
     def stream() -> None:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEYS[0]}"}) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    received.append(line[6:])
-                    first_chunk.set()
+        try:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEYS[0]}"}) as response:
+                if response.status_code != 200:
+                    refused.append(f"{response.status_code}: {response.read()[:300]!r}")
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        received.append(line[6:])
+                        first_chunk.set()
+        finally:
+            first_chunk.set()  # a refusal or an error: the assertion below names it
 
     reader = threading.Thread(target=stream)
     reader.start()
     try:
-        assert first_chunk.wait(60)
+        assert first_chunk.wait(60) and received and not refused, (refused, server.read_log()[-3000:])
         # the group, as a terminal does: every process gets its SIGINT before the launcher, acting on its own,
         # can signal the others
         for pid in [*descendants(server.process.pid), server.process.pid]:
@@ -230,22 +307,24 @@ def test_the_waiting_bound_holds_for_the_server_not_per_process():
     counts it among the waiting and refuses one too many.)"""
     server = ServerProcess("--api-server-count", "2", "--max-num-seqs", "1", "--max-waiting-requests", "2")
     try:
-        # long enough that the running request outlasts the sending (9 x 0.2 s) on the fastest CPU here (a
-        # batch-1 step of about 6 ms: 600 tokens take 3.6 s); 250 tokens once let a slot free up mid-sending
-        body = {"model": MODEL, "prompt": "Tell me about herons.", "max_tokens": 600, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": "Tell me about herons.", "max_tokens": 8, "ignore_eos": True}
         statuses: list[int] = []
         servers_seen: set[int] = set()
-        running = threading.Event()
+        running, sent = threading.Event(), threading.Event()
 
         def run_first() -> None:
+            """Holds the slot until the others are sent (a fixed length either freed it mid-sending on a fast
+            machine or outlasted the timeout on a loaded one), then ends it by closing the stream."""
             with httpx.Client() as fresh:
                 servers_seen.add(fresh.get(f"{server.base_url}/health", timeout=60).json()["api_server"])
-                with fresh.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True},
-                                  timeout=120) as response:
+                with fresh.stream("POST", f"{server.base_url}/v1/completions", timeout=120,
+                                  json={**body, "max_tokens": 1000, "stream": True}) as response:
+                    statuses.append(response.status_code)
                     for line in response.iter_lines():
                         if line.startswith("data: "):
                             running.set()
-                    statuses.append(response.status_code)
+                            if sent.is_set():
+                                break
             running.set()  # a refusal: the assertion below names it
 
         def send() -> None:
@@ -260,6 +339,10 @@ def test_the_waiting_bound_holds_for_the_server_not_per_process():
             threads.append(threading.Thread(target=send))
             threads[-1].start()
             time.sleep(0.2)  # each arrives after the ones before were admitted or refused
+        deadline = time.monotonic() + 30  # the refusals come at once; the admitted wait for the slot
+        while statuses.count(429) < 7 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sent.set()
         for thread in threads:
             thread.join(180)
         assert sorted(statuses) == [200] * 3 + [429] * 7, statuses

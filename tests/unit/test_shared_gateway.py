@@ -109,6 +109,19 @@ def test_waiting_counts_add_up_over_api_servers(state_file):
     second.close()
 
 
+def test_each_api_server_says_when_it_is_ready_and_the_others_see_it(state_file):
+    first, second = SharedGatewayState(state_file, 0), SharedGatewayState(state_file, 1)
+    assert not first.is_ready(0) and not first.is_ready(1)
+    second.publish_ready()
+    assert first.is_ready(1) and not second.is_ready(0)  # its own flag alone
+    first.publish_ready()
+    assert second.is_ready(0)
+    first.publish_waiting(5)  # the flags and the counts are apart
+    assert second.total_waiting() == 5 and second.is_ready(0) and second.is_ready(1)
+    first.close()
+    second.close()
+
+
 def _admit_many(path: str, index: int, limit: int, seconds: float, start, results) -> None:
     """An API server's admissions for ``seconds``: a check, the work before the
     request is counted (tokenizing, adding it), the count published; every third

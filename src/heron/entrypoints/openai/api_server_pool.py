@@ -18,8 +18,10 @@ listens on it, so no other socket can take it while the API servers start,
 and ``--port 0`` resolves to one port for all. That socket is the first API
 server's (handed to it as an inherited descriptor, the launcher's copy closed:
 once the API servers stop listening, connections are refused, not queued
-unanswered); the others bind their own beside it. A connection arriving before
-an API server accepts waits in the socket's queue rather than being refused. It stops
+unanswered); the others bind their own beside it and listen only once they and
+the first can serve, so a client never meets one still loading after another
+said ready. A connection arriving before the first accepts waits in the socket's
+queue rather than being refused. It stops
 everything when told to (SIGINT or SIGTERM, passed on to the API servers,
 which finish their requests) or when an API server or an engine core dies
 (exit code 1: a supervisor such as systemd or Kubernetes starts it again).

@@ -5,8 +5,9 @@ LAUNCHER_PID`` (it exits when its launcher is gone: ``launcher_watch.py``).
 It resolves the same flags as the launcher's engine cores (and checks the
 engines agree when they report ready), serves the launcher's listening socket
 (the first API server) or binds the shared port beside it with
-``SO_REUSEPORT`` (the others), and serves until SIGINT or SIGTERM. It never stops the engine
-cores: the launcher owns them."""
+``SO_REUSEPORT`` (the others, which listen once they and the first are ready),
+and serves until SIGINT or SIGTERM. It never stops the engine cores: the
+launcher owns them."""
 
 from __future__ import annotations
 

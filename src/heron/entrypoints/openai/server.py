@@ -290,8 +290,10 @@ async def _serve_api(
                 logger.error("%s", exc)
             server.should_exit = True
             return
-        if role is not None and role.index > 0:
-            return  # the first of several API servers speaks for them
+        if role is not None:
+            role.shared.publish_ready()
+            if role.index > 0:
+                return  # the first of several API servers speaks for them
         logger.info(
             "heron is ready at %s (model %r). Try:\n  curl %s/v1/chat/completions%s "
             "-H 'Content-Type: application/json' -d '{\"model\": \"%s\", \"messages\": "
@@ -321,7 +323,8 @@ async def _serve_api(
     if hears_the_launcher := role is not None and main_thread:  # one of several: told when an engine core ends
         _listen_to_the_launcher(engine, listen=True)
     try:
-        await server.serve(sockets=[listener] if listener is not None else None)
+        if role is None or role.index == 0 or await _may_listen(engine, role, server):
+            await server.serve(sockets=[listener] if listener is not None else None)
     finally:
         stop_signals.restore()
         if hears_the_launcher:
@@ -336,6 +339,21 @@ async def _serve_api(
     if engine.tokenizer_error is not None:
         raise engine.tokenizer_error
     return 1 if engine.is_dead else 0
+
+
+async def _may_listen(engine: AsyncLLM, role: APIServerRole, server: Any) -> bool:
+    """Wait until a second (or later) API server of several may serve: once it and
+    the first are ready. Until it listens, the kernel hands new connections to
+    those that do. Listening while it loaded, it answered 503 "loading" to its
+    share of them while the first one's /health said 200 (and, ready before the
+    first, its own 200s drew traffic to the first one's 503s). False: told to
+    stop, or the engine or the tokenizer failed, before that."""
+    engine.start()
+    while not server.should_exit and not engine.is_dead and engine.tokenizer_error is None:
+        if engine.is_ready and role.shared.is_ready(0):
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 def _listen_to_the_launcher(engine: AsyncLLM, listen: bool) -> None:

@@ -1,13 +1,16 @@
 """Gateway state the API-server processes of one ``heron serve
 --api-server-count M`` share, so its limits hold for the server as a whole and
 not per process: the per-key token buckets of ``--rate-limit`` and the count of
-waiting requests behind ``--max-waiting-requests``.
+waiting requests behind ``--max-waiting-requests``; and whether each API server
+can serve (``server.py`` starts listening on the others only once they and the
+first can).
 
 It lives in one file mapped into every process (no extra server process):
 
 * a waiting-request count per API server, each written only by its owner and
   summed by whoever checks the bound; a check and the admission it allows
   happen under an exclusive ``flock`` of the file;
+* a ready flag per API server, written once by its owner;
 * a fixed table of token buckets, keyed by a digest of the key (API key or
   client address), changed under the same lock. A key's
   slot is found by linear probing; when its probe window is full, the bucket
@@ -38,7 +41,7 @@ DEFAULT_BUCKET_SLOTS = 1 << 15
 
 def create_shared_gateway_file(path: str, num_servers: int, bucket_slots: int = DEFAULT_BUCKET_SLOTS) -> None:
     """Write the zeroed state file (the launcher does this before starting the API servers)."""
-    size = _HEADER.size + num_servers * _COUNT.size + bucket_slots * _BUCKET.size
+    size = _HEADER.size + 2 * num_servers * _COUNT.size + bucket_slots * _BUCKET.size
     with open(path, "wb") as handle:
         handle.truncate(size)
         handle.write(_HEADER.pack(_MAGIC, num_servers, bucket_slots))
@@ -55,7 +58,8 @@ class SharedGatewayState:
             raise ValueError(f"API server index {server_index} outside 0..{self.num_servers - 1}")
         self.server_index = server_index
         self._counts_at = _HEADER.size
-        self._buckets_at = self._counts_at + self.num_servers * _COUNT.size
+        self._ready_at = self._counts_at + self.num_servers * _COUNT.size
+        self._buckets_at = self._ready_at + self.num_servers * _COUNT.size
 
     def close(self) -> None:
         self._map.close()
@@ -79,6 +83,15 @@ class SharedGatewayState:
         anywhere, so checks running at once cannot all pass on one free place."""
         with self._locked():
             yield self.total_waiting()
+
+    # ---- readiness ------------------------------------------------------------------------
+
+    def publish_ready(self) -> None:
+        """This API server can serve (its engine client and tokenizer are ready)."""
+        _COUNT.pack_into(self._map, self._ready_at + self.server_index * _COUNT.size, 1)
+
+    def is_ready(self, server_index: int) -> bool:
+        return _COUNT.unpack_from(self._map, self._ready_at + server_index * _COUNT.size)[0] == 1
 
     # ---- token buckets ---------------------------------------------------------------------
 
