@@ -3,6 +3,8 @@ tokenizer metadata, from a tiny HF Llama's weights."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -48,17 +50,20 @@ def llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, head_rows, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q]) -> None:
-    """tensor_types maps a GGUF tensor kind ("attn_q", "token_embd", ...) to its type."""
+def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q], drop: Collection[str] = (),
+                          **counts: int) -> None:
+    """tensor_types maps a GGUF tensor kind ("attn_q", "token_embd", ...) to its type;
+    ``drop``: tensors to leave out; ``counts``: block_count, feed_forward_length or
+    head_count_kv to write instead of the model's (a damaged file)."""
     config = hf_model.config
     source = GGUFFile(default_model_path()).metadata
     writer = GGUFWriter(path, "llama")
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(counts.get("block_count", config.num_hidden_layers))
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(counts.get("feed_forward_length", config.intermediate_size))
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(counts.get("head_count_kv", config.num_key_value_heads))
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     if config.rope_parameters.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(RopeScalingType.YARN)
@@ -102,6 +107,8 @@ def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q]) -> No
                 array = llama_permute(array, config.num_attention_heads)
             elif kind == "attn_k":
                 array = llama_permute(array, config.num_key_value_heads)
+        if gguf_name in drop:
+            continue
         qtype = Q.F32 if array.ndim == 1 else tensor_types.get(kind, Q.F32)
         seed += 1
         encoded = encode(array, qtype, seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -135,6 +136,39 @@ def test_a_truncated_gguf_says_so(all_types_file, tmp_path):
             GGUFFile(str(cut))
 
 
+def raw_gguf(tensors: list[tuple[str, list[int], int, int]], metadata: bytes = b"", kv_count: int = 0) -> bytes:
+    """A GGUF v3 file written byte by byte (what gguf-py's writer refuses to write):
+    tensor infos (name, ggml dims, type, offset), then 256 bytes of data."""
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    data = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), kv_count) + metadata
+    for name, dims, ggml_type, offset in tensors:
+        data += string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", dim) for dim in dims)
+        data += struct.pack("<IQ", ggml_type, offset)
+    return data + bytes(-len(data) % 32) + bytes(256)
+
+
+NESTED_ARRAYS = struct.pack("<Q", 3) + b"key" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000 \
+    + struct.pack("<IQ", 4, 0)
+
+
+@pytest.mark.parametrize("tensors, metadata, message", [
+    ([("t", [32, 0], 0, 0)], b"", "tensor 't' has a dimension of 0"),  # a ZeroDivisionError traceback
+    # numpy's product wrapped to 0 bytes: the check that the data lies in the file passed, then "cannot reshape"
+    ([("t", [2**32, 2**32], 0, 0)], b"", "past the end of the file"),
+    ([("t", [8], 0, 0), ("t", [8], 0, 32)], b"", "two tensors named 't'"),  # the later one silently won
+    ([("t", [8], 0, 4)], b"", "offset 4, not a multiple of the file's alignment 32"),
+    ([], NESTED_ARRAYS, "header is truncated or damaged"),  # a RecursionError traceback
+])
+def test_a_crafted_header_is_refused_naming_what_is_wrong(tmp_path, tensors, metadata, message):
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(raw_gguf(tensors, metadata, kv_count=1 if metadata else 0))
+    with pytest.raises(ValueError, match=message) as refused:
+        GGUFFile(str(path))
+    assert str(path) in str(refused.value)
+
+
 def test_a_damaged_gguf_header_is_a_format_error_naming_the_file(tiny_gguf, tmp_path):
     """A key length with its high byte set was an OverflowError traceback, a
     renamed hyperparameter a TypeError from int(None); of 400 random header
@@ -169,13 +203,20 @@ def test_a_damaged_gguf_header_is_a_format_error_naming_the_file(tiny_gguf, tmp_
             pass  # a clear error of another kind (an unknown architecture, say): the CLI reports it too
 
 
+MODEL_HEADER = {"llama.attention.head_count": 4, "llama.embedding_length": 64}
+
+
 @pytest.mark.parametrize("metadata, message", [
     ({"general.type": "adapter"}, "is a GGUF adapter"),
     ({"split.count": 3, "split.no": 0}, "part 1 of a GGUF split into 3 files"),
+    ({**MODEL_HEADER, "llama.rope.scaling.type": "su"}, "GGUF rope scaling 'su' is not supported"),
+    ({**MODEL_HEADER, "llama.rope.scaling.type": "yarn", "llama.rope.scaling.yarn_log_multiplier": 1},
+     "YaRN rope scaling with rope.scaling.yarn_log_multiplier .* is not supported"),
 ])
 def test_gguf_files_that_are_no_whole_model_are_named(tmp_path, metadata, message):
     """A LoRA adapter gave TypeError: int() ... NoneType; a split's first part said
-    that weights were missing."""
+    that weights were missing; a rope scaling heron does not run was "damaged
+    or incomplete" metadata."""
     from heron.loader.gguf_model import gguf_to_hf_config
 
     path = str(tmp_path / "part-00001-of-00003.gguf")
@@ -211,16 +252,49 @@ def test_a_tensor_whose_rows_are_not_whole_blocks_is_named(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, embedded_tokenizer):
+def tiny_hf_llama(tmp_path_factory, embedded_tokenizer):
     from transformers import AutoModelForCausalLM
 
     directory = str(tmp_path_factory.mktemp("tiny-llama-src"))
     build_tiny_model(directory, dict(model_type="llama", intermediate_size=256, hidden_size=256,
                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
                      embedded_tokenizer)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (dict(drop=["blk.1.ffn_up.weight"]), r"lacks 1 of the model's tensors \(blk\.1\.ffn_up\.weight\)"),
+    (dict(block_count=3), r"lacks 9 of the model's tensors \(blk\.2\.attn_norm\.weight"),
+    (dict(block_count=1), r"holds tensors of layer 1, but its metadata says llama\.block_count = 1"),
+    (dict(feed_forward_length=128), r"'blk\.0\.ffn_gate\.weight' has shape \(256, 256\), but the metadata "
+                                    r"implies \(128, 256\)"),
+    (dict(head_count_kv=3), r"head_count_kv is 3, which does not divide llama\.attention\.head_count \(4\)"),
+    (dict(head_count_kv=0), r"head_count_kv is 0"),
+])
+def test_a_gguf_whose_tensors_do_not_match_its_metadata_is_refused_from_the_header(
+        tiny_hf_llama, tmp_path, monkeypatch, damage, message):
+    """Caught only as the engine core loaded the weights (under `heron serve` a
+    traceback and exit 1, after a float copy was written to the weight cache),
+    or never: a head_count_kv that does not divide head_count served a one-token
+    prompt, then the engine died on a longer one. Refused now where every process
+    reads the config, with nothing written."""
+    from heron.loader.gguf_file import GGUFFormatError
+    from heron.loader.gguf_model import gguf_to_hf_config
+
+    path = str(tmp_path / "damaged.gguf")
+    write_tiny_llama_gguf(path, tiny_hf_llama, {}, **damage)
+    with pytest.raises(GGUFFormatError, match=message):
+        gguf_to_hf_config(GGUFFile(path))
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=message):
+        LLM(path, max_model_len=64, num_kv_blocks=16)
+    assert not os.path.exists(tmp_path / "cache" / "weights") or not os.listdir(tmp_path / "cache" / "weights")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, tiny_hf_llama):
     path = str(tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny.gguf")
-    write_tiny_llama_gguf(path, hf_model, {
+    write_tiny_llama_gguf(path, tiny_hf_llama, {
         "token_embd": Q.Q8_0, "output": Q.Q6_K, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.F16,
         "attn_output": Q.BF16, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q8_0, "ffn_down": Q.F32,
     })

@@ -143,3 +143,23 @@ def test_sentencepiece_adds_bos_and_eos_as_the_file_says():
     assert spm_tokenizer(**{"tokenizer.ggml.add_bos_token": False}).encode("Hello") == [HELLO]
     assert spm_tokenizer(**{"tokenizer.ggml.add_eos_token": True}).encode("Hello") == [1, HELLO, 2]
     assert spm_tokenizer().decode([1, HELLO, 2], skip_special_tokens=True) == "Hello"
+
+
+def test_a_vocabulary_the_tokenizers_library_cannot_build_is_a_value_error_naming_the_file(tmp_path):
+    """The tokenizers library raises a bare Exception for a merge of tokens the
+    vocabulary lacks: a traceback and exit 1 from `heron serve` and `heron
+    generate`, where a tokenizer that does not load is a usage error (exit 2)."""
+    from gguf import GGUFWriter
+
+    from heron.loader.tokenizer import load_gguf_tokenizer
+
+    path = str(tmp_path / "vocab.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a c"])  # "c" is no token
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"vocab\.gguf: the GGUF's 'gpt2' vocabulary cannot be built \(Exception: "):
+        load_gguf_tokenizer(path)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from heron.loader.model_source import ModelNotFoundError, resolve_model_source
+from heron.loader.model_source import ModelNotFoundError, default_model_path, resolve_model_source
 
 
 @pytest.mark.parametrize("name", ["models/missing.gguf", "missing.gguf", "org/weights.safetensors"])
@@ -100,3 +100,23 @@ def test_a_bad_hub_timeout_is_named_not_reported_as_the_network(monkeypatch, val
     monkeypatch.setenv("HERON_HUB_TIMEOUT_S", value)
     with pytest.raises(ValueError, match=f"HERON_HUB_TIMEOUT_S={value!r}: expected a finite number above 0"):
         model_source._download_from_hub("someorg/somemodel")
+
+
+def test_a_gguf_file_is_known_by_its_magic_or_any_case_of_its_suffix(tmp_path):
+    """`Model.GGUF`, or a Hugging Face cache's blob (no suffix at all), was "a file
+    but not a .gguf file"; llama.cpp and vLLM read them."""
+    from types import SimpleNamespace
+
+    from heron.loader.model_source import resolve_tokenizer_source
+    from heron.loader.tokenizer import load_tokenizer
+
+    for name, served in (("Model.GGUF", "Model"), ("blob", "blob")):
+        os.symlink(default_model_path(), tmp_path / name)
+        source = resolve_model_source(str(tmp_path / name))
+        assert (source.format, source.name) == ("gguf", served)
+        assert resolve_tokenizer_source(str(tmp_path / name)) == str(tmp_path / name)
+    tokenizer = load_tokenizer(SimpleNamespace(tokenizer=None, model=str(tmp_path / "blob")))
+    assert tokenizer.decode(tokenizer.encode("Hello herons")) == "Hello herons"
+    (tmp_path / "weights.bin").write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ModelNotFoundError, match="is a file but not a GGUF file"):
+        resolve_model_source(str(tmp_path / "weights.bin"))

@@ -13,6 +13,7 @@ ggml order, type, offset), padding to ``general.alignment``, then tensor data.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -85,8 +86,9 @@ class GGUFFile:
         try:
             self._parse()
         # a header cut short, or garbage in it: a length past any size, an unknown array type, an alignment of 0
+        # (or metadata arrays nested past Python's recursion limit)
         except (struct.error, ValueError, UnicodeDecodeError, OverflowError, KeyError, IndexError, TypeError,
-                ZeroDivisionError, MemoryError) as exc:
+                ZeroDivisionError, MemoryError, RecursionError) as exc:
             if isinstance(exc, GGUFFormatError):
                 if path in str(exc):
                     raise
@@ -125,6 +127,11 @@ class GGUFFile:
         data_start = cdiv(self._pos, alignment) * alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, ggml_type, offset in raw_infos:
+            if name in self.tensors:  # the later one won, and an error then named another tensor as missing
+                raise GGUFFormatError(f"the file holds two tensors named {name!r}")
+            if offset % alignment:  # as llama.cpp refuses it
+                raise GGUFFormatError(f"tensor {name!r} starts at offset {offset}, not a multiple of the file's "
+                                      f"alignment {alignment}")
             self.tensors[name] = GGUFTensorInfo(
                 name=name,
                 shape=tuple(reversed(dims)),
@@ -207,11 +214,14 @@ def _tensor_num_bytes(name: str, dims: list[int], ggml_type: int) -> int:
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError) as exc:
         raise GGUFFormatError(f"unknown GGML tensor type {ggml_type}") from exc
+    if 0 in dims:  # (a division by zero in raw_tensor)
+        raise GGUFFormatError(f"tensor {name!r} has a dimension of 0 ({dims})")
     if dims and dims[0] % block_size:  # a row is whole blocks (it failed later as a reshape, with no path)
         raise GGUFFormatError(f"tensor {name!r} has rows of {dims[0]} values, not a whole number of its type's "
                               f"blocks of {block_size}")
-    num_elements = int(np.prod(dims)) if dims else 1
-    return num_elements // block_size * type_size
+    # Python's integers: numpy's int64 product wrapped to 0 for dimensions of 2^32 x 2^32, and the check that
+    # the data lies inside the file passed
+    return math.prod(dims) // block_size * type_size
 
 
 @functools.lru_cache(maxsize=4)

@@ -71,8 +71,9 @@ def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
     return GGUF_ARCHITECTURES[arch]
 
 
-def _rope_scaling(get: Callable[..., Any], context_length: int) -> dict[str, Any]:
-    """llama.cpp's ``rope.scaling.*`` keys as transformers' rope parameters."""
+def _rope_scaling(get: Callable[..., Any], context_length: int, path: str) -> dict[str, Any]:
+    """llama.cpp's ``rope.scaling.*`` keys as transformers' rope parameters (a
+    scaling heron does not run is said so, not called damaged metadata)."""
     scaling_type = get("rope.scaling.type")
     if scaling_type in (None, "none"):
         return {}
@@ -86,7 +87,10 @@ def _rope_scaling(get: Callable[..., Any], context_length: int) -> dict[str, Any
             if get(f"rope.scaling.yarn_{beta}") is not None:
                 yarn[beta] = float(get(f"rope.scaling.yarn_{beta}"))
         return yarn
-    raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (supported: linear, yarn)")
+    if scaling_type == "yarn":
+        raise GGUFFormatError(f"{path}: YaRN rope scaling with rope.scaling.yarn_log_multiplier (DeepSeek's "
+                              "attention scaling) is not supported; heron runs plain YaRN and linear scaling")
+    raise GGUFFormatError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported (supported: linear, yarn)")
 
 
 def _end_tokens(meta: dict[str, Any]) -> int | list[int] | None:
@@ -136,7 +140,11 @@ def _hf_config(gguf: GGUFFile, model_type: str, architecture: str) -> ArchConfig
     head_dim = int(get("attention.key_length", hidden_size // num_heads))
     vocab_size = int(get("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))))
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
-    rope_parameters.update(_rope_scaling(get, int(get("context_length", 2048))))
+    rope_parameters.update(_rope_scaling(get, int(get("context_length", 2048)), gguf.path))
+    num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:  # (it served a prompt of one token, then the engine died)
+        raise GGUFFormatError(f"{gguf.path}: {arch}.attention.head_count_kv is {num_kv_heads}, which does not "
+                              f"divide {arch}.attention.head_count ({num_heads})")
     kwargs: dict[str, Any] = dict(
         model_type=model_type,
         architectures=[architecture],
@@ -145,7 +153,7 @@ def _hf_config(gguf: GGUFFile, model_type: str, architecture: str) -> ArchConfig
         intermediate_size=required("feed_forward_length"),
         num_hidden_layers=required("block_count"),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
+        num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -160,9 +168,56 @@ def _hf_config(gguf: GGUFFile, model_type: str, architecture: str) -> ArchConfig
     if get("attention.sliding_window") is not None:
         kwargs["sliding_window"] = int(get("attention.sliding_window"))
     config = arch_config_from_dict(kwargs)
+    _check_tensors(gguf, config)
     if _ROPE_FREQS in gguf.tensors:
         config.heron_rope_freq_factors = gguf.dequantize(_ROPE_FREQS).tolist()
     return config
+
+
+def _check_tensors(gguf: GGUFFile, config: ArchConfig) -> None:
+    """Every tensor the model needs is in the file, in the shape the metadata
+    implies, and no layer lies past ``block_count``: checked from the header,
+    which every process reads (such a file failed only as the engine core loaded
+    it, with a traceback, after writing a float copy to the weight cache)."""
+    expected = _expected_shapes(config)
+    if config.tie_word_embeddings:
+        expected.pop("output.weight")
+    missing = [name for name in expected if name not in gguf.tensors]
+    if missing:
+        raise GGUFFormatError(f"{gguf.path}: the file lacks {len(missing)} of the model's tensors "
+                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): an incomplete "
+                              "download or export, or metadata that does not match the tensors?")
+    for name, shape in expected.items():
+        if gguf.tensors[name].shape != shape:
+            raise GGUFFormatError(f"{gguf.path}: tensor {name!r} has shape {gguf.tensors[name].shape}, but the "
+                                  f"metadata implies {shape}")
+    layers = config.num_hidden_layers
+    beyond = sorted({int(match.group(1)) for match in map(_LAYER_PATTERN.match, gguf.tensors)
+                     if match is not None and int(match.group(1)) >= layers})
+    if beyond:
+        raise GGUFFormatError(f"{gguf.path}: the file holds tensors of layer {beyond[0]}, but its metadata says "
+                              f"{gguf.architecture}.block_count = {layers}")
+
+
+def _expected_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> shape (PyTorch order) of every tensor the model reads."""
+    hidden, inner, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer: dict[str, tuple[int, ...]] = {
+        "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
+        "attn_q.weight": (q_size, hidden), "attn_k.weight": (kv_size, hidden), "attn_v.weight": (kv_size, hidden),
+        "attn_output.weight": (hidden, q_size),
+        "ffn_gate.weight": (inner, hidden), "ffn_up.weight": (inner, hidden), "ffn_down.weight": (hidden, inner),
+    }
+    if getattr(config, "attention_bias", False):
+        per_layer |= {"attn_q.bias": (q_size,), "attn_k.bias": (kv_size,), "attn_v.bias": (kv_size,)}
+    if config.model_type == "qwen3":
+        per_layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
+    shapes = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": (hidden,),
+              "output.weight": (config.vocab_size, hidden)}
+    for layer in range(config.num_hidden_layers):
+        shapes |= {f"blk.{layer}.{name}": shape for name, shape in per_layer.items()}
+    return shapes
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -55,10 +55,10 @@ def resolve_model_source(model: str | None) -> ModelSource:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     path = os.path.expanduser(model)
     if os.path.isfile(path):
-        if not path.endswith(".gguf"):
+        if not is_gguf_file(path):
             raise ModelNotFoundError(
-                f"{model!r} is a file but not a .gguf file; pass a GGUF file or a "
-                "directory with config.json and *.safetensors"
+                f"{model!r} is a file but not a GGUF file (neither named .gguf nor starting with GGUF's magic); "
+                "pass a GGUF file or a directory with config.json and *.safetensors"
             )
         return ModelSource("gguf", os.path.abspath(path), _name_of(path))
     if os.path.isdir(path):
@@ -71,6 +71,18 @@ def resolve_model_source(model: str | None) -> ModelSource:
     )
 
 
+def is_gguf_file(path: str) -> bool:
+    """Named ``.gguf`` (any case: ``Model.GGUF``), or a file that starts as a GGUF
+    does, whatever its name (a Hugging Face cache's blob has none)."""
+    if path.lower().endswith(".gguf"):
+        return True
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 _SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # llama.cpp's split files: NAME-00001-of-00003.gguf
 
 
@@ -81,7 +93,7 @@ def _source_from_directory(model: str, path: str) -> ModelSource:
     if has_config and any(name.endswith(".safetensors") for name in names):
         return ModelSource("hf", path, _name_of(path))
     # a GGUF file carries its own config: a config.json beside it (some repositories ship both) does not matter
-    ggufs = sorted(name for name in names if name.endswith(".gguf"))
+    ggufs = sorted(name for name in names if name.lower().endswith(".gguf"))
     if len(ggufs) == 1:
         return ModelSource("gguf", os.path.join(path, ggufs[0]), _name_of(ggufs[0]))
     if len(ggufs) > 1 and all(_SPLIT_GGUF.search(name) for name in ggufs):
@@ -106,7 +118,7 @@ def _source_from_directory(model: str, path: str) -> ModelSource:
 
 def _name_of(path: str) -> str:
     base = os.path.basename(os.path.normpath(path))
-    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+    return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
 
 
 def _looks_like_hub_id(model: str) -> bool:
@@ -140,12 +152,12 @@ def resolve_tokenizer_source(tokenizer: str) -> str:
     does not exist, or a Hub id that cannot be fetched, is a ModelNotFoundError
     naming it (each was an OSError traceback from transformers)."""
     path = os.path.expanduser(tokenizer)
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    if os.path.isfile(path) and is_gguf_file(path):
         return os.path.abspath(path)
     if os.path.isdir(path):
         return os.path.abspath(path)
     if os.path.exists(path):
-        raise ModelNotFoundError(f"tokenizer {tokenizer!r} is a file but not a .gguf file; pass a GGUF file or a "
+        raise ModelNotFoundError(f"tokenizer {tokenizer!r} is a file but not a GGUF file; pass a GGUF file or a "
                                  "directory with the tokenizer's files")
     if _looks_like_hub_id(tokenizer):
         return _download_from_hub(tokenizer, ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"])

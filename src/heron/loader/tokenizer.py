@@ -14,6 +14,7 @@ from typing import Any
 
 from heron.config import ModelConfig
 from heron.loader.gguf_tokenizer import byte_level_bpe_tokenizer, sentencepiece_bpe_tokenizer
+from heron.loader.model_source import is_gguf_file
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
@@ -21,7 +22,7 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     imported only where it is used: it imports torch, which a GGUF's byte-level
     BPE tokenizer, built here, does not need in the API server.)"""
     source = model_config.tokenizer or model_config.model
-    if source.endswith(".gguf") and os.path.isfile(source):
+    if os.path.isfile(source) and is_gguf_file(source):
         return load_gguf_tokenizer(source)
     from transformers import AutoTokenizer
 
@@ -43,10 +44,15 @@ def load_gguf_tokenizer(path: str) -> Any:
 
     gguf = open_gguf(path)
     vocabulary = gguf.metadata.get("tokenizer.ggml.model")
-    if vocabulary == "gpt2":
-        return byte_level_bpe_tokenizer(gguf.metadata)
-    if vocabulary == "llama":
-        return sentencepiece_bpe_tokenizer(gguf.metadata)
+    builders = {"gpt2": byte_level_bpe_tokenizer, "llama": sentencepiece_bpe_tokenizer}
+    if vocabulary in builders:
+        try:
+            return builders[vocabulary](gguf.metadata)
+        # the tokenizers library raises a bare Exception for a vocabulary it cannot build (a merge of tokens the
+        # vocabulary lacks): a traceback and exit 1, where a tokenizer that does not load is a usage error
+        except Exception as exc:
+            raise ValueError(f"{path}: the GGUF's {vocabulary!r} vocabulary cannot be built "
+                             f"({type(exc).__name__}: {exc})") from exc
     # other vocabularies (WordPiece, Unigram, RWKV) through transformers' conversion, where it has one
     from transformers import AutoTokenizer
 
