@@ -78,6 +78,14 @@ def test_what_heron_does_not_serve_is_refused_not_ignored(fields, param):
     assert refused.value.status_code == 400 and refused.value.param == param
 
 
+def test_a_stored_prompt_is_refused_without_a_log_line_saying_it_was_ignored(app, caplog):  # noqa: F811
+    body = {"input": "hi", "prompt": {"id": "pmpt_1"}}
+    with caplog.at_level("WARNING"):
+        response = TestClient(app).post("/v1/responses", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert "ignoring unknown request fields" not in caplog.text
+
+
 def test_what_costs_nothing_to_honour_is_accepted():
     refuse_unserved(ResponsesRequest.model_validate({
         "input": "hi", "background": False, "include": ["reasoning.encrypted_content"], "truncation": "auto",

@@ -171,8 +171,8 @@ def refuse_unserved(request: ResponsesRequest) -> None:
 
 
 async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_request: Request) -> Any:
+    refuse_unserved(request)  # first: `prompt` is no unknown field to log as ignored
     check_request(ctx, request, request.model)
-    refuse_unserved(request)
     owner = key_owner(raw_request)
     history: list[dict[str, Any]] = []
     if request.previous_response_id is not None:
