@@ -8,6 +8,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from heron.benchmarks.datasets import SampleRequest
@@ -119,25 +120,40 @@ def test_the_latency_ends_at_the_last_token():
 
 
 
-def test_arrivals_keep_the_rate_when_the_client_is_busy():
+def test_arrivals_keep_the_rate_when_the_client_is_busy(monkeypatch):
     """Each send waits for its own time in a schedule, so time the client spends
-    elsewhere is made up (gaps slept one after another lost it: 121 of 200/s)."""
+    elsewhere is made up (gaps slept one after another lost it: 121 of 200/s).
+    On a virtual clock: timed by the wall clock, a loaded machine's oversleeping
+    failed it although the schedule was kept."""
     import random
+    from types import SimpleNamespace
 
-    from heron.benchmarks.serve import arrivals
+    from heron.benchmarks import serve
 
+    clock = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    monkeypatch.setattr(serve, "asyncio", SimpleNamespace(
+        get_running_loop=lambda: SimpleNamespace(time=lambda: clock[0]), sleep=sleep))
     samples = [SampleRequest(prompt="x", prompt_len=1, expected_output_len=1) for _ in range(100)]
     draws = random.Random(0)
-    schedule = sum(draws.gammavariate(1.0, 1.0 / 200.0) for _ in range(99))  # the last send's due time
+    due = [0.0]
+    for _ in range(99):
+        due.append(due[-1] + draws.gammavariate(1.0, 1.0 / 200.0))
+    expected = [0.0]  # each send at its due time, or at once once the client's work made it late
+    for when in due[1:]:
+        expected.append(max(when, expected[-1] + 0.004))
 
-    async def main() -> float:
-        started = time.perf_counter()
-        async for _ in arrivals(samples, 200.0, 1.0, seed=0):
-            time.sleep(0.004)  # the client's own work per send, holding the loop (0.4 s in all)
-        return time.perf_counter() - started - 0.004  # to the last send
+    async def main() -> list[float]:
+        sends = []
+        async for _ in serve.arrivals(samples, 200.0, 1.0, seed=0):
+            sends.append(clock[0])
+            clock[0] += 0.004  # the client's own work per send (0.4 s in all, most of the 0.5 s schedule)
+        return sends
 
-    # on schedule give or take a send's work; gaps slept after each send ran 0.4 s late
-    assert asyncio.run(main()) < schedule + 0.15
+    assert asyncio.run(main()) == pytest.approx(expected, abs=1e-9)
 
 
 def test_an_event_of_another_shape_fails_its_request_and_a_null_error_is_none():
