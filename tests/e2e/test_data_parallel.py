@@ -29,6 +29,14 @@ def engine_requests(server: ServerProcess) -> dict[str, float]:
     return counts
 
 
+def placement(pid: int) -> tuple[set[int], str]:
+    """An engine core's CPUs (its affinity) and its OMP_NUM_THREADS."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        variables = environ.read().split(b"\0")
+    threads = next((item.split(b"=", 1)[1].decode() for item in variables if item.startswith(b"OMP_NUM_THREADS=")), "")
+    return os.sched_getaffinity(pid), threads
+
+
 def children(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -47,6 +55,11 @@ def test_two_engine_cores_place_by_prefix_and_spread_what_arrives_together():
     server = ServerProcess("--data-parallel-size", "2", "--max-num-seqs", "8", "--kv-events-config", events)
     try:
         assert len(children(server.process.pid)) == 2
+        if "OMP_NUM_THREADS" not in os.environ and len(os.sched_getaffinity(0)) >= 2:
+            # each on CPUs of its own, with as many threads (both took every core, spinning against each other)
+            (first, first_threads), (second, second_threads) = map(placement, children(server.process.pid))
+            assert not first & second, (first, second)
+            assert (first_threads, second_threads) == (str(len(first)), str(len(second)))
         # a router follows both engines' caches (it saw rank 0's alone)
         info = httpx.get(f"{server.base_url}/v1/kv_events", timeout=5).json()
         ranks = info["ranks"]

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ import zmq.asyncio
 from heron.config import EngineConfig
 from heron.engine.args import EngineArgs
 from heron.engine.core_channels import ClientAddresses
+from heron.engine.cpu_slices import pin, slice_environment
 from heron.engine.input_processor import InvalidRequestError
 from heron.engine.liveness import EngineLiveness
 from heron.engine.serialization import MessageKind, encode_request, pack, unpack
@@ -97,10 +98,12 @@ class EngineCoreProcess:
     clients: list[ClientAddresses]
 
     @staticmethod
-    def start(engine: EngineConfig | EngineArgs, log_level: str = "INFO", num_clients: int = 1) -> EngineCoreProcess:
+    def start(engine: EngineConfig | EngineArgs, log_level: str = "INFO", num_clients: int = 1,
+              cpus: Sequence[int] | None = None) -> EngineCoreProcess:
         """Start the process on a resolved config, or on ``EngineArgs`` (it
         resolves them itself, so it can start loading before the caller has
-        imported torch)."""
+        imported torch). ``cpus``: the CPUs it is pinned to, with as many
+        OpenMP threads (``cpu_slices.py``; None: this process's CPUs and threads)."""
         socket_dir = make_private_dir(IPC_DIR_PREFIX)
         clients = [
             ClientAddresses(f"ipc://{os.path.join(socket_dir, f'input-{index}')}",
@@ -115,7 +118,8 @@ class EngineCoreProcess:
         # our PID: it exits when we are gone, also when we die before it has started watching
         with _sigint_ignored_by_children():
             process = subprocess.Popen([sys.executable, "-m", "heron.engine.core_proc", start_path, log_level,
-                                        str(os.getpid())])
+                                        str(os.getpid())], env=slice_environment(cpus))
+        pin(process.pid, cpus)
         return EngineCoreProcess(process, socket_dir, clients)
 
     def endpoint(self, client: int) -> EngineCoreEndpoint:

@@ -29,6 +29,7 @@ from heron.config import EngineConfig
 from heron.core.hashing import BlockHash, prompt_block_hashes
 from heron.engine.args import EngineArgs
 from heron.engine.core_client import EngineCoreClient, EngineCoreEndpoint, EngineCoreProcess, OwnedEngineCore
+from heron.engine.cpu_slices import describe, rank_cpu_slices
 from heron.engine.rank_events import (
     check_rank_endpoints,
     kv_events_of,
@@ -68,12 +69,17 @@ def start_engine_cores(
     # the private event sockets live as long as this (the API server's) process
     atexit.register(remove_private_dir, private_dir)
     processes: list[OwnedEngineCore] = []
+    slices = rank_cpu_slices(size)
+    if slices is not None:
+        logger.info("engine cores on CPUs %s (OpenMP threads each as many; set OMP_NUM_THREADS to place them "
+                    "yourself)", ", ".join(f"rank {rank}: {describe(cpus)}" for rank, cpus in enumerate(slices)))
     try:
         for rank in range(size):
             private = f"ipc://{os.path.join(private_dir, f'kv-events-{rank}')}"
             ranked = with_rank_kv_transfer(
                 with_kv_events(engine, rank_kv_events(kv_events_of(engine), rank, private)), rank)
-            processes.append(EngineCoreProcess.start(ranked, log_level, num_clients))
+            processes.append(EngineCoreProcess.start(ranked, log_level, num_clients,
+                                                     cpus=slices[rank] if slices is not None else None))
     except BaseException:  # a Ctrl-C between two starts: the ranks started so far must not outlive the caller
         for process in processes:
             process.kill()
