@@ -134,3 +134,31 @@ def test_a_tokenizer_that_will_not_load_is_a_usage_error(tmp_path, api_servers):
         wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in started), what="its processes to end")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_a_gguf_whose_tensors_do_not_match_its_metadata_is_a_usage_error(tmp_path, api_servers):
+    """Refused from its header, as `heron: error` and exit 2: with several API
+    servers each raised it as a traceback (the launcher leaves resolving the
+    model to them), and the launcher exited 1, which a supervisor restarts."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = str(tmp_path / "layerless.gguf")
+    writer = GGUFWriter(path, "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 64),
+                       (writer.add_feed_forward_length, 128), (writer.add_head_count, 4)):
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    server = ServerProcess("--model", path, "--api-server-count", str(api_servers), wait_ready=False)
+    try:
+        assert server.process.wait(180) == 2
+        log = server.read_log()
+        assert log.count("heron: error: ") == api_servers and "lacks 10 of the model's tensors" in log, log
+        assert "Traceback" not in log, log
+    finally:
+        server.stop()

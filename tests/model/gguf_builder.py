@@ -51,13 +51,19 @@ def llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q], drop: Collection[str] = (),
+                          extra: dict[str, np.ndarray] | None = None, keys: dict[str, int] | None = None,
                           **counts: int) -> None:
     """tensor_types maps a GGUF tensor kind ("attn_q", "token_embd", ...) to its type;
-    ``drop``: tensors to leave out; ``counts``: block_count, feed_forward_length or
-    head_count_kv to write instead of the model's (a damaged file)."""
+    a damaged file: ``drop``, tensors to leave out; ``extra``, float32 tensors and
+    ``keys``, uint32 metadata to add; ``counts``: block_count, feed_forward_length or
+    head_count_kv to write instead of the model's."""
     config = hf_model.config
     source = GGUFFile(default_model_path()).metadata
     writer = GGUFWriter(path, "llama")
+    for key, value in (keys or {}).items():
+        writer.add_uint32(key, value)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array.astype(np.float32))
     writer.add_block_count(counts.get("block_count", config.num_hidden_layers))
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

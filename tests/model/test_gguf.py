@@ -270,6 +270,13 @@ def tiny_hf_llama(tmp_path_factory, embedded_tokenizer):
                                     r"implies \(128, 256\)"),
     (dict(head_count_kv=3), r"head_count_kv is 3, which does not divide llama\.attention\.head_count \(4\)"),
     (dict(head_count_kv=0), r"head_count_kv is 0"),
+    # each failed in the engine core: "unexpected tensor", a shape error in the rotary embedding, or (a Mixtral)
+    # it was called an incomplete download
+    (dict(extra={"blk.0.junk.weight": np.ones(8)}), r"holds 1 tensor\(s\) heron's llama model does not read "
+                                                      r"\(blk\.0\.junk\.weight\)"),
+    (dict(extra={"rope_freqs.weight": np.ones(5)}), r"'rope_freqs\.weight' has shape \(5,\), but the metadata "
+                                                     r"implies \(32,\)"),
+    (dict(keys={"llama.expert_count": 8}), r"is a mixture-of-experts model \(llama\.expert_count = 8\)"),
 ])
 def test_a_gguf_whose_tensors_do_not_match_its_metadata_is_refused_from_the_header(
         tiny_hf_llama, tmp_path, monkeypatch, damage, message):
@@ -278,17 +285,33 @@ def test_a_gguf_whose_tensors_do_not_match_its_metadata_is_refused_from_the_head
     or never: a head_count_kv that does not divide head_count served a one-token
     prompt, then the engine died on a longer one. Refused now where every process
     reads the config, with nothing written."""
-    from heron.loader.gguf_file import GGUFFormatError
     from heron.loader.gguf_model import gguf_to_hf_config
 
     path = str(tmp_path / "damaged.gguf")
     write_tiny_llama_gguf(path, tiny_hf_llama, {}, **damage)
-    with pytest.raises(GGUFFormatError, match=message):
+    with pytest.raises(ValueError, match=message):
         gguf_to_hf_config(GGUFFile(path))
     monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=message):
         LLM(path, max_model_len=64, num_kv_blocks=16)
     assert not os.path.exists(tmp_path / "cache" / "weights") or not os.listdir(tmp_path / "cache" / "weights")
+
+
+def test_the_header_expects_the_biases_the_native_attention_has():
+    """Qwen2's Q/K/V biases were expected only where block 0 had one: a file
+    lacking that one (or all) passed, and failed in the engine core."""
+    from heron.loader.arch_config import arch_config_from_dict
+    from heron.loader.gguf_model import _expected_shapes
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=32)
+    qwen2 = _expected_shapes(arch_config_from_dict(dict(model_type="qwen2", **sizes)))
+    assert qwen2["blk.0.attn_q.bias"] == (64,) and qwen2["blk.0.attn_v.bias"] == (32,)
+    assert "blk.0.attn_output.bias" not in qwen2
+    llama = _expected_shapes(arch_config_from_dict(dict(model_type="llama", attention_bias=True, **sizes)))
+    assert llama["blk.0.attn_output.bias"] == (64,) and llama["blk.0.attn_k.bias"] == (32,)
+    mistral = _expected_shapes(arch_config_from_dict(dict(model_type="mistral", **sizes)))
+    assert not any(name.endswith(".bias") for name in mistral)
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,10 @@ def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
         raise ValueError(f"{gguf.path} is part {int(gguf.metadata.get('split.no', 0)) + 1} of a GGUF split into "
                          f"{split_count} files, which heron does not load: merge them into one with "
                          "llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`")
+    experts = gguf.metadata.get(f"{arch}.expert_count")
+    if isinstance(experts, int) and experts > 0:  # (Mixtral is a "llama" whose FFNs are experts)
+        raise ValueError(f"{gguf.path} is a mixture-of-experts model ({arch}.expert_count = {experts}), which "
+                         "heron does not load from GGUF: serve its Hugging Face directory instead")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; heron reads GGUF files of "
@@ -163,7 +167,7 @@ def _hf_config(gguf: GGUFFile, model_type: str, architecture: str) -> ArchConfig
         eos_token_id=_end_tokens(meta),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    if model_type == "qwen2":
+    if model_type in ("llama", "qwen3"):  # (Qwen2 always has Q/K/V biases; Mistral never has any)
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
     if get("attention.sliding_window") is not None:
         kwargs["sliding_window"] = int(get("attention.sliding_window"))
@@ -176,12 +180,25 @@ def _hf_config(gguf: GGUFFile, model_type: str, architecture: str) -> ArchConfig
 
 def _check_tensors(gguf: GGUFFile, config: ArchConfig) -> None:
     """Every tensor the model needs is in the file, in the shape the metadata
-    implies, and no layer lies past ``block_count``: checked from the header,
+    implies, no layer lies past ``block_count`` and no tensor is one the model
+    does not read: checked from the header,
     which every process reads (such a file failed only as the engine core loaded
     it, with a traceback, after writing a float copy to the weight cache)."""
     expected = _expected_shapes(config)
     if config.tie_word_embeddings:
         expected.pop("output.weight")
+    layers = config.num_hidden_layers
+    beyond = sorted({int(match.group(1)) for match in map(_LAYER_PATTERN.match, gguf.tensors)
+                     if match is not None and int(match.group(1)) >= layers})
+    if beyond:
+        raise GGUFFormatError(f"{gguf.path}: the file holds tensors of layer {beyond[0]}, but its metadata says "
+                              f"{gguf.architecture}.block_count = {layers}")
+    unread = [name for name in gguf.tensors if name not in expected and name != _ROPE_FREQS]
+    if unread:  # (they failed in the engine core as "unexpected tensor", or with no place in the model)
+        raise GGUFFormatError(f"{gguf.path}: the file holds {len(unread)} tensor(s) heron's {config.model_type} "
+                              f"model does not read ({', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''})")
+    if _ROPE_FREQS in gguf.tensors:
+        expected[_ROPE_FREQS] = (config.head_dim // 2,)
     missing = [name for name in expected if name not in gguf.tensors]
     if missing:
         raise GGUFFormatError(f"{gguf.path}: the file lacks {len(missing)} of the model's tensors "
@@ -191,12 +208,6 @@ def _check_tensors(gguf: GGUFFile, config: ArchConfig) -> None:
         if gguf.tensors[name].shape != shape:
             raise GGUFFormatError(f"{gguf.path}: tensor {name!r} has shape {gguf.tensors[name].shape}, but the "
                                   f"metadata implies {shape}")
-    layers = config.num_hidden_layers
-    beyond = sorted({int(match.group(1)) for match in map(_LAYER_PATTERN.match, gguf.tensors)
-                     if match is not None and int(match.group(1)) >= layers})
-    if beyond:
-        raise GGUFFormatError(f"{gguf.path}: the file holds tensors of layer {beyond[0]}, but its metadata says "
-                              f"{gguf.architecture}.block_count = {layers}")
 
 
 def _expected_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
@@ -209,8 +220,12 @@ def _expected_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
         "attn_output.weight": (hidden, q_size),
         "ffn_gate.weight": (inner, hidden), "ffn_up.weight": (inner, hidden), "ffn_down.weight": (hidden, inner),
     }
-    if getattr(config, "attention_bias", False):
+    # as the native attention has them (models/llama.py): Qwen2's Q/K/V biases always, Llama's and Qwen3's
+    # four with attention_bias
+    if config.model_type == "qwen2" or getattr(config, "attention_bias", False):
         per_layer |= {"attn_q.bias": (q_size,), "attn_k.bias": (kv_size,), "attn_v.bias": (kv_size,)}
+    if config.model_type in ("llama", "qwen3") and getattr(config, "attention_bias", False):
+        per_layer["attn_output.bias"] = (hidden,)
     if config.model_type == "qwen3":
         per_layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
     shapes = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": (hidden,),

@@ -33,7 +33,11 @@ def main(start_path: str, launcher_pid: int) -> int:
     os.unlink(start_path)
     configure_logging(args.log_level)
     args.port = port
-    config = EngineArgs.from_cli_args(args, usage="serve").create_engine_config()
+    try:  # (the launcher of several API servers leaves resolving the flags and the model's header to them)
+        config = EngineArgs.from_cli_args(args, usage="serve").create_engine_config()
+    except (ValueError, FileNotFoundError) as exc:  # a damaged GGUF, a bad flag: as ``heron serve`` says it
+        print(f"heron: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     shared = SharedGatewayState(shared_path, index)
     if inherited_fd is not None:  # the launcher's reserved socket, listening already
         listen_socket = socket.socket(fileno=inherited_fd)
