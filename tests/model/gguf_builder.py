@@ -108,7 +108,7 @@ def write_tiny_llama_gguf(path: str, hf_model, tensor_types: dict[str, Q], drop:
             layer = name.split(".")[2]
             module = ".".join(name.split(".")[3:-1])
             kind = names[module]
-            gguf_name = f"blk.{layer}.{kind}.weight"
+            gguf_name = f"blk.{layer}.{kind}.{name.rsplit('.', 1)[1]}"  # a weight or a bias
             if kind == "attn_q":
                 array = llama_permute(array, config.num_attention_heads)
             elif kind == "attn_k":

@@ -343,6 +343,27 @@ def test_tiny_mixed_quant_gguf_matches_transformers(tiny_gguf):
     assert "<|im_start|>" in llm.get_tokenizer().chat_template
 
 
+def test_a_llama_gguf_with_attention_biases_matches_its_source(tmp_path, embedded_tokenizer):
+    """llama.cpp reads a Llama's optional Q/K/V/O biases; heron's config never
+    said attention_bias, so such a file failed in the engine core ("no place")."""
+    from transformers import AutoModelForCausalLM
+
+    directory = build_tiny_model(str(tmp_path / "src"), dict(model_type="llama", attention_bias=True),
+                                 embedded_tokenizer)
+    source = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():  # (initialized to zero: biases that count)
+        for name, parameter in source.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
+    path = str(tmp_path / "biased.gguf")
+    write_tiny_llama_gguf(path, source, {})
+    llm = LLM(path, dtype="float32", quantization="none", max_model_len=128, num_kv_blocks=32)
+    prompts = random_prompts([9, 21], seed=5)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == reference_greedy(source, prompt, 8)
+
+
 def test_a_yarn_gguf_matches_transformers(tmp_path, embedded_tokenizer):
     """llama.cpp's rope.scaling.* keys for YaRN (Qwen's long-context GGUFs): they
     were refused ("GGUF rope scaling 'yarn' is not supported")."""
