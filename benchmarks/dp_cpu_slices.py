@@ -2,7 +2,8 @@
 of the CPUs of its own (heron's default, engine/cpu_slices.py) against every
 engine core on every CPU (what heron did before: set here by OMP_NUM_THREADS
 to the CPU count, which also turns the slicing off), and one engine core for
-scale. Each configuration is a fresh server on the embedded model, measured by
+scale. Each configuration is a fresh server on the embedded model (started as
+the tests start one: tests/e2e/server_process.py, a 256 MiB KV pool), measured by
 ``heron bench serve`` (random prompts of 128 tokens, 64 output tokens, 48
 prompts at concurrency 8 after 4 warm-ups), the configurations interleaved.
 
@@ -14,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
-import httpx
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.server_process import ServerProcess  # noqa: E402
 
 CONFIGS = {
     "dp2-slices": (["--data-parallel-size", "2"], {}),
@@ -30,28 +33,17 @@ FIELDS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 
 
 def serve_and_bench(flags: list[str], env: dict[str, str], port: int, result: str) -> dict[str, float]:
-    environment = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    with open(result + ".log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", str(port),
-                                   "--max-model-len", "1024", *flags], stdout=log, stderr=subprocess.STDOUT,
-                                  env={**environment, **env}, start_new_session=True)
+    # a variable this process has (a user's OMP_NUM_THREADS) would turn the slicing off: only the run's own apply
+    os.environ.pop("OMP_NUM_THREADS", None)
+    server = ServerProcess(*flags, env=env, port=port)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        subprocess.run([sys.executable, "-m", "heron.entrypoints.cli", "bench", "serve",
-                        "--base-url", f"http://127.0.0.1:{port}", "--dataset-name", "random", "--num-prompts", "48",
-                        "--random-input-len", "128", "--random-output-len", "64", "--max-concurrency", "8",
-                        "--ignore-eos", "--num-warmups", "4", "--save-result", "--result-filename", result],
-                       check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "heron.entrypoints.cli", "bench", "serve", "--base-url", server.base_url,
+                        "--dataset-name", "random", "--num-prompts", "48", "--random-input-len", "128",
+                        "--random-output-len", "64", "--max-concurrency", "8", "--ignore-eos", "--num-warmups", "4",
+                        "--save-result", "--result-filename", result], check=True, capture_output=True)
+        Path(result + ".log").write_text(server.read_log())
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(60)
+        server.stop()
     with open(result) as handle:
         figures = json.load(handle)
     return {field: round(figures[field], 2) for field in FIELDS}

@@ -1,7 +1,7 @@
 """The CPUs each local data-parallel engine core gets (engine/cpu_slices.py):
 every rank took every core, so N engine cores on one host ran N spinning
-OpenMP threads per core (DP=2 on 2 cores: 10-12 output tokens/s against 159
-with a CPU each, BENCHMARKS.md)."""
+OpenMP threads per core (DP=2 on 2 cores: 23-31 output tokens/s against
+172-181 with a CPU each, BENCHMARKS.md)."""
 
 from __future__ import annotations
 
