@@ -7,6 +7,7 @@ the fast path (int4, native decode steps)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -159,6 +160,34 @@ def test_a_gguf_whose_tensors_do_not_match_its_metadata_is_a_usage_error(tmp_pat
         assert server.process.wait(180) == 2
         log = server.read_log()
         assert log.count("heron: error: ") == api_servers and "lacks 10 of the model's tensors" in log, log
+        assert "Traceback" not in log, log
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("flags", [(), ("--api-server-count", "2"), ("--data-parallel-size", "2")],
+                         ids=["one", "two-api-servers", "two-engine-cores"])
+def test_a_checkpoint_the_engine_core_cannot_load_is_a_usage_error(tmp_path, embedded_tokenizer, flags):
+    """A safetensors checkpoint lacking a tensor fails where the weights are read, in
+    the engine core. It ended ``heron serve`` with the engine core's traceback, a
+    second copy in the API server's log, and exit 1 (a supervisor restarts it, to
+    fail again); ``heron generate`` said it as a usage error. Now ``heron serve``
+    does too, with any number of API servers or engine cores."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.model.conftest import build_tiny_model
+
+    directory = build_tiny_model(str(tmp_path / "model"), {"model_type": "llama"}, embedded_tokenizer)
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    server = ServerProcess("--model", directory, "--max-model-len", "256", *flags, wait_ready=False)
+    try:
+        assert server.process.wait(180) == 2
+        log = server.read_log()
+        said = re.findall(r"^heron: error: (?:engine core [01]: )?(.*)$", log, re.MULTILINE)
+        assert said == [f"{directory}: the checkpoint lacks 1 of the model's weights (model.layers.1.mlp.up_proj."
+                        "weight): an incomplete download or export?"] * (2 if "--api-server-count" in flags else 1), log
         assert "Traceback" not in log, log
     finally:
         server.stop()

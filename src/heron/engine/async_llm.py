@@ -36,6 +36,9 @@ from heron.sampling_params import RequestOutputKind, SamplingParams
 from heron.step_outputs import EngineCoreOutputs, SchedulerStats
 
 WATCH_INTERVAL_S = 0.5  # how often the engine watch looks at the engine core(s)
+# how long an engine core found gone before it was ready has for its last message (why it failed) to be read:
+# sent before it exited, it lost the race to the exit code now and then
+LAST_WORD_GRACE_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,8 @@ class AsyncLLM:
         self.last_scheduler_stats = SchedulerStats()
         self.engine_info: dict[str, Any] = {}
         self.dead_reason: str | None = None
+        # why the engine core could not load the model (its files, the arguments): the user's to fix
+        self.load_error: str | None = None
         self._ready: asyncio.Event | None = None  # set once the engine core and the tokenizer are both ready
         self._engine_core_ready = False
         # done with dead_reason (made in start(), in the serving loop); every send races it
@@ -437,6 +442,10 @@ class AsyncLLM:
             elif kind == MessageKind.FAILED:
                 self._mark_dead(f"the engine core failed: {payload}")
                 return
+            elif kind == MessageKind.LOAD_FAILED:
+                self.load_error = str(payload)
+                self._mark_dead(f"the engine core could not load the model: {payload}")
+                return
 
     def _handle_outputs(self, payload: Any) -> None:
         # data-parallel outputs arrive decoded (their statistics merged)
@@ -475,6 +484,8 @@ class AsyncLLM:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if not self.client.is_alive():
+                if not self._engine_core_ready:  # its last word (why it could not start) may still wait unread
+                    await asyncio.sleep(LAST_WORD_GRACE_S)
                 self._mark_dead(self.client.exit_reason())
                 return
             previous, tick = tick, time.monotonic()

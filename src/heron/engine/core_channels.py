@@ -104,10 +104,10 @@ class ClientChannels:
         for socket in self.outputs if target == ALL else (self.outputs[target],):
             socket.send(message)
 
-    def send_failure(self, message: str, timeout_ms: int = 5000) -> None:
+    def send_failure(self, message: str, timeout_ms: int = 5000, kind: MessageKind = MessageKind.FAILED) -> None:
         """Tell every API server why this engine core cannot go on (waiting at
         most ``timeout_ms`` for one that has not connected)."""
-        failure = pack(MessageKind.FAILED, message)
+        failure = pack(kind, message)
         for socket in self.outputs:
             socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
             try:

@@ -89,6 +89,11 @@ def build_engine(config: EngineConfig | EngineArgs, channels: ClientChannels) ->
         if isinstance(config, EngineArgs):
             config = config.create_engine_config()
         return EngineCore(config)
+    except (ValueError, OSError) as exc:  # the model's files or the arguments: said in one line (traceback: DEBUG)
+        logger.error("engine core failed to start: %s", exc)
+        logger.debug("%s", traceback.format_exc())
+        channels.send_failure(str(exc), kind=MessageKind.LOAD_FAILED)
+        raise
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         logger.error("engine core failed to start: %s\n%s", message, traceback.format_exc())

@@ -175,7 +175,7 @@ class DataParallelClient:
                     await self._queue.put((kind, self._merge(engine, decode_outputs(payload))))
                 elif kind == MessageKind.READY:
                     self._on_ready(engine, payload)
-                elif kind == MessageKind.FAILED:
+                elif kind in (MessageKind.FAILED, MessageKind.LOAD_FAILED):
                     await self._queue.put((kind, f"engine core {engine.rank}: {payload}"))
         except Exception as exc:
             logger.exception("engine core %d: reading its outputs failed", engine.rank)

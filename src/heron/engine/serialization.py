@@ -31,6 +31,7 @@ class MessageKind(enum.IntEnum):
     UTILITY_RESULT = 12
     FAILED = 13
     HEARTBEAT = 14  # every second from a thread of its own, with how long the current step has run
+    LOAD_FAILED = 15  # at start, from the model's files or the arguments: the user's to fix (heron: error, exit 2)
 
 
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]

@@ -114,7 +114,8 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
                dead_engine_grace: float) -> int:
     """Wait until an API server or an engine core exits: a clean exit of every
     API server (they were told to stop) is 0; an API server dying under the
-    others, or an engine core ending, is 1. After an engine core ends, the API
+    others, or an engine core ending, is 1 (2 where each API server said it
+    could not load the model: a usage error). After an engine core ends, the API
     servers answer 503 for ``dead_engine_grace`` s and exit by themselves; they
     were stopped at once, and clients got refused connections instead."""
     while True:
@@ -129,7 +130,8 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
             deadline = time.monotonic() + dead_engine_grace + 10  # their grace, then time to exit
             while time.monotonic() < deadline and any(server.poll() is None for server in servers):
                 time.sleep(0.2)
-            return 1
+            # it could not load the model (a damaged checkpoint): each API server said so as a usage error
+            return USAGE_ERROR if all(server.returncode == USAGE_ERROR for server in servers) else 1
         exited = [server for server in servers if server.poll() is not None]
         if (exited and len(exited) < len(servers)) or any(server.returncode for server in exited):
             culprit = next((server for server in exited if server.returncode), exited[0])

@@ -133,6 +133,12 @@ class TokenizerLoadError(ValueError):
     error, told as one by ``heron serve`` and by each of several API servers."""
 
 
+class EngineLoadError(ValueError):
+    """The engine core could not load the model (a checkpoint with a tensor
+    missing or misshapen, unreadable files, a setting the model refuses): a
+    usage error, told as ``heron generate`` tells it, not as a crash."""
+
+
 async def _freeze_once_the_tokenizer_is_loaded(engine: AsyncLLM) -> None:
     """The start-up objects are frozen once the last of them, the tokenizer's, exist."""
     await engine.wait_for_tokenizer()
@@ -334,6 +340,8 @@ async def _serve_api(
         if main_thread:
             exit_within(STOP_DEADLINE_S, 1 if engine.is_dead else 0)
         engine.shutdown()
+    if engine.load_error is not None:
+        raise EngineLoadError(engine.load_error)
     if isinstance(engine.tokenizer_error, (ValueError, OSError)):  # as a bad flag's: "heron: error: cannot load ..."
         raise TokenizerLoadError(str(engine.tokenizer_error)) from engine.tokenizer_error
     if engine.tokenizer_error is not None:
