@@ -191,3 +191,23 @@ def test_a_checkpoint_the_engine_core_cannot_load_is_a_usage_error(tmp_path, emb
         assert "Traceback" not in log, log
     finally:
         server.stop()
+
+
+def test_serving_requests_imports_nothing_heavy_into_the_api_server():
+    """The API server never imports torch (the engine core holds the model). Every
+    request's output-constraint check imported the structured-output backend, and
+    with it torch and xgrammar, though no request was constrained: a server's first
+    completion took about a second instead of milliseconds, and start-up as
+    measured to the first completion (issue #16) paid it."""
+    server = ServerProcess()
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logprobs=2)
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, stream=True)
+        assert [chunk for chunk in chat]
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        with open(f"/proc/{server.process.pid}/maps") as maps:
+            assert "libtorch" not in maps.read()
+    finally:
+        server.stop()

@@ -341,15 +341,19 @@ async def check_constraints(params: Sequence[SamplingParams], param: str) -> Non
     added: xgrammar's parse of a schema with large repetition bounds takes
     seconds, and on the event loop it stalled every other request and stream.
     The engine's own check (input_processor) then finds it in the parse cache.
-    A bad constraint is a 400 naming ``param``."""
+    A bad constraint is a 400 naming ``param``. Only a constrained request
+    imports the backend (with it torch and xgrammar: about a second, which every
+    server's first completion paid)."""
+    constraints = [sample.structured_outputs.key() for sample in params if sample.structured_outputs is not None]
+    if not constraints:
+        return
     from heron.structured_output.xgrammar_backend import validate_constraint
 
-    for sample in params:
-        if sample.structured_outputs is not None:
-            try:
-                await asyncio.to_thread(validate_constraint, *sample.structured_outputs.key())
-            except ValueError as exc:
-                raise bad_request(str(exc), param) from exc
+    for constraint in constraints:
+        try:
+            await asyncio.to_thread(validate_constraint, *constraint)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from exc
 
 
 def name_constraint_errors(
