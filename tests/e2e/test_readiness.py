@@ -211,3 +211,47 @@ def test_serving_requests_imports_nothing_heavy_into_the_api_server():
             assert "libtorch" not in maps.read()
     finally:
         server.stop()
+
+
+# put on the path of every process of the server (sitecustomize): the engine core's start fails as
+# $HERON_TEST_ENGINE_START says: "disk-full" (an OSError that is not the user's to fix), "damaged" (a
+# ValueError, as a damaged checkpoint raises), "damaged-unsaid" (the same, its last message never sent)
+FAILING_ENGINE_START = """
+import os, sys
+mode = os.environ.get("HERON_TEST_ENGINE_START")
+if mode and "heron.engine.core_proc" in sys.orig_argv:
+    from heron.engine import core, core_channels
+    def fail(self, *args, **kwargs):
+        if mode == "disk-full":
+            raise OSError(28, "No space left on device")
+        raise ValueError("the checkpoint is damaged (a test)")
+    core.EngineCore.__init__ = fail
+    if mode == "damaged-unsaid":
+        core_channels.ClientChannels.send_failure = lambda self, *args, **kwargs: None
+"""
+
+
+@pytest.mark.parametrize(("mode", "flags", "code", "said"), [
+    ("disk-full", (), 1, None),
+    ("damaged-unsaid", (), 2, "heron: error: the engine core could not load the model (its log says why)"),
+    ("damaged-unsaid", ("--api-server-count", "2"), 2,
+     "heron: error: engine core 0 could not load the model (its log above says why)"),
+])
+def test_an_engine_core_start_failure_is_a_usage_error_only_when_it_is_one(tmp_path, mode, flags, code, said):
+    """A start that fails for a reason not the user's to fix (a full disk here; a bug)
+    keeps its traceback and exit 1: an OSError was said as a usage error, exit 2. A
+    load error whose message is lost (sent before any API server connected, or an API
+    server told of the exit first) is still one, by the engine core's exit code."""
+    (tmp_path / "sitecustomize.py").write_text(FAILING_ENGINE_START)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    server = ServerProcess(*flags, wait_ready=False, env={"PYTHONPATH": path, "HERON_TEST_ENGINE_START": mode})
+    try:
+        assert server.process.wait(180) == code
+        log = server.read_log()
+        if said is None:
+            assert "heron: error" not in log and "Traceback" in log and "No space left on device" in log, log
+        else:
+            assert said in log and "Traceback" not in log, log
+            assert "the checkpoint is damaged (a test)" in log, log  # the engine core's own line
+    finally:
+        server.stop()

@@ -486,6 +486,8 @@ class AsyncLLM:
             if not self.client.is_alive():
                 if not self._engine_core_ready:  # its last word (why it could not start) may still wait unread
                     await asyncio.sleep(LAST_WORD_GRACE_S)
+                    if self.load_error is None and self.client.could_not_load():  # the word was lost
+                        self.load_error = "the engine core could not load the model (its log says why)"
                 self._mark_dead(self.client.exit_reason())
                 return
             previous, tick = tick, time.monotonic()
@@ -508,8 +510,12 @@ class AsyncLLM:
         return len(self._collectors)
 
     def engine_gone(self, reason: str) -> None:
-        """Told from outside (``--api-server-count``'s launcher) that an engine core has ended."""
-        self._mark_dead(reason)
+        """Told from outside (``--api-server-count``'s launcher) that an engine core has ended
+        (before it was ready, after its last word has had time to be read)."""
+        if self._engine_core_ready:
+            self._mark_dead(reason)
+        else:
+            asyncio.get_running_loop().call_later(LAST_WORD_GRACE_S, self._mark_dead, reason)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -31,7 +31,7 @@ from heron.engine.core_channels import ClientAddresses
 from heron.engine.cpu_slices import pin, slice_environment
 from heron.engine.input_processor import InvalidRequestError
 from heron.engine.liveness import EngineLiveness
-from heron.engine.serialization import MessageKind, encode_request, pack, unpack
+from heron.engine.serialization import LOAD_FAILED_EXIT_CODE, MessageKind, encode_request, pack, unpack
 from heron.request import EngineCoreRequest
 from heron.tempdirs import IPC_DIR_PREFIX, make_private_dir, remove_private_dir
 
@@ -199,6 +199,10 @@ class EngineCoreClient:
         if self._owned is not None:
             return self._owned.exit_code()
         return None if self.pid is None or _process_running(self.pid) else UNKNOWN_EXIT_CODE
+
+    def could_not_load(self) -> bool:
+        """Whether the engine core exited as one that could not load the model."""
+        return self.exit_code == LOAD_FAILED_EXIT_CODE
 
     def exit_reason(self) -> str:
         """What to tell clients once the engine core is no longer alive."""

@@ -28,7 +28,7 @@ from heron.engine.args import EngineArgs
 from heron.engine.core import EngineCore
 from heron.engine.core_channels import ALL, ClientAddresses, ClientChannels
 from heron.engine.liveness import HEARTBEAT_INTERVAL_S
-from heron.engine.serialization import MessageKind, decode_request, pack
+from heron.engine.serialization import LOAD_FAILED_EXIT_CODE, MessageKind, decode_request, pack
 from heron.gc_freeze import freeze_startup_objects
 from heron.launcher_watch import exit_when_launcher_gone
 from heron.step_outputs import EngineCoreOutput, EngineCoreOutputs
@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 _STOP = object()
 
+
+# what a failed start reports as the user's to fix (as ``heron generate`` does: its CLI's usage errors); any other
+# exception (a bug, a full disk, memory) keeps its traceback and exit code 1
+LOAD_ERRORS = (ValueError, FileNotFoundError)
 
 def _remove_socket_dirs(clients: list[ClientAddresses]) -> None:
     """The IPC sockets' directory, which an API server killed outright can no longer remove."""
@@ -64,10 +68,10 @@ def run_engine_core(
     channels = ClientChannels.connected(context, clients)
     try:
         engine = build_engine(config, channels)
-    except BaseException:  # reported; exit without running anyone's cleanup
+    except BaseException as exc:  # reported; exit without running anyone's cleanup
         channels.close()
         context.term()
-        os._exit(1)
+        os._exit(LOAD_FAILED_EXIT_CODE if isinstance(exc, LOAD_ERRORS) else 1)
     freeze_startup_objects("engine core")
     proc = EngineCoreProc(engine, channels)
     proc.run()
@@ -89,8 +93,9 @@ def build_engine(config: EngineConfig | EngineArgs, channels: ClientChannels) ->
         if isinstance(config, EngineArgs):
             config = config.create_engine_config()
         return EngineCore(config)
-    except (ValueError, OSError) as exc:  # the model's files or the arguments: said in one line (traceback: DEBUG)
-        logger.error("engine core failed to start: %s", exc)
+    except LOAD_ERRORS as exc:  # the model's files or the arguments: said in one line (traceback: DEBUG)
+        logger.error("engine core failed to start: %s%s", exc,
+                     "" if logger.isEnabledFor(logging.DEBUG) else " (--log-level DEBUG logs where)")
         logger.debug("%s", traceback.format_exc())
         channels.send_failure(str(exc), kind=MessageKind.LOAD_FAILED)
         raise

@@ -263,6 +263,9 @@ class DataParallelClient:
 
         task.add_done_callback(restart)
 
+    def could_not_load(self) -> bool:
+        return any(engine.client.could_not_load() for engine in self.engines)
+
     def exit_reason(self) -> str:
         """Which engine core is gone, and how (one gone takes the server down)."""
         gone = next((e for e in self.engines if not e.client.is_alive()), self.engines[0])

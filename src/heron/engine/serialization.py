@@ -34,6 +34,11 @@ class MessageKind(enum.IntEnum):
     LOAD_FAILED = 15  # at start, from the model's files or the arguments: the user's to fix (heron: error, exit 2)
 
 
+# An engine core's exit code after LOAD_FAILED: the message may go unread (no API server connected yet within
+# the socket's linger, or one told of the exit first), the code is not lost
+LOAD_FAILED_EXIT_CODE = 2
+
+
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 _STATS_FIELDS = [f.name for f in fields(SchedulerStats)]
 

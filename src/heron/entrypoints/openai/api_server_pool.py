@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from heron.engine.core_client import OwnedEngineCore
+from heron.engine.serialization import LOAD_FAILED_EXIT_CODE
 from heron.entrypoints.openai.shared_gateway import create_shared_gateway_file
 from heron.tempdirs import make_private_dir, remove_private_dir
 
@@ -130,8 +131,15 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
             deadline = time.monotonic() + dead_engine_grace + 10  # their grace, then time to exit
             while time.monotonic() < deadline and any(server.poll() is None for server in servers):
                 time.sleep(0.2)
-            # it could not load the model (a damaged checkpoint): each API server said so as a usage error
-            return USAGE_ERROR if all(server.returncode == USAGE_ERROR for server in servers) else 1
+            said = [server.returncode == USAGE_ERROR for server in servers]
+            if engines[ended].exit_code() != LOAD_FAILED_EXIT_CODE and not all(said):
+                return 1
+            # it could not load the model (a damaged checkpoint): a usage error, which each API server that read
+            # the engine core's last word said; where none did, its log holds why
+            if not any(said):
+                print(f"heron: error: engine core {ended} could not load the model (its log above says why)",
+                      file=sys.stderr)
+            return USAGE_ERROR
         exited = [server for server in servers if server.poll() is not None]
         if (exited and len(exited) < len(servers)) or any(server.returncode for server in exited):
             culprit = next((server for server in exited if server.returncode), exited[0])
