@@ -113,6 +113,17 @@ def test_an_answer_of_no_text_is_an_answer(scripted, tmp_path):
     assert all(ttft > 0 for ttft in result["ttfts"])
 
 
+@pytest.mark.parametrize("scripted", ["empty", "text"], indirect=True)
+def test_a_server_that_ignores_ignore_eos_is_named(scripted, tmp_path, capsys):
+    """Its outputs ended at end of sequence, shorter than asked, and nothing said so:
+    its throughput and TPOT then compare unlike work (the setting was not saved either)."""
+    assert bench("--base-url", scripted.base_url, "--ignore-eos", "--result-filename", str(tmp_path / "r.json")) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    warned = '4 of 4 requests ended with finish_reason "stop" despite --ignore-eos' in capsys.readouterr().err
+    assert result["ignore_eos"] is True and warned == (scripted.mode == "empty")
+    assert result["finish_reasons"] == ["stop" if scripted.mode == "empty" else "length"] * 4
+
+
 @pytest.mark.parametrize("scripted", ["fail_after:1"], indirect=True)
 def test_the_first_error_reported_is_a_real_one(scripted, capsys):
     """The first request succeeded, and the line read "first error: " (its empty error)."""
@@ -124,6 +135,11 @@ def test_a_run_that_measured_nothing_exits_1(tmp_path, capsys):
     assert bench("--base-url", "http://127.0.0.1:9", "--model", "x", "--result-filename",
                  str(tmp_path / "down.json")) == 1
     assert json.loads((tmp_path / "down.json").read_text())["failed"] == 4
+    # its latencies are saved as 0 (as vLLM saves them), and shown as none: they read as the fastest run
+    assert "Median TTFT (ms):                           -\n" in capsys.readouterr().out
+    assert main(["bench", "compare", str(tmp_path / "down.json"), str(tmp_path / "down.json")]) == 0
+    table = capsys.readouterr().out
+    assert "| median_ttft_ms | - | - | - |" in table and "| completed | 0 | 0 | - |" in table, table
     # no --model and no server: a sentence, not aiohttp's traceback
     assert bench("--base-url", "http://127.0.0.1:9") == 2
     assert "cannot read the model name from http://127.0.0.1:9/v1/models" in capsys.readouterr().err

@@ -67,12 +67,17 @@ async def unauthorized(request: web.Request) -> web.Response:
     return web.json_response({"error": {"message": "bad key"}}, status=401)
 
 
+async def html_page(request: web.Request) -> web.Response:
+    return web.Response(text="<!doctype html><title>Sign in</title>", content_type="text/html")
+
+
 def run_against_stub(prompt: str, path: str, timeout_s: float = 60.0):
     async def main():
         app = web.Application()
         app.router.add_post("/v1/completions", stream_handler)
         app.router.add_post("/v1/chat/completions", chat_handler)
         app.router.add_post("/denied", unauthorized)
+        app.router.add_post("/portal", html_page)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -105,6 +110,10 @@ def test_errors_are_reported_not_raised():
     assert not denied.success and denied.error.startswith("HTTP 401") and "bad key" in denied.error
     failed = run_against_stub("fail", "/v1/completions")
     assert not failed.success and "engine died" in failed.error
+    # a 200 that is no event stream (a proxy's sign-in page) said "the server returned no text"
+    page = run_against_stub("hi", "/portal")
+    assert not page.success and page.error == ("HTTP 200 text/html; charset=utf-8, not an event stream: "
+                                               "<!doctype html><title>Sign in</title>"), page.error
 
 
 def test_a_stream_that_ends_without_done_is_a_failure():

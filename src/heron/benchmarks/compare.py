@@ -36,7 +36,8 @@ def comparison_table(results: list[dict[str, Any]]) -> str:
     header = ["metric", *labels] + [f"{label} / {labels[0]}" for label in labels[1:]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, fmt in ROWS:
-        values = [r.get(key) for r in results]
+        # a run that completed nothing saved latencies of 0 (as vLLM does): none, not the fastest
+        values = [None if key.endswith("_ms") and not r.get("completed") else r.get(key) for r in results]
         cells = [fmt.format(v) if isinstance(v, (int, float)) else "-" for v in values]
         base = values[0]
         ratios = [

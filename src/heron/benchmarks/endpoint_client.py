@@ -39,6 +39,7 @@ class RequestResult:
     start_time: float = 0.0  # seconds since the benchmark started
     chunk_times: list[float] = field(default_factory=list)  # since the benchmark started
     error: str = ""
+    finish_reason: str = ""  # as the server said it ("stop", "length", ...)
 
 
 def request_body(
@@ -91,6 +92,11 @@ async def send_request(
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:300]}"
                 return result
+            content_type = response.headers.get("Content-Type", "")
+            if not content_type.startswith("text/event-stream"):  # an HTML page, a non-streamed answer
+                page = (await response.read()).decode(errors="replace")[:300]
+                result.error = f"HTTP 200 {content_type or 'with no Content-Type'}, not an event stream: {page}"
+                return result
             async for raw_line in response.content:
                 if not raw_line.startswith(b"data:"):
                     continue
@@ -106,9 +112,10 @@ async def send_request(
                     return result
                 if payload.get("usage"):
                     usage_tokens = _read_usage(payload["usage"], result, usage_tokens)
-                text, thought, finishes = _event_text(payload, chat)
-                if finishes and finished_at is None:
+                text, thought, finish = _event_text(payload, chat)
+                if finish and finished_at is None:
                     finished_at = time.perf_counter()
+                result.finish_reason = finish or result.finish_reason
                 if not text and not thought:
                     continue
                 now = time.perf_counter()
@@ -144,10 +151,10 @@ async def send_request(
     return result
 
 
-def _event_text(payload: dict[str, Any], chat: bool) -> tuple[str, str, bool]:
-    """An event's answer text and reasoning text over its choices, and whether one of them finished."""
-    text = thought = ""
-    finishes = False
+def _event_text(payload: dict[str, Any], chat: bool) -> tuple[str, str, str]:
+    """An event's answer text and reasoning text over its choices, and the finish reason of one that finished
+    ("" if none did)."""
+    text = thought = finish = ""
     for choice in payload.get("choices") or []:
         if chat:
             delta = choice.get("delta") or {}
@@ -155,8 +162,8 @@ def _event_text(payload: dict[str, Any], chat: bool) -> tuple[str, str, bool]:
             thought += delta.get("reasoning_content") or delta.get("reasoning") or ""
         else:
             text += choice.get("text") or ""
-        finishes = finishes or bool(choice.get("finish_reason"))
-    return text, thought, finishes
+        finish = finish or str(choice.get("finish_reason") or "")
+    return text, thought, finish
 
 
 def _read_usage(usage: dict[str, Any], result: RequestResult, completion_tokens: int | None) -> int | None:

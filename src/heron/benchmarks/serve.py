@@ -152,6 +152,7 @@ def build_result(
         "start_times": [r.start_time for r in results],
         "generated_texts": [r.generated_text if r.success else "" for r in results],
         "errors": [r.error if not r.success else "" for r in results],
+        "finish_reasons": [r.finish_reason if r.success else "" for r in results],
     }
 
 
@@ -165,14 +166,16 @@ def format_report(result: dict[str, Any], percentiles: list[float]) -> str:
             continue
         text = fmt.format(value) if not isinstance(value, str) else value
         lines.append(f"{title:<44}{text}")
+    # with no request completed the saved latencies are 0, as vLLM saves them: printed as none, not as fastest
+    latency = "{:.2f}" if result.get("completed") else "-"
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
-        lines.append(f"{'Mean ' + name.upper() + ' (ms):':<44}{result[f'mean_{name}_ms']:.2f}")
-        lines.append(f"{'Median ' + name.upper() + ' (ms):':<44}{result[f'median_{name}_ms']:.2f}")
+        lines.append(f"{'Mean ' + name.upper() + ' (ms):':<44}{latency.format(result[f'mean_{name}_ms'])}")
+        lines.append(f"{'Median ' + name.upper() + ' (ms):':<44}{latency.format(result[f'median_{name}_ms'])}")
         for p in percentiles:
             label = percentile_label(p)
-            lines.append(f"{f'P{label} ' + name.upper() + ' (ms):':<44}{result[f'p{label}_{name}_ms']:.2f}")
+            lines.append(f"{f'P{label} ' + name.upper() + ' (ms):':<44}{latency.format(result[f'p{label}_{name}_ms'])}")
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -305,6 +305,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             "max_concurrency": args.max_concurrency,
             "goodput_slos_ms": goodput or None,
             "sampling": sampling,
+            "ignore_eos": args.ignore_eos,
             # this process's CPU over the run (all threads): where a client saturates a core
             "client_cpu_s": time.process_time() - client_cpu_started,
             "started_at": started_at,  # epoch seconds: runs of several clients line up by it
@@ -320,6 +321,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
         if failed:
             first_error = next((error for error in result["errors"] if error), "")
             print(f"{failed} requests failed; first error: {first_error}", file=sys.stderr)
+        stopped = result["finish_reasons"].count("stop")
+        if args.ignore_eos and stopped:  # its output lengths (and so its throughput) are not the ones asked
+            print(f"{stopped} of {result['completed']} requests ended with finish_reason \"stop\" despite "
+                  f"--ignore-eos: the server may not support ignore_eos", file=sys.stderr)
         if interrupted:
             return 130  # as a Ctrl-C anywhere else: the servers after this one are not measured
     if len(results) > 1:
