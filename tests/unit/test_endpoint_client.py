@@ -67,6 +67,15 @@ async def unauthorized(request: web.Request) -> web.Response:
     return web.json_response({"error": {"message": "bad key"}}, status=401)
 
 
+async def upper_case_stream(request: web.Request) -> web.StreamResponse:
+    """An event stream whose media type is not in lower case (case does not matter in one)."""
+    response = web.StreamResponse(headers={"Content-Type": "Text/Event-Stream; charset=UTF-8"})
+    await response.prepare(request)
+    await response.write(sse({"choices": [{"index": 0, "text": "Hi", "finish_reason": "length"}]}))
+    await response.write(b"data: [DONE]\r\n\r\n")
+    return response
+
+
 async def html_page(request: web.Request) -> web.Response:
     return web.Response(text="<!doctype html><title>Sign in</title>", content_type="text/html")
 
@@ -78,6 +87,7 @@ def run_against_stub(prompt: str, path: str, timeout_s: float = 60.0):
         app.router.add_post("/v1/chat/completions", chat_handler)
         app.router.add_post("/denied", unauthorized)
         app.router.add_post("/portal", html_page)
+        app.router.add_post("/upper", upper_case_stream)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -114,6 +124,8 @@ def test_errors_are_reported_not_raised():
     page = run_against_stub("hi", "/portal")
     assert not page.success and page.error == ("HTTP 200 text/html; charset=utf-8, not an event stream: "
                                                "<!doctype html><title>Sign in</title>"), page.error
+    upper = run_against_stub("hi", "/upper")
+    assert upper.success and upper.generated_text == "Hi" and upper.finish_reason == "length", upper.error
 
 
 def test_a_stream_that_ends_without_done_is_a_failure():

@@ -93,7 +93,8 @@ async def send_request(
                 result.error = f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:300]}"
                 return result
             content_type = response.headers.get("Content-Type", "")
-            if not content_type.startswith("text/event-stream"):  # an HTML page, a non-streamed answer
+            # an HTML page, a non-streamed answer (a media type in any case, its parameters aside: RFC 9110)
+            if content_type.split(";")[0].strip().lower() != "text/event-stream":
                 page = (await response.read()).decode(errors="replace")[:300]
                 result.error = f"HTTP 200 {content_type or 'with no Content-Type'}, not an event stream: {page}"
                 return result

@@ -43,6 +43,7 @@ _STOP = object()
 # exception (a bug, a full disk, memory) keeps its traceback and exit code 1
 LOAD_ERRORS = (ValueError, FileNotFoundError)
 
+
 def _remove_socket_dirs(clients: list[ClientAddresses]) -> None:
     """The IPC sockets' directory, which an API server killed outright can no longer remove."""
     for client in clients:

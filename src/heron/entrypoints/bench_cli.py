@@ -321,10 +321,11 @@ def _bench_serve(args: argparse.Namespace) -> int:
         if failed:
             first_error = next((error for error in result["errors"] if error), "")
             print(f"{failed} requests failed; first error: {first_error}", file=sys.stderr)
-        stopped = result["finish_reasons"].count("stop")
+        # ended for another reason than their length (end of sequence: "stop", or another server's name for it)
+        stopped = sum(reason not in ("", "length") for reason in result["finish_reasons"])
         if args.ignore_eos and stopped:  # its output lengths (and so its throughput) are not the ones asked
-            print(f"{stopped} of {result['completed']} requests ended with finish_reason \"stop\" despite "
-                  f"--ignore-eos: the server may not support ignore_eos", file=sys.stderr)
+            print(f"{stopped} of {result['completed']} requests ended before their length (finish_reason "
+                  f"\"stop\" or another) despite --ignore-eos: the server may not support ignore_eos", file=sys.stderr)
         if interrupted:
             return 130  # as a Ctrl-C anywhere else: the servers after this one are not measured
     if len(results) > 1:

@@ -115,8 +115,8 @@ def _supervise(servers: Sequence[subprocess.Popen[bytes]], engines: Sequence[Own
                dead_engine_grace: float) -> int:
     """Wait until an API server or an engine core exits: a clean exit of every
     API server (they were told to stop) is 0; an API server dying under the
-    others, or an engine core ending, is 1 (2 where each API server said it
-    could not load the model: a usage error). After an engine core ends, the API
+    others, or an engine core ending, is 1 (2 where the engine core could not
+    load the model, by its exit code or by each API server's: a usage error). After an engine core ends, the API
     servers answer 503 for ``dead_engine_grace`` s and exit by themselves; they
     were stopped at once, and clients got refused connections instead."""
     while True:
