@@ -89,14 +89,8 @@ async def send_request(
     finished_at: float | None = None  # when a choice first carried its finish_reason
     try:
         async with asyncio.timeout(timeout_s), client.post(url, json=body, headers=headers) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:300]}"
-                return result
-            content_type = response.headers.get("Content-Type", "")
-            # an HTML page, a non-streamed answer (a media type in any case, its parameters aside: RFC 9110)
-            if content_type.split(";")[0].strip().lower() != "text/event-stream":
-                page = (await response.read()).decode(errors="replace")[:300]
-                result.error = f"HTTP 200 {content_type or 'with no Content-Type'}, not an event stream: {page}"
+            result.error = await _refusal(response)
+            if result.error:
                 return result
             async for raw_line in response.content:
                 if not raw_line.startswith(b"data:"):
@@ -150,6 +144,19 @@ async def send_request(
     except (TypeError, AttributeError) as exc:  # JSON of another shape ("usage": 5, "choices": [null]): this one
         result.error = f"an event of an unexpected shape: {type(exc).__name__}: {exc}"
     return result
+
+
+async def _refusal(response: aiohttp.ClientResponse) -> str:
+    """Why an answer is no stream to measure (an error status; a 200 that is an HTML
+    page or a non-streamed answer: a media type in any case, its parameters aside,
+    as RFC 9110 reads it), or ""."""
+    if response.status != 200:
+        return f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:300]}"
+    content_type = response.headers.get("Content-Type", "")
+    if content_type.split(";")[0].strip().lower() != "text/event-stream":
+        page = (await response.read()).decode(errors="replace")[:300]
+        return f"HTTP 200 {content_type or 'with no Content-Type'}, not an event stream: {page}"
+    return ""
 
 
 def _event_text(payload: dict[str, Any], chat: bool) -> tuple[str, str, str]:

@@ -249,6 +249,21 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_about(result: dict[str, Any], ignore_eos: bool) -> None:
+    """Say on stderr how many requests failed (and the first error) and, under
+    ``--ignore-eos``, how many ended before their length anyway (end of sequence:
+    "stop", or another server's name for it): their output lengths, and so the
+    throughput, are not the ones asked (a server that ignores the field)."""
+    failed = result["failed"]
+    if failed:
+        first_error = next((error for error in result["errors"] if error), "")
+        print(f"{failed} requests failed; first error: {first_error}", file=sys.stderr)
+    stopped = sum(reason not in ("", "length") for reason in result["finish_reasons"])
+    if ignore_eos and stopped:
+        print(f"{stopped} of {result['completed']} requests ended before their length (finish_reason \"stop\" or "
+              "another) despite --ignore-eos: the server may not support ignore_eos", file=sys.stderr)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from heron.benchmarks.compare import comparison_table
     from heron.benchmarks.metrics import parse_goodput
@@ -317,15 +332,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             suffix = (labels[index] if labels else str(index)) if len(base_urls) > 1 else None
             _save_and_plot(args, result, raw, suffix)
         results.append(result)
-        failed = result["failed"]
-        if failed:
-            first_error = next((error for error in result["errors"] if error), "")
-            print(f"{failed} requests failed; first error: {first_error}", file=sys.stderr)
-        # ended for another reason than their length (end of sequence: "stop", or another server's name for it)
-        stopped = sum(reason not in ("", "length") for reason in result["finish_reasons"])
-        if args.ignore_eos and stopped:  # its output lengths (and so its throughput) are not the ones asked
-            print(f"{stopped} of {result['completed']} requests ended before their length (finish_reason "
-                  f"\"stop\" or another) despite --ignore-eos: the server may not support ignore_eos", file=sys.stderr)
+        _warn_about(result, args.ignore_eos)
         if interrupted:
             return 130  # as a Ctrl-C anywhere else: the servers after this one are not measured
     if len(results) > 1:

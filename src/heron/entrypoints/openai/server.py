@@ -340,13 +340,19 @@ async def _serve_api(
         if main_thread:
             exit_within(STOP_DEADLINE_S, 1 if engine.is_dead else 0)
         engine.shutdown()
+    _raise_a_failed_start(engine)
+    return 1 if engine.is_dead else 0
+
+
+def _raise_a_failed_start(engine: AsyncLLM) -> None:
+    """The model or the tokenizer could not be loaded: raised as a usage error
+    (``heron: error: ...``, exit 2) where it is the user's to fix."""
     if engine.load_error is not None:
         raise EngineLoadError(engine.load_error)
     if isinstance(engine.tokenizer_error, (ValueError, OSError)):  # as a bad flag's: "heron: error: cannot load ..."
         raise TokenizerLoadError(str(engine.tokenizer_error)) from engine.tokenizer_error
     if engine.tokenizer_error is not None:
         raise engine.tokenizer_error
-    return 1 if engine.is_dead else 0
 
 
 async def _may_listen(engine: AsyncLLM, role: APIServerRole, server: Any) -> bool:
