@@ -136,18 +136,19 @@ def test_a_kv_cache_the_kernels_cannot_read_takes_the_torch_path_and_says_so(tin
     """--kv-cache-dtype bfloat16 on a low-bit model: the native decoder was
     built anyway, and its first step raised (the engine died on the first
     request); on a float32 model the log said "heron C paged decode" while
-    every decode attended in torch."""
+    every decode attended in torch. (float32 asked: "auto" is bfloat16 on a CPU
+    with AVX512-BF16, where a bfloat16 cache is the model's own dtype.)"""
     prompt = random_prompts([12], seed=3)
     for quantization, decode, attention in (
             ("int4", "torch (a bfloat16 KV cache (the native path reads float32 or float16))", "torch"),
             ("none", "torch", "torch")):
-        llm = LLM(tiny_model_dir("llama"), quantization=quantization, kv_cache_dtype="bfloat16", max_model_len=128,
-                  num_kv_blocks=64)
+        llm = LLM(tiny_model_dir("llama"), quantization=quantization, dtype="float32", kv_cache_dtype="bfloat16",
+                  max_model_len=128, num_kv_blocks=64)
         path = llm.engine.engine_core.model_runner.compute_path
         assert (path["decode"], path["attention"]) == (decode, attention + ", bfloat16 KV cache"), path
         [output] = llm.generate(prompt, PARAMS, use_tqdm=False)
         assert len(output.outputs[0].token_ids) == PARAMS.max_tokens
-        float16 = LLM(tiny_model_dir("llama"), quantization=quantization, kv_cache_dtype="float16",
+        float16 = LLM(tiny_model_dir("llama"), quantization=quantization, dtype="float32", kv_cache_dtype="float16",
                       max_model_len=128, num_kv_blocks=64).engine.engine_core.model_runner.compute_path
         assert float16["attention"] in ("heron C paged (every step), float16 KV cache",
                                         "torch prefill, heron C paged decode, float16 KV cache"), float16
