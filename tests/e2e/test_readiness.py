@@ -214,8 +214,8 @@ def test_serving_requests_imports_nothing_heavy_into_the_api_server():
 
 
 # put on the path of every process of the server (sitecustomize): the engine core's start fails as
-# $HERON_TEST_ENGINE_START says: "disk-full" (an OSError that is not the user's to fix), "damaged" (a
-# ValueError, as a damaged checkpoint raises), "damaged-unsaid" (the same, its last message never sent)
+# $HERON_TEST_ENGINE_START says: "disk-full" (an OSError that is not the user's to fix), "damaged-unsaid" (a
+# ValueError, as a damaged checkpoint raises, its last message never sent)
 FAILING_ENGINE_START = """
 import os, sys
 mode = os.environ.get("HERON_TEST_ENGINE_START")

@@ -21,13 +21,7 @@ from heron.engine.args import EngineArgs
 from heron.entrypoints.cli import configure_logging
 from heron.entrypoints.openai.api_server_pool import METRICS_DIR_ENV, USAGE_ERROR
 from heron.entrypoints.openai.listen_socket import bind_shared_port
-from heron.entrypoints.openai.server import (
-    APIServerRole,
-    EngineLoadError,
-    TokenizerLoadError,
-    gateway_settings_from_args,
-    serve_api,
-)
+from heron.entrypoints.openai.server import APIServerRole, StartLoadError, gateway_settings_from_args, serve_api
 from heron.entrypoints.openai.shared_gateway import SharedGatewayState
 from heron.launcher_watch import exit_when_launcher_gone
 
@@ -55,8 +49,7 @@ def main(start_path: str, launcher_pid: int) -> int:
                                      listener=listen_socket))
     except KeyboardInterrupt:
         return 0
-    except (TokenizerLoadError, EngineLoadError) as exc:  # said as ``heron serve`` says it (any other error keeps
-        # its traceback)
+    except StartLoadError as exc:  # said as ``heron serve`` says it (any other error keeps its traceback)
         print(f"heron: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     finally:

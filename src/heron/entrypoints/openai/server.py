@@ -128,15 +128,12 @@ def build_app(engine: AsyncLLM, settings: GatewaySettings, role: APIServerRole |
     return app
 
 
-class TokenizerLoadError(ValueError):
-    """The tokenizer could not be loaded (its files, or ``--tokenizer``): a usage
-    error, told as one by ``heron serve`` and by each of several API servers."""
-
-
-class EngineLoadError(ValueError):
-    """The engine core could not load the model (a checkpoint with a tensor
-    missing or misshapen, unreadable files, a setting the model refuses): a
-    usage error, told as ``heron generate`` tells it, not as a crash."""
+class StartLoadError(ValueError):
+    """What a start could not load and the user must fix: the tokenizer (its
+    files, or ``--tokenizer``), or the model in the engine core (a checkpoint
+    with a tensor missing or misshapen, unreadable files, a setting the model
+    refuses). A usage error, told as ``heron generate`` tells it, by ``heron
+    serve`` and by each of several API servers, not as a crash."""
 
 
 async def _freeze_once_the_tokenizer_is_loaded(engine: AsyncLLM) -> None:
@@ -348,9 +345,9 @@ def _raise_a_failed_start(engine: AsyncLLM) -> None:
     """The model or the tokenizer could not be loaded: raised as a usage error
     (``heron: error: ...``, exit 2) where it is the user's to fix."""
     if engine.load_error is not None:
-        raise EngineLoadError(engine.load_error)
+        raise StartLoadError(engine.load_error)
     if isinstance(engine.tokenizer_error, (ValueError, OSError)):  # as a bad flag's: "heron: error: cannot load ..."
-        raise TokenizerLoadError(str(engine.tokenizer_error)) from engine.tokenizer_error
+        raise StartLoadError(str(engine.tokenizer_error)) from engine.tokenizer_error
     if engine.tokenizer_error is not None:
         raise engine.tokenizer_error
 
